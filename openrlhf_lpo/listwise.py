@@ -1,0 +1,484 @@
+"""Listwise Policy Optimization (LPO, arXiv 2605.06139): the math, in pure torch.
+
+A prompt's K sampled responses form a simplex. With s_k the length-normalised, clipped
+log-ratio of response k (Eq. 4), the listwise policy is P = softmax(s). The target is the
+listwise Gibbs distribution w* = softmax(R/tau + s_t) (Theorem 1, Eq. 8), and the loss is a
+divergence between w* and P averaged over prompts (Eq. 10 forward KL, Eq. 11 reverse KL, or
+any divergence on the simplex). Its gradient is sum_k c_k grad s_k; ``listwise_coefficients``
+gives c in closed form, which also powers the two-pass surrogate sum_k stopgrad(c_k) s_k.
+
+Shapes: B responses; G prompts with K responses each, laid out as [G, K].
+Everything here is computed in float32 or wider, whatever the input dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+Tensor = torch.Tensor
+TemperatureSpec = Union[str, float, int]
+
+__all__ = [
+    "DIVERGENCES",
+    "TEMPERATURES",
+    "PG_ESTIMATORS",
+    "PROJECTIONS",
+    "register_divergence",
+    "register_temperature",
+    "register_pg_estimator",
+    "register_projection",
+    "to_groups",
+    "sequence_log_ratio",
+    "group_temperature",
+    "degenerate_groups",
+    "gibbs_target",
+    "listwise_log_policy",
+    "listwise_divergence",
+    "listwise_coefficients",
+    "listwise_loss",
+    "listwise_surrogate",
+    "pointwise_projection_loss",
+    "pg_advantages",
+    "parse_temperature",
+]
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _wide(x: Tensor) -> Tensor:
+    """``x`` in float32 or wider (bf16/fp16 are promoted, float64 is kept)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def _check_groups(name: str, x: Tensor, min_k: int = 2) -> None:
+    if not isinstance(x, Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor of shape [G, K], got {type(x).__name__}")
+    if x.dim() != 2:
+        raise ValueError(
+            f"{name} must have shape [G, K] (prompts x responses per prompt), got {tuple(x.shape)}; "
+            "reshape flat per-response values with to_groups(values, K)"
+        )
+    if x.shape[1] < min_k:
+        raise ValueError(
+            f"{name} has K={x.shape[1]} responses per prompt; the listwise simplex needs K >= {min_k} "
+            "(set --rollout.n_samples_per_prompt >= 2)"
+        )
+
+
+def _check_finite(name: str, x: Tensor) -> None:
+    bad = ~torch.isfinite(x)
+    if bool(bad.any()):
+        idx = bad.nonzero()[0].tolist()
+        raise ValueError(
+            f"{name} contains NaN or inf (first at index {idx}); fix the reward function so every "
+            "response gets a finite reward"
+        )
+
+
+def _check_same_shape(a_name: str, a: Tensor, b_name: str, b: Tensor) -> None:
+    if a.shape != b.shape:
+        raise ValueError(f"{a_name} has shape {tuple(a.shape)} but {b_name} has shape {tuple(b.shape)}; they must match")
+
+
+def _lookup(registry: Dict[str, object], kind: str, name: str):
+    try:
+        return registry[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown {kind} {name!r}; valid: {', '.join(sorted(registry))}") from None
+
+
+def _register(registry: Dict[str, object], kind: str, name: str):
+    def deco(obj):
+        if name in registry:
+            raise ValueError(f"{kind} {name!r} is already registered")
+        registry[name] = obj
+        return obj
+
+    return deco
+
+
+def to_groups(values: Tensor, group_size: int) -> Tensor:
+    """Reshape flat per-response values [B] (prompt-major, K consecutive) to [B/K, K]."""
+    if group_size < 2:
+        raise ValueError(f"group_size={group_size}: LPO needs K >= 2 responses per prompt")
+    if values.dim() != 1 or values.numel() % group_size:
+        raise ValueError(
+            f"cannot split {tuple(values.shape)} values into groups of K={group_size}; "
+            "the batch must hold whole groups (a multiple of n_samples_per_prompt)"
+        )
+    return values.view(-1, group_size)
+
+
+# ----------------------------------------------------------------------------- Eq. 4: s_k
+
+
+def sequence_log_ratio(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    action_mask: Optional[Tensor],
+    clip_eps: Union[float, tuple] = 0.2,
+) -> Tensor:
+    """Length-normalised clipped log-ratio s_k of each response (Eq. 4), shape [B].
+
+    s_k = (1/|y_k|) sum_i clip(log pi_theta - log pi_old, log(1-eps_low), log(1+eps_high)).
+    The clamp is hard, so tokens outside the band get zero gradient in both directions.
+    ``clip_eps`` is eps or (eps_low, eps_high). A response with no tokens gives 0.
+    """
+    _check_same_shape("log_probs", log_probs, "old_log_probs", old_log_probs)
+    eps_low, eps_high = (clip_eps, clip_eps) if isinstance(clip_eps, (int, float)) else tuple(clip_eps)
+    if not (0.0 < eps_low < 1.0) or eps_high <= 0.0:
+        raise ValueError(f"clip_eps={clip_eps!r}: need 0 < eps_low < 1 and eps_high > 0")
+    ratio = _wide(log_probs) - _wide(old_log_probs)
+    ratio = ratio.clamp(math.log1p(-eps_low), math.log1p(eps_high))
+    if action_mask is None:
+        return ratio.mean(dim=-1)
+    _check_same_shape("action_mask", action_mask, "log_probs", log_probs)
+    mask = action_mask.to(ratio.dtype)
+    total = (ratio * mask).sum(dim=-1)
+    count = mask.sum(dim=-1)
+    return total / count.clamp(min=1.0)
+
+
+# ----------------------------------------------------------------------------- temperature
+
+TEMPERATURES: Dict[str, Callable[[Tensor], Tensor]] = {}
+
+
+def register_temperature(name: str):
+    """Register ``fn(rewards[G,K]) -> tau[G,1]`` under ``name`` (like ``register_kl``)."""
+    return _register(TEMPERATURES, "temperature", name)
+
+
+@register_temperature("std")
+def _std_temperature(rewards: Tensor) -> Tensor:
+    """Group standard deviation (unbiased, as OpenRLHF's group_norm): pairs with GRPO."""
+    return rewards.std(dim=1, unbiased=True, keepdim=True)
+
+
+@register_temperature("one")
+def _unit_temperature(rewards: Tensor) -> Tensor:
+    """tau = 1: pairs with Dr.GRPO (mean-centred advantages)."""
+    return torch.ones_like(rewards[:, :1])
+
+
+@register_temperature("mean")
+def _mean_temperature(rewards: Tensor) -> Tensor:
+    """Group mean reward (success rate for binary rewards): pairs with MaxRL."""
+    if bool((rewards < 0).any()):
+        raise ValueError(
+            "temperature 'mean' (MaxRL pairing) needs non-negative rewards; use 'std' or 'one' "
+            "for signed rewards"
+        )
+    return rewards.mean(dim=1, keepdim=True)
+
+
+def parse_temperature(value: TemperatureSpec) -> TemperatureSpec:
+    """Validate a temperature spec: a registered mode name or a positive float (also as text)."""
+    if isinstance(value, bool):
+        raise ValueError(f"temperature {value!r} is not valid")
+    if isinstance(value, str):
+        if value in TEMPERATURES:
+            return value
+        try:
+            value = float(value)
+        except ValueError:
+            raise ValueError(
+                f"unknown temperature {value!r}; valid: {', '.join(sorted(TEMPERATURES))} or a positive number"
+            ) from None
+    if isinstance(value, (int, float)):
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"temperature {value!r} must be a positive finite number")
+        return float(value)
+    raise ValueError(f"temperature must be a mode name or a positive number, got {type(value).__name__}")
+
+
+def group_temperature(rewards: Tensor, mode: TemperatureSpec) -> Tensor:
+    """Per-group temperature tau [G,1] of the Gibbs target (Eq. 7-8).
+
+    ``mode``: "std" (GRPO), "one" (Dr.GRPO), "mean" (MaxRL), any registered name, or a
+    positive float. Degenerate groups may give tau = 0; ``gibbs_target`` handles them.
+    """
+    _check_groups("rewards", rewards)
+    _check_finite("rewards", rewards)
+    spec = parse_temperature(mode)
+    r = _wide(rewards)
+    if isinstance(spec, float):
+        return torch.full_like(r[:, :1], spec)
+    return TEMPERATURES[spec](r)
+
+
+def degenerate_groups(rewards: Tensor) -> Tensor:
+    """[G] bool: groups whose K rewards are all equal (no learning signal on the simplex)."""
+    return rewards.amax(dim=1) == rewards.amin(dim=1)
+
+
+def _scaled_rewards(rewards: Tensor, temperature: Tensor) -> Tensor:
+    """(R - mean)/tau per group, exactly 0 for degenerate groups; never inf or NaN.
+
+    Centring before dividing keeps R/tau from swamping s_t in float arithmetic; the shift
+    does not change a softmax.
+    """
+    r = _wide(rewards)
+    tau = _wide(temperature).to(r.dtype)
+    if tau.shape != (r.shape[0], 1):
+        tau = tau.reshape(-1, 1) if tau.numel() == r.shape[0] else tau.expand(r.shape[0], 1)
+    flat = degenerate_groups(r).unsqueeze(1)
+    bad = (~flat) & ~(tau > 0)
+    if bool(bad.any()):
+        raise ValueError(
+            "temperature must be positive for groups with distinct rewards; got "
+            f"{tau[bad.squeeze(1)].flatten()[:4].tolist()}"
+        )
+    centred = r - r.mean(dim=1, keepdim=True)
+    safe_tau = torch.where(flat, torch.ones_like(tau), tau)
+    return torch.where(flat, torch.zeros_like(centred), centred / safe_tau)
+
+
+# ----------------------------------------------------------------------------- Eq. 8: target
+
+
+def gibbs_target(
+    rewards: Tensor,
+    temperature: Union[Tensor, TemperatureSpec],
+    prev_log_ratio: Optional[Tensor] = None,
+) -> Tensor:
+    """Listwise Gibbs target w* = softmax(R/tau + s_t) (Theorem 1, Eq. 8), shape [G,K].
+
+    ``temperature`` is a [G,1] tensor (see ``group_temperature``) or a mode/number.
+    ``prev_log_ratio`` is s_t at the pre-update policy (None = on-policy, s_t = 0).
+    Groups with all-equal rewards give exactly softmax(s_t).
+    """
+    _check_groups("rewards", rewards)
+    _check_finite("rewards", rewards)
+    if not isinstance(temperature, Tensor):
+        temperature = group_temperature(rewards, temperature)
+    logits = _scaled_rewards(rewards, temperature)
+    if prev_log_ratio is not None:
+        _check_same_shape("prev_log_ratio", prev_log_ratio, "rewards", rewards)
+        logits = logits + _wide(prev_log_ratio).to(logits.dtype)
+    return torch.softmax(logits, dim=-1)
+
+
+def listwise_log_policy(log_ratio: Tensor) -> Tensor:
+    """log P with P = softmax(s) over each group (Eq. 4), in float32 or wider."""
+    _check_groups("log_ratio", log_ratio)
+    return torch.log_softmax(_wide(log_ratio), dim=-1)
+
+
+# ----------------------------------------------------------------------------- divergences
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """A divergence on the simplex: ``value(log_p, target) -> [G]``, optional closed-form
+    ``coefficients(log_p, target) -> [G,K]`` (its gradient w.r.t. s; autograd if None)."""
+
+    name: str
+    value: Callable[[Tensor, Tensor], Tensor]
+    coefficients: Optional[Callable[[Tensor, Tensor], Tensor]] = None
+
+
+DIVERGENCES: Dict[str, Divergence] = {}
+
+
+def register_divergence(name: str):
+    """Decorator: register ``fn(log_p[G,K], target[G,K]) -> Tensor[G]`` as a divergence.
+
+    ``log_p`` is log softmax(s); ``target`` is w*. Coefficients come from autograd unless a
+    closed form is attached with ``register_coefficients(name)``.
+    """
+
+    def deco(fn):
+        _register(DIVERGENCES, "divergence", name)(Divergence(name, fn))
+        return fn
+
+    return deco
+
+
+def register_coefficients(name: str):
+    """Attach a closed-form ``c = dD/ds`` to an already registered divergence."""
+
+    def deco(fn):
+        div = _lookup(DIVERGENCES, "divergence", name)
+        DIVERGENCES[name] = Divergence(div.name, div.value, fn)
+        return fn
+
+    return deco
+
+
+def _kl(p: Tensor, log_p: Tensor, log_q: Tensor) -> Tensor:
+    """sum_k p_k (log p_k - log q_k) with 0 log 0 = 0 (xlogy-style)."""
+    terms = torch.where(p > 0, p * (log_p - log_q), torch.zeros_like(p))
+    return terms.sum(dim=-1)
+
+
+def _log_target(target: Tensor) -> Tensor:
+    return torch.log(target)  # -inf where w* = 0; masked by the xlogy-style terms
+
+
+@register_divergence("fwd")
+def forward_kl(log_p: Tensor, target: Tensor) -> Tensor:
+    """KL(w* || P) (Eq. 10): mode-covering."""
+    return _kl(target, _log_target(target), log_p)
+
+
+@register_coefficients("fwd")
+def _forward_kl_coefficients(log_p: Tensor, target: Tensor) -> Tensor:
+    """c_k = P_k - w*_k (Eq. 10)."""
+    return log_p.exp() - target
+
+
+@register_divergence("rev")
+def reverse_kl(log_p: Tensor, target: Tensor) -> Tensor:
+    """KL(P || w*) (Eq. 11): mode-seeking, equals PG at the on-policy point (Prop. 1)."""
+    return _kl(log_p.exp(), log_p, _log_target(target))
+
+
+@register_coefficients("rev")
+def _reverse_kl_coefficients(log_p: Tensor, target: Tensor) -> Tensor:
+    """c_k = P_k (d_k - E_P d), d = s - log w* (Eq. 11; log-partition constants cancel)."""
+    p = log_p.exp()
+    d = log_p - _log_target(target)
+    return p * (d - (p * d).sum(dim=-1, keepdim=True))
+
+
+@register_divergence("js")
+def jensen_shannon(log_p: Tensor, target: Tensor) -> Tensor:
+    """JS(P, w*) = (KL(P||M) + KL(w*||M))/2 with M = (P + w*)/2; bounded by log 2."""
+    p = log_p.exp()
+    log_m = torch.log((p + target) / 2)
+    return 0.5 * (_kl(p, log_p, log_m) + _kl(target, _log_target(target), log_m))
+
+
+@register_coefficients("js")
+def _jensen_shannon_coefficients(log_p: Tensor, target: Tensor) -> Tensor:
+    """c_k = P_k (l_k - E_P l) / 2 with l = log(P / M)."""
+    p = log_p.exp()
+    ell = log_p - torch.log((p + target) / 2)
+    return 0.5 * p * (ell - (p * ell).sum(dim=-1, keepdim=True))
+
+
+def _divergence_inputs(log_ratio: Tensor, target: Tensor):
+    _check_groups("log_ratio", log_ratio)
+    _check_same_shape("target", target, "log_ratio", log_ratio)
+    log_p = listwise_log_policy(log_ratio)
+    return log_p, _wide(target).to(log_p.dtype)
+
+
+def listwise_divergence(log_ratio: Tensor, target: Tensor, divergence: str = "fwd") -> Tensor:
+    """Per-group divergence D(w*, P) with P = softmax(log_ratio), shape [G] (Eq. 10/11)."""
+    div = _lookup(DIVERGENCES, "divergence", divergence)
+    log_p, tgt = _divergence_inputs(log_ratio, target)
+    return div.value(log_p, tgt)
+
+
+def listwise_coefficients(log_ratio: Tensor, target: Tensor, divergence: str = "fwd") -> Tensor:
+    """c = dD/ds per group, [G,K]: the listwise gradient is sum_k c_k grad s_k (Eq. 10/11).
+
+    Closed form for registered divergences (fwd: P - w*; rev: P(d - E_P d); js), autograd
+    otherwise. Always detached: these are the weights of the surrogate sum_k c_k s_k.
+    """
+    div = _lookup(DIVERGENCES, "divergence", divergence)
+    with torch.no_grad():
+        log_p, tgt = _divergence_inputs(log_ratio.detach(), target.detach())
+        if div.coefficients is not None:
+            return div.coefficients(log_p, tgt)
+    s = _wide(log_ratio.detach()).clone().requires_grad_(True)
+    with torch.enable_grad():
+        value = div.value(torch.log_softmax(s, dim=-1), tgt).sum()
+        (grad,) = torch.autograd.grad(value, s)
+    return grad
+
+
+# ----------------------------------------------------------------------------- projections
+
+PROJECTIONS: Dict[str, Callable[..., Tensor]] = {}
+
+
+def register_projection(name: str):
+    """Register ``fn(log_ratio[G,K], target[G,K], divergence) -> Tensor[G]`` (per-group loss)."""
+    return _register(PROJECTIONS, "projection", name)
+
+
+@register_projection("listwise")
+def _listwise_projection(log_ratio: Tensor, target: Tensor, divergence: str) -> Tensor:
+    return listwise_divergence(log_ratio, target, divergence)
+
+
+@register_projection("pointwise")
+def _pointwise_projection(log_ratio: Tensor, target: Tensor, divergence: str) -> Tensor:
+    """Weighted log-likelihood -sum_k w*_k s_k (MPO/AWR style; the paper's ablation)."""
+    _check_groups("log_ratio", log_ratio)
+    _check_same_shape("target", target, "log_ratio", log_ratio)
+    s = _wide(log_ratio)
+    return -(_wide(target).to(s.dtype) * s).sum(dim=-1)
+
+
+def listwise_loss(
+    log_ratio: Tensor, target: Tensor, divergence: str = "fwd", projection: str = "listwise"
+) -> Tensor:
+    """LPO loss: the projection's per-group loss averaged over prompts (scalar)."""
+    fn = _lookup(PROJECTIONS, "projection", projection)
+    return fn(log_ratio, target, divergence).mean()
+
+
+def pointwise_projection_loss(log_ratio: Tensor, target: Tensor) -> Tensor:
+    """Pointwise ablation: -sum_k w*_k s_k averaged over prompts (no listwise normalisation)."""
+    return listwise_loss(log_ratio, target, projection="pointwise")
+
+
+def listwise_surrogate(log_ratio: Tensor, coefficients: Tensor) -> Tensor:
+    """sum_k stopgrad(c_k) s_k per group, [G] or [B] elementwise shapes alike.
+
+    Its gradient equals the divergence's gradient when c was computed from all K members at
+    the current parameters: this is how groups that straddle micro-batches stay exact.
+    """
+    _check_same_shape("coefficients", coefficients, "log_ratio", log_ratio)
+    s = _wide(log_ratio)
+    return (coefficients.detach().to(s.dtype) * s).sum(dim=-1)
+
+
+# ----------------------------------------------------------------------------- PG baselines
+
+PG_ESTIMATORS: Dict[str, Callable[[Tensor], Tensor]] = {}
+
+
+def register_pg_estimator(name: str):
+    """Register ``fn(rewards[G,K]) -> advantages[G,K]`` under ``name``."""
+    return _register(PG_ESTIMATORS, "PG estimator", name)
+
+
+def _normalised_advantage(rewards: Tensor, temperature: str) -> Tensor:
+    return _scaled_rewards(rewards, group_temperature(rewards, temperature))
+
+
+@register_pg_estimator("grpo")
+def _grpo_advantages(rewards: Tensor) -> Tensor:
+    """GRPO: (R - mean)/std (unbiased std; 0 for groups with equal rewards). Eq. 2-3."""
+    return _normalised_advantage(rewards, "std")
+
+
+@register_pg_estimator("dr_grpo")
+def _dr_grpo_advantages(rewards: Tensor) -> Tensor:
+    """Dr.GRPO: R - mean."""
+    return _normalised_advantage(rewards, "one")
+
+
+@register_pg_estimator("maxrl")
+def _maxrl_advantages(rewards: Tensor) -> Tensor:
+    """MaxRL: (R - mean)/mean; all-zero groups give 0, never inf."""
+    return _normalised_advantage(rewards, "mean")
+
+
+def pg_advantages(rewards: Tensor, estimator: str = "grpo") -> Tensor:
+    """Paired policy-gradient baseline advantages A[G,K]; A = (R - mean)/tau of the paired
+    temperature, so that w* = softmax(A) on-policy (Prop. 1)."""
+    _check_groups("rewards", rewards)
+    _check_finite("rewards", rewards)
+    return _lookup(PG_ESTIMATORS, "PG estimator", estimator)(rewards)

@@ -1,0 +1,37 @@
+"""openrlhf-lpo: Listwise Policy Optimization (arXiv 2605.06139) on OpenRLHF 0.11.2.
+
+CPU machines: `bash scripts/setup_env.sh` builds a venv with every dependency (see README).
+GPU clusters: `pip install -e .[gpu,eval]` next to a CUDA torch.
+"""
+
+from setuptools import find_packages, setup
+
+TEST = ["pytest>=8", "hypothesis>=6", "pytest-timeout>=2"]
+EVAL = ["math-verify>=0.9", "antlr4-python3-runtime==4.13.2", "matplotlib>=3.8", "pandas", "pyarrow", "tqdm"]
+GPU = ["openrlhf==0.11.2", "vllm==0.29.0", "deepspeed==0.19.6", "ray[default]==2.55.0", "transformers==5.15.0"]
+MEGATRON = ["megatron-core==0.16.1"]
+
+setup(
+    name="openrlhf-lpo",
+    version="0.1.0",
+    description="Listwise Policy Optimization for OpenRLHF",
+    long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["openrlhf_lpo", "openrlhf_lpo.*", "evaluation", "evaluation.*"]),
+    python_requires=">=3.10",
+    install_requires=["torch>=2.4", "numpy"],
+    extras_require={
+        "test": TEST,
+        "eval": EVAL,
+        "gpu": GPU + EVAL,
+        "megatron": MEGATRON,
+        "all": TEST + EVAL + GPU + MEGATRON,
+    },
+    entry_points={
+        "console_scripts": [
+            "lpo-explain=openrlhf_lpo.explain:main",
+            "lpo-train=openrlhf_lpo.cli.train_ppo_ray:main",
+            "lpo-eval=evaluation.cli:main",
+        ]
+    },
+)
