@@ -31,6 +31,7 @@ setup(
         "console_scripts": [
             "lpo-explain=openrlhf_lpo.explain:main",
             "lpo-train=openrlhf_lpo.cli.train_ppo_ray:main",
+            "lpo-demo=openrlhf_lpo.demo.cli:main",
             "lpo-eval=evaluation.cli:main",
         ]
     },

@@ -1,0 +1,158 @@
+"""Actor-step cost of LPO vs GRPO in OpenRLHF 0.11.2's real training loop, on identical batches.
+
+    python benchmarks/actor_step.py [--groups 8] [--k 8] [--resp-len 96] [--rounds 7] [--json out.json]
+
+Runs, interleaved round after round on the same rollout batch (same tiny Qwen3, same
+micro-batches, lr = 0 so every round does identical work):
+
+* GRPO            stock ``ActorPPOTrainer.ppo_train`` with ``--algo.advantage.estimator group_norm``
+* LPO single-pass ``LPOActorTrainer.ppo_train`` (micro-batches hold whole groups)
+* LPO two-pass    the same with ``--lpo.force_two_pass`` (no-grad s pass + detached surrogate)
+
+and prints the best-of-rounds time ratios (and the median of per-round ratios) (process CPU time by default, so other jobs on a
+shared machine do not distort them; ``--clock wall`` for wall time) LPO/GRPO (goals: single-pass <= 1.02, two-pass
+<= 1.40). The strategy is tests/openrlhf/lpo_harness.CPUStrategy (DeepspeedStrategy with the
+engine steps in plain torch), so this runs on CPU; everything else is the real OpenRLHF code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests", "openrlhf"))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--groups", type=int, default=4)
+    ap.add_argument("--k", type=int, default=8)
+    ap.add_argument("--resp-len", type=int, default=64, help="mean response length (tokens)")
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (0: leave default)")
+    ap.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
+                    help="cpu: process CPU time (robust on a shared machine; default), wall: wall clock")
+    ap.add_argument("--json", default=None, help="also write the results here (atomically)")
+    opts = ap.parse_args(argv)
+
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=1, rank=0)
+
+    import lpo_harness as H
+    from openrlhf.trainer.ppo_utils.experience import Experience
+    from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
+    from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
+
+    from openrlhf_lpo.openrlhf.actor_trainer import LPOActorTrainer
+    from openrlhf_lpo.tiny import build_tiny_model
+
+    G, K = opts.groups, opts.k
+    root = tempfile.mkdtemp(prefix="lpo-bench-")
+    model_dir = build_tiny_model(os.path.join(root, "tiny"), hidden_size=opts.hidden, num_layers=opts.layers,
+                                 num_heads=4, num_kv_heads=2, head_dim=opts.hidden // 4,
+                                 intermediate_size=3 * opts.hidden)
+
+    # rollout batch: G prompts x K responses of ~resp_len tokens
+    gen = torch.Generator().manual_seed(0)
+    samples = H.make_rollout_samples(G, K, seed=0)
+    for s in samples:
+        plen = int(s.action_mask.shape[1] - s.action_mask.sum() + 1)
+        rlen = max(1, int(opts.resp_len * (0.5 + torch.rand(1, generator=gen).item())))
+        prompt = s.sequences[0, :plen]
+        seq = torch.cat([prompt, torch.randint(4, 90, (rlen,), generator=gen)])
+        mask = torch.zeros(seq.numel() - 1, dtype=torch.long)
+        mask[plen - 1:] = 1
+        s.sequences, s.attention_mask, s.action_mask = seq[None], torch.ones(1, seq.numel(), dtype=torch.long), mask[None]
+        s.response_length, s.total_length = torch.tensor([rlen]), torch.tensor([float(seq.numel())])
+
+    common = dict(K=K, G=G, micro=K, train_batch=G * K)
+    configs = {
+        "grpo": (ActorPPOTrainer, H.parse_args(model_dir, estimator="group_norm", **common), RemoteExperienceMaker),
+        "lpo_single_pass": (LPOActorTrainer, H.parse_args(model_dir, **common), None),
+        "lpo_two_pass": (LPOActorTrainer, H.parse_args(model_dir, extra=["--lpo.force_two_pass"], **common), None),
+    }
+    for _, args, _ in configs.values():
+        args.actor.entropy_coef = 0.0  # the same response-entropy computation everywhere
+
+    actor = H.make_actor(model_dir, dtype=torch.float32)
+    state = copy.deepcopy(actor.model.state_dict())
+    batches = {}
+    for name, (cls, args, maker) in configs.items():
+        kwargs = {"maker_cls": maker} if maker else {}
+        batches[name] = H.make_experiences(args, H.CPUStrategy(args), actor, samples, noise=0.02, **kwargs)
+    trainers = {}
+    for name, (cls, args, _) in configs.items():
+        trainers[name] = H.make_trainer(cls, args, H.CPUStrategy(args), actor, lr=0.0)
+
+    def run(name):
+        trainer = trainers[name]
+        trainer.replay_buffer.clear()
+        for e in batches[name]:
+            trainer.replay_buffer.append(copy.deepcopy(e))
+        actor.model.load_state_dict(state)
+        torch.manual_seed(0)
+        clock = time.process_time if opts.clock == "cpu" else time.perf_counter
+        with H.cpu_cuda_queries("cpu"):
+            t0 = clock()
+            trainer.ppo_train(0.0)
+            return clock() - t0
+
+    for name in configs:  # warm-up
+        run(name)
+    times = {name: [] for name in configs}
+    for _ in range(opts.rounds):
+        for name in configs:
+            times[name].append(run(name))
+    # best-of-rounds ratio: other load on a shared machine only ever adds time
+    ratio = {name: min(times[name]) / min(times["grpo"]) for name in ("lpo_single_pass", "lpo_two_pass")}
+    ratio_median = {
+        name: statistics.median(t / g for t, g in zip(times[name], times["grpo"]))
+        for name in ("lpo_single_pass", "lpo_two_pass")
+    }
+    result = {
+        "setup": {"groups": G, "k": K, "resp_len": opts.resp_len, "hidden": opts.hidden, "layers": opts.layers,
+                  "micro_batch_size": K, "rounds": opts.rounds, "threads": torch.get_num_threads(),
+                  "clock": opts.clock},
+        "min_seconds": {n: min(t) for n, t in times.items()},
+        "median_seconds": {n: statistics.median(t) for n, t in times.items()},
+        "ratio_vs_grpo": ratio,
+        "median_of_round_ratios": ratio_median,
+        "goals": {"lpo_single_pass": 1.02, "lpo_two_pass": 1.40},
+    }
+    print(f"actor step, {G} prompts x {K} responses (~{opts.resp_len} tokens), micro-batch {K}, "
+          f"{opts.rounds} interleaved rounds, {opts.clock} time:")
+    for n in times:
+        print(f"  {n:16s} best {result['min_seconds'][n] * 1000:8.1f} ms   median {result['median_seconds'][n] * 1000:8.1f} ms")
+    for n, r in ratio.items():
+        goal = result["goals"][n]
+        print(f"  {n} / grpo = {r:.3f} best-of-rounds, {ratio_median[n]:.3f} median of round ratios "
+              f"(goal <= {goal:.2f}: {'met' if r <= goal else 'NOT met'})")
+    if opts.json:
+        tmp = opts.json + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(result, f, indent=1)
+        os.replace(tmp, opts.json)
+    dist.destroy_process_group()
+    return result
+
+
+if __name__ == "__main__":
+    main()

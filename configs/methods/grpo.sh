@@ -1,0 +1,2 @@
+# GRPO: group-normalised advantages (r - mean) / std.
+METHOD_ARGS=(--algo.advantage.estimator group_norm)

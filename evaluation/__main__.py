@@ -1,0 +1,5 @@
+import sys
+
+from evaluation.cli import main
+
+sys.exit(main())

@@ -1,0 +1,46 @@
+# Shared launcher of the LPO recipes (sourced by examples/scripts/train_*.sh).
+# Inputs: TASK (configs/tasks/<TASK>.sh) and METHOD (configs/methods/<METHOD>.sh).
+# Environment knobs: NNODES, GPUS_PER_NODE, VLLM_ENGINES, RAY_ADDRESS, WORKING_DIR, SAVE_ROOT,
+# WANDB_KEY, EXTRA_ARGS (appended last, so they override the recipe), LPO_PRINT_ARGS=1 (print the
+# flags one per line and exit: used by tests/pipeline to parse every recipe with the lpo-train parser).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
+CONFIGS="${LPO_CONFIGS:-$ROOT/configs}"
+[ -f "$CONFIGS/tasks/$TASK.sh" ] || { echo "unknown TASK=$TASK (see $CONFIGS/tasks)" >&2; exit 2; }
+[ -f "$CONFIGS/methods/$METHOD.sh" ] || { echo "unknown METHOD=$METHOD (see $CONFIGS/methods)" >&2; exit 2; }
+source "$CONFIGS/common.sh"
+source "$CONFIGS/tasks/$TASK.sh"
+source "$CONFIGS/methods/$METHOD.sh"
+
+NNODES="${NNODES:-1}"
+GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
+VLLM_ENGINES="${VLLM_ENGINES:-$((NNODES * GPUS_PER_NODE))}"
+SAVE_ROOT="${SAVE_ROOT:-$ROOT/runs}"
+RUN_NAME="${RUN_NAME:-${TASK}_${METHOD}}"
+
+CLUSTER_ARGS=(
+  --actor.num_nodes "$NNODES" --actor.num_gpus_per_node "$GPUS_PER_NODE"
+  --ref.num_nodes "$NNODES" --ref.num_gpus_per_node "$GPUS_PER_NODE"
+  --vllm.num_engines "$VLLM_ENGINES" --vllm.tensor_parallel_size 1
+  --vllm.gpu_memory_utilization 0.6 --vllm.enable_sleep --ds.enable_sleep
+  --train.colocate_all
+)
+LOG_ARGS=(
+  --ckpt.path "$SAVE_ROOT/$RUN_NAME/ckpt" --ckpt.output_dir "$SAVE_ROOT/$RUN_NAME/final"
+  --ckpt.save_steps 20 --ckpt.save_hf --ckpt.max_num 3 --ckpt.load_enable
+  --logger.logging_steps 1 --logger.tensorboard_dir "$SAVE_ROOT/$RUN_NAME/tb"
+)
+if [ -n "${WANDB_KEY:-}" ]; then
+  LOG_ARGS+=(--logger.wandb.key "$WANDB_KEY" --logger.wandb.project openrlhf_lpo --logger.wandb.run_name "$RUN_NAME")
+fi
+read -r -a EXTRA <<< "${EXTRA_ARGS:-}"
+ARGS=("${COMMON_ARGS[@]}" "${TASK_ARGS[@]}" "${CLUSTER_ARGS[@]}" "${LOG_ARGS[@]}" "${METHOD_ARGS[@]}" "${EXTRA[@]}")
+
+if [ "${LPO_PRINT_ARGS:-0}" = "1" ]; then
+  printf '%s\n' "${ARGS[@]}"
+  exit 0
+fi
+
+ray job submit --address="${RAY_ADDRESS:-http://127.0.0.1:8265}" \
+  --runtime-env-json="{\"working_dir\": \"${WORKING_DIR:-$ROOT}\"}" \
+  -- python3 -m openrlhf_lpo.cli.train_ppo_ray "${ARGS[@]}"

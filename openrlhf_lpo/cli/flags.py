@@ -1,0 +1,262 @@
+"""Flag groups: the extension hook of ``lpo-train`` (``openrlhf_lpo.cli.train_ppo_ray``).
+
+Public names (stable):
+    FlagGroup, FlagError, FLAG_GROUPS, register_flag_group(group), flag_groups(),
+    EXTRA_ESTIMATORS, LPO_ESTIMATORS, dp_size(args), flag_was_given(args, dest)
+
+A flag group bundles what one feature adds to the stock OpenRLHF 0.11.2 CLI:
+
+* ``add_arguments(parser)``   adds dotted flags (``--lpo.divergence``) to the stock parser;
+* ``validate(args)``          runs after the stock validation on the hierarchised namespace
+                              (``args.lpo.divergence``); raise ``FlagError`` naming the flags;
+* ``before_train(args)``      optional; returns a context manager (or None) entered around the
+                              stock ``train(args)``: class swaps, CPU shims, another backend.
+* ``estimators``              extra ``--algo.advantage.estimator`` choices it owns.
+
+Groups run in registration order. Other engineers add theirs (``--backend``/CPU mode,
+``--backend megatron --megatron.tp/pp``) with ``register_flag_group(FlagGroup(...))`` in their
+own module and import it from ``openrlhf_lpo.cli.train_ppo_ray`` (see ``PLUGIN_MODULES``) —
+nothing else in the CLI needs to change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable, ContextManager, Dict, List, Optional, Tuple
+
+__all__ = [
+    "FlagGroup",
+    "FlagError",
+    "FLAG_GROUPS",
+    "register_flag_group",
+    "flag_groups",
+    "EXTRA_ESTIMATORS",
+    "LPO_ESTIMATORS",
+    "dp_size",
+    "flag_was_given",
+]
+
+
+class FlagError(ValueError):
+    """A bad flag combination; the message names the flags and what to do."""
+
+
+@dataclass(frozen=True)
+class FlagGroup:
+    name: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    validate: Optional[Callable[[argparse.Namespace], None]] = None
+    before_train: Optional[Callable[[argparse.Namespace], Optional[ContextManager]]] = None
+    estimators: Tuple[str, ...] = field(default_factory=tuple)
+
+
+FLAG_GROUPS: Dict[str, FlagGroup] = {}
+
+
+def register_flag_group(group: FlagGroup) -> FlagGroup:
+    """Register ``group`` (name must be new). Returns it, so it can be used at module level."""
+    if group.name in FLAG_GROUPS:
+        raise ValueError(f"flag group {group.name!r} is already registered")
+    FLAG_GROUPS[group.name] = group
+    return group
+
+
+def flag_groups() -> List[FlagGroup]:
+    return list(FLAG_GROUPS.values())
+
+
+# ----------------------------------------------------------------------------- helpers
+
+_UNSET = "__lpo_unset__"
+
+
+def flag_was_given(args: argparse.Namespace, dotted: str) -> bool:
+    """True when the user passed flag ``--<dotted>`` (its default is the unset sentinel)."""
+    node = args
+    for part in dotted.split("."):
+        node = getattr(node, part, _UNSET)
+    return node is not _UNSET and node is not None
+
+
+def dp_size(args: argparse.Namespace) -> int:
+    """Effective data-parallel size of the actor (what OpenRLHF chunks experiences by)."""
+    return (
+        args.actor.num_nodes
+        * args.actor.num_gpus_per_node
+        // max(args.ds.ring_attn_size, 1)
+        // max(args.ds.tensor_parallel_size, 1)
+    )
+
+
+# ----------------------------------------------------------------------------- LPO / MaxRL
+
+LPO_ESTIMATORS = ("lpo",)
+EXTRA_ESTIMATORS = ("lpo", "maxrl")
+
+LPO_DEFAULTS = {"divergence": "fwd", "temperature": "std", "projection": "listwise"}
+
+
+def _add_lpo_arguments(parser: argparse.ArgumentParser) -> None:
+    from openrlhf_lpo import listwise
+
+    g = parser.add_argument_group("LPO (Listwise Policy Optimization, arXiv 2605.06139)")
+    g.add_argument(
+        "--lpo.divergence",
+        type=str,
+        default=None,
+        choices=sorted(listwise.DIVERGENCES),
+        help="divergence between the target w* and the listwise policy P: fwd = KL(w*||P) (Eq. 10), "
+        "rev = KL(P||w*) (Eq. 11), js = Jensen-Shannon. Default fwd.",
+    )
+    g.add_argument(
+        "--lpo.temperature",
+        type=str,
+        default=None,
+        help="temperature tau of w* = softmax(R/tau + s_t): std (pairs with GRPO/group_norm), one "
+        "(Dr.GRPO), mean (MaxRL) or a positive number. Default std.",
+    )
+    g.add_argument(
+        "--lpo.projection",
+        type=str,
+        default=None,
+        choices=sorted(listwise.PROJECTIONS),
+        help="listwise (the LPO loss) or pointwise (-sum_k w*_k s_k; the paper's ablation). Default listwise.",
+    )
+    g.add_argument(
+        "--lpo.force_two_pass",
+        action="store_true",
+        default=False,
+        help="always use the two-pass path (no-grad s, then detached surrogate), even when every "
+        "micro-batch holds whole groups (for benchmarks and checks).",
+    )
+    g.add_argument(
+        "--lpo.end_kl",
+        action="store_true",
+        default=False,
+        help="log KL(w*||P) at the end of the update exactly (one extra no-grad forward of the rollout "
+        "batch per step); without it lpo/kl_last uses P from each group's last training visit.",
+    )
+
+
+def _validate_extra_estimators(args: argparse.Namespace) -> None:
+    from openrlhf_lpo import listwise
+
+    est = args.algo.advantage.estimator
+    K = args.rollout.n_samples_per_prompt
+    lpo_flags = ["lpo.divergence", "lpo.temperature", "lpo.projection"]
+    if est not in LPO_ESTIMATORS:
+        given = [f"--{f}" for f in lpo_flags if flag_was_given(args, f)]
+        given += [f"--{f}" for f in ("lpo.force_two_pass", "lpo.end_kl") if getattr(args.lpo, f.split(".")[1])]
+        if given:
+            raise FlagError(
+                f"{', '.join(given)} only apply with --algo.advantage.estimator lpo (got {est}); "
+                "drop them or switch the estimator to lpo"
+            )
+    if est not in EXTRA_ESTIMATORS:
+        return
+    if K < 2:
+        raise FlagError(
+            f"--algo.advantage.estimator {est} needs --rollout.n_samples_per_prompt >= 2 (got {K}): "
+            "the baseline / listwise simplex is built from a prompt's K responses"
+        )
+    if est == "maxrl":
+        return
+
+    # ---- lpo: fill defaults, check values
+    divergence_given = flag_was_given(args, "lpo.divergence")
+    for key, default in LPO_DEFAULTS.items():
+        if getattr(args.lpo, key) is None:
+            setattr(args.lpo, key, default)
+    try:
+        args.lpo.temperature = listwise.parse_temperature(args.lpo.temperature)
+    except ValueError as e:
+        raise FlagError(f"--lpo.temperature: {e}") from None
+    if args.lpo.projection == "pointwise" and divergence_given:
+        raise FlagError(
+            "--lpo.divergence has no effect with --lpo.projection pointwise (the pointwise loss is "
+            "-sum_k w*_k s_k); drop one of them"
+        )
+
+    # ---- options that would scatter groups or that the LPO surrogate does not implement
+    refusals = [
+        (args.train.dynamic_batch_enable, "--train.dynamic_batch_enable",
+         "dynamic batching re-partitions samples by length and scatters groups; use fixed "
+         "--train.micro_batch_size (groups that straddle micro-batches stay exact via the two-pass path)"),
+        (args.train.async_enable, "--train.async_enable",
+         "the async trainer is not wired for LPO yet; run synchronously"),
+        (args.ds.ring_attn_size > 1, "--ds.ring_attn_size > 1", "ring attention is not supported with LPO yet"),
+        (args.ds.tensor_parallel_size > 1, "--ds.tensor_parallel_size > 1",
+         "DeepSpeed tensor parallelism is not supported with LPO yet"),
+        (args.actor.policy_loss_type != "ppo", f"--actor.policy_loss_type {args.actor.policy_loss_type}",
+         "LPO replaces the policy loss; leave --actor.policy_loss_type at ppo"),
+        (args.actor.dual_clip is not None, "--actor.dual_clip", "dual-clip is a PPO option LPO does not use"),
+        (args.algo.advantage.is_correction_level != "off", "--algo.advantage.is_correction_level",
+         "train/rollout importance-sampling correction is not implemented in the LPO surrogate; set it to off"),
+    ]
+    for bad, flag, why in refusals:
+        if bad:
+            raise FlagError(f"{flag} is not supported with --algo.advantage.estimator lpo: {why}")
+    lo, hi = args.actor.eps_clip_low_high
+    if not (0.0 < lo < 1.0) or hi <= 0.0:
+        raise FlagError(
+            f"--actor.eps_clip_low_high/--actor.eps_clip = ({lo}, {hi}): LPO clips token log-ratios to "
+            "[log(1-low), log(1+high)], so it needs 0 < low < 1 and high > 0"
+        )
+
+    # ---- whole groups on one rank and in every optimizer window
+    dp = dp_size(args)
+    rb, tb, mb = args.rollout.batch_size, args.train.batch_size, args.train.micro_batch_size
+    if rb % dp:
+        raise FlagError(
+            f"--rollout.batch_size {rb} must be divisible by the actor data-parallel size {dp} "
+            "(--actor.num_nodes x --actor.num_gpus_per_node) so every rank gets whole prompt groups"
+        )
+    if tb % (dp * K):
+        raise FlagError(
+            f"--train.batch_size {tb} must be a multiple of dp x --rollout.n_samples_per_prompt = "
+            f"{dp} x {K} = {dp * K} so every optimizer step on every rank holds whole groups"
+        )
+    if tb % (dp * mb):
+        raise FlagError(
+            f"--train.batch_size {tb} must be a multiple of dp x --train.micro_batch_size = {dp} x {mb} "
+            "(whole micro-batches per optimizer step)"
+        )
+    if (rb * K) % tb:
+        raise FlagError(
+            f"--rollout.batch_size x --rollout.n_samples_per_prompt = {rb * K} must be a multiple of "
+            f"--train.batch_size {tb} (whole optimizer steps per rollout batch)"
+        )
+
+    # response entropy is one of the logged quantities: compute it, with coefficient 0.
+    if args.actor.entropy_coef is None:
+        args.actor.entropy_coef = 0.0
+
+
+def _lpo_before_train(args: argparse.Namespace):
+    if args.algo.advantage.estimator not in EXTRA_ESTIMATORS:
+        return None
+    from openrlhf_lpo.openrlhf.patches import apply_patches
+
+    return apply_patches()
+
+
+register_flag_group(
+    FlagGroup(
+        name="lpo",
+        add_arguments=_add_lpo_arguments,
+        validate=_validate_extra_estimators,
+        before_train=_lpo_before_train,
+        estimators=EXTRA_ESTIMATORS,
+    )
+)
+
+
+def enter_before_train(stack: contextlib.ExitStack, args: argparse.Namespace) -> None:
+    """Enter every group's ``before_train`` context on ``stack`` (registration order)."""
+    for group in flag_groups():
+        if group.before_train is not None:
+            cm = group.before_train(args)
+            if cm is not None:
+                stack.enter_context(cm)

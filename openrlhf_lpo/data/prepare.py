@@ -1,0 +1,64 @@
+"""Write OpenRLHF prompt files (jsonl with ``prompt`` and ``label``) for the paper's tasks.
+
+    python -m openrlhf_lpo.data.prepare countdown --n 2000 --seed 0 --out data/countdown_train.jsonl
+    python -m openrlhf_lpo.data.prepare countdown --src Jiayi-Pan/Countdown-Tasks-3to4 --limit 2000 --out ...
+    python -m openrlhf_lpo.data.prepare math --src /path/MATH/train.jsonl --out data/math_train.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from openrlhf_lpo.data.countdown import generate_problems
+from openrlhf_lpo.data.loaders import load_countdown, load_math, write_jsonl
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m openrlhf_lpo.data.prepare", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="task", required=True)
+    c = sub.add_parser("countdown", help="generate (or load with --src) Countdown problems")
+    c.add_argument("--n", type=int, default=2000, help="number of generated problems")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--num-counts", default="3,4", help="comma list of number counts, cycled (default 3,4)")
+    c.add_argument("--max-number", type=int, default=99)
+    c.add_argument("--max-target", type=int, default=100)
+    c.add_argument("--src", default=None, help="load nums/target rows from a file or HF dataset instead")
+    c.add_argument("--split", default="train")
+    c.add_argument("--limit", type=int, default=None)
+    c.add_argument("--out", required=True)
+    m = sub.add_parser("math", help="MATH-style problems from a file or HF dataset")
+    m.add_argument("--src", required=True)
+    m.add_argument("--split", default="train")
+    m.add_argument("--problem-key", default="problem")
+    m.add_argument("--answer-key", default="answer")
+    m.add_argument("--solution-key", default="solution")
+    m.add_argument("--limit", type=int, default=None)
+    m.add_argument("--out", required=True)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.task == "countdown":
+        if args.src:
+            rows = load_countdown(args.src, args.split, limit=args.limit)
+        else:
+            try:
+                counts = tuple(int(x) for x in args.num_counts.split(","))
+            except ValueError:
+                raise SystemExit(f"--num-counts {args.num_counts!r}: give a comma list of integers, e.g. 3,4")
+            rows = generate_problems(
+                args.n, seed=args.seed, num_counts=counts, max_number=args.max_number, max_target=args.max_target
+            )
+    else:
+        rows = load_math(
+            args.src, args.split, args.problem_key, args.answer_key or None, args.solution_key, limit=args.limit
+        )
+    write_jsonl(rows, args.out)
+    print(f"wrote {len(rows)} rows to {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,251 @@
+"""``lpo-demo``: see LPO work on a CPU-only machine in minutes.
+
+    lpo-demo                         # = lpo-demo --preset cpu-demo
+    lpo-demo --steps 60 --k 4 --methods lpo-fwd,lpo-rev,grpo
+    lpo-demo --backend inprocess     # same comparison without Ray/OpenRLHF (debugging)
+
+Stages, each with a progress bar:
+
+1. build a tiny Qwen3 + character tokenizer offline and warm it up with supervised steps on the
+   task until its sampled accuracy reaches the preset's target (cached under
+   ``$LPO_CACHE_DIR``/``~/.cache/openrlhf-lpo``; the next run starts at once);
+2. run each method (default LPO-fwd and the matched GRPO baseline: same seed, same prompts, same
+   group-std temperature, same steps) through the ``lpo-train`` pipeline (Ray, OpenRLHF actors
+   with the LPO loss, CPU rollout engine, rule-based reward);
+3. write ``<run_dir>/metrics/<method>.jsonl`` as steps finish, then ``comparison.png`` and
+   ``summary.txt``.
+
+A method that fails (Ray or the rollout engine cannot start, a crash) is recorded in
+``status.json`` with the reason; the methods that finished keep their metrics and plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import List, Optional
+
+# torch.cuda imports the deprecated pynvml package on import; nothing the demo's user can act on.
+warnings.filterwarnings("ignore", message=".*pynvml.*")
+
+from openrlhf_lpo.demo.methods import METHODS, parse_methods
+from openrlhf_lpo.demo.presets import PRESETS, get_preset
+from openrlhf_lpo.demo.report import (MetricsWriter, atomic_write_json, atomic_write_text, load_run,
+                                      plot_run, summarize)
+
+BACKENDS = ("pipeline", "inprocess")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="lpo-demo", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"presets: {', '.join(f'{n} ({PRESETS[n].description})' for n in PRESETS)}",
+    )
+    p.add_argument("--preset", default="cpu-demo", help=f"one of {sorted(PRESETS)} (default cpu-demo)")
+    p.add_argument("--task", help="toy task name (default from the preset: addition)")
+    p.add_argument("--k", type=int, help="responses per prompt (group size K)")
+    p.add_argument("--steps", type=int, help="RL steps per method")
+    p.add_argument("--prompts-per-step", type=int, help="prompts per RL step")
+    p.add_argument("--lr", type=float, help="RL learning rate")
+    p.add_argument("--mini-batches", type=int,
+                   help="optimizer steps per rollout (each over whole groups; >1 makes later ones off-policy)")
+    p.add_argument("--seed", type=int, help="seed shared by every method (prompts, sampling)")
+    p.add_argument("--methods", help=f"comma-separated, from {sorted(METHODS)} (default lpo-fwd,grpo)")
+    p.add_argument("--backend", choices=BACKENDS,
+                   help="pipeline: lpo-train with Ray/OpenRLHF (default); inprocess: plain-torch loop")
+    p.add_argument("--run-dir", help="output directory (default runs/demo-<time>)")
+    p.add_argument("--warmup-max-steps", type=int, help="cap on supervised warm-up steps")
+    p.add_argument("--warmup-target", type=float, help="stop the warm-up at this sampled accuracy")
+    p.add_argument("--force-warmup", action="store_true", help="retrain the warm-up even if cached")
+    p.add_argument("--resume", action="store_true",
+                   help="with --run-dir of an earlier run with the same settings: keep its finished methods, "
+                        "run only the others")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return p
+
+
+def resolve(args: argparse.Namespace):
+    """Preset + command-line overrides -> (warmup config, RL config, methods, backend)."""
+    preset = get_preset(args.preset)
+    wu, rl = preset.warmup, preset.rl
+    rl_over = {k: v for k, v in dict(task=args.task, k=args.k, steps=args.steps,
+                                     prompts_per_step=args.prompts_per_step, lr=args.lr,
+                                     mini_batches=args.mini_batches,
+                                     seed=args.seed).items() if v is not None}
+    rl = dataclasses.replace(rl, **rl_over)
+    wu_over = {k: v for k, v in dict(task=args.task, max_steps=args.warmup_max_steps,
+                                     target_accuracy=args.warmup_target).items() if v is not None}
+    wu = dataclasses.replace(wu, **wu_over)
+    rl.validate()
+    wu.validate()
+    methods = parse_methods(args.methods) if args.methods else [METHODS[n] for n in preset.methods]
+    return wu, rl, methods, args.backend or preset.backend
+
+
+def _log(msg: str) -> None:
+    print(f"[lpo-demo] {msg}", flush=True)
+
+
+def _quiet_libraries() -> None:
+    """Keep the demo's own progress bars readable: no per-file HF bars, no import-time warnings."""
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
+
+
+def run_demo(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        wu, rl, methods, backend = resolve(args)
+    except ValueError as e:
+        parser.error(str(e))
+    progress = not args.no_progress
+    _quiet_libraries()
+    run_dir = Path(args.run_dir or Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S"))
+    (run_dir / "metrics").mkdir(parents=True, exist_ok=True)
+    t_start = time.time()
+    config = {"preset": args.preset, "backend": backend, "methods": [m.name for m in methods],
+              "warmup": dataclasses.asdict(wu), "rl": dataclasses.asdict(rl), "argv": argv or sys.argv[1:]}
+    previous = _resumable(run_dir, config) if args.resume else {}
+    if args.resume and not previous:
+        _log("--resume: no finished method with the same settings in this run directory; running all")
+    atomic_write_json(run_dir / "config.json", config)
+    _log(f"run directory: {run_dir}")
+
+    from openrlhf_lpo.demo.warmup import cached_path, ensure_warmup
+
+    _log(f"warm-up: {wu.task}, cache {cached_path(wu)}")
+    t0 = time.time()
+    warm = ensure_warmup(wu, progress=progress, force=args.force_warmup)
+    warm_s = time.time() - t0
+    _log(("reused cached warm-up" if warm["cached"] else f"warm-up trained in {warm_s:.0f}s")
+         + f": {warm['steps']} steps, sampled accuracy {warm['sampled_accuracy']:.2f}, "
+           f"greedy {warm['greedy_accuracy']:.2f}")
+    atomic_write_json(run_dir / "warmup.json", {k: v for k, v in warm.items() if k != "history"}
+                      | {"load_s": warm_s})
+
+    status = {}
+    for method in methods:
+        if method.name in previous:
+            status[method.name] = dict(previous[method.name])
+            final = run_dir / "pipeline" / method.name / "final"
+            if "greedy_accuracy_end" not in status[method.name] and (final / "model.safetensors").exists():
+                from openrlhf_lpo.demo.pipeline import held_out_greedy_accuracy
+
+                status[method.name]["greedy_accuracy_end"] = held_out_greedy_accuracy(str(final), rl)
+            atomic_write_json(run_dir / "status.json", status)
+            _log(f"{method.name}: kept from the earlier run (--resume)")
+            continue
+        status[method.name] = {"state": "running", "backend": backend}
+        atomic_write_json(run_dir / "status.json", status)
+        writer = MetricsWriter(run_dir / "metrics" / f"{method.name}.jsonl")
+        tm = time.time()
+        try:
+            if backend == "inprocess":
+                from openrlhf_lpo.demo.loop import run_inprocess
+
+                info = run_inprocess(method, rl, warm["path"], on_row=writer, progress=progress)
+            else:
+                info = _run_pipeline_with_retry(method, rl, warm["path"], run_dir, writer, progress)
+            status[method.name] = {"state": "done", "backend": backend, "wall_s": time.time() - tm, **info}
+        except KeyboardInterrupt:
+            status[method.name] = {"state": "interrupted", "backend": backend, "wall_s": time.time() - tm}
+            atomic_write_json(run_dir / "status.json", status)
+            writer.close()
+            _finish(run_dir, status, args, wu, rl, backend, warm, warm_s, t_start)
+            raise
+        except Exception as e:  # keep what finished; report which component failed
+            status[method.name] = {"state": "failed", "backend": backend, "wall_s": time.time() - tm,
+                                   "error": f"{type(e).__name__}: {e}"}
+            _log(f"{method.name} failed: {type(e).__name__}: {e}")
+        finally:
+            writer.close()
+        atomic_write_json(run_dir / "status.json", status)
+    ok = _finish(run_dir, status, args, wu, rl, backend, warm, warm_s, t_start)
+    return 0 if ok else 1
+
+
+def _resumable(run_dir: Path, config: dict) -> dict:
+    """Finished methods of an earlier run in ``run_dir`` whose settings equal ``config``."""
+    try:
+        old_config = json.loads((run_dir / "config.json").read_text())
+        old_status = json.loads((run_dir / "status.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    same = all(old_config.get(k) == config.get(k) for k in ("preset", "backend", "warmup", "rl"))
+    if not same:
+        return {}
+    return {n: st for n, st in old_status.items()
+            if st.get("state") == "done" and (run_dir / "metrics" / f"{n}.jsonl").exists()}
+
+
+def _run_pipeline_with_retry(method, rl, model_path, run_dir, writer, progress):
+    """One ``lpo-train`` job; if Ray itself failed to start (nothing trained yet: a busy machine can
+    time the GCS out), try once more before giving up."""
+    from openrlhf_lpo.demo import pipeline
+
+    out = Path(run_dir) / "pipeline" / method.name
+    try:
+        return pipeline.run_pipeline(method, rl, model_path, out, on_row=writer, progress=progress)
+    except pipeline.PipelineError as e:
+        if getattr(e, "component", None) != "ray" or getattr(e, "steps_done", 1):
+            raise
+        _log(f"{method.name}: {e} -- retrying once")
+        return pipeline.run_pipeline(method, rl, model_path, out, on_row=writer, progress=progress)
+
+
+def _finish(run_dir, status, args, wu, rl, backend, warm, warm_s, t_start) -> bool:
+    runs = load_run(run_dir)
+    total = time.time() - t_start
+    header = (f"lpo-demo --preset {args.preset}: task {rl.task}, K={rl.k}, {rl.prompts_per_step} prompts/step, "
+              f"{rl.steps} steps, lr {rl.lr}, seed {rl.seed}, backend {backend}\n"
+              f"warm-up: {'cached' if warm['cached'] else f'trained in {warm_s:.0f}s'} "
+              f"({warm['steps']} SFT steps, sampled accuracy {warm['sampled_accuracy']:.2f}, "
+              f"greedy held-out {warm['greedy_accuracy']:.2f}); "
+              f"total wall time {total:.0f}s")
+    summary = summarize(runs, status, header=header)
+    atomic_write_text(Path(run_dir) / "summary.txt", summary)
+    if runs:
+        png = plot_run(runs, Path(run_dir) / "comparison.png",
+                       title=f"{rl.task}: " + " vs ".join(runs) + f" (K={rl.k}, seed {rl.seed}, {backend})")
+        _log(f"plot: {png}")
+    print(summary, end="", flush=True)
+    _log(f"summary: {Path(run_dir) / 'summary.txt'}")
+    return bool(status) and all(s.get("state") == "done" for s in status.values())
+
+
+def wants_preset(argv: Optional[List[str]] = None) -> bool:
+    """True when ``argv`` asks for a demo preset (``--preset NAME`` / ``--preset=NAME``).
+
+    ``lpo-train`` can hand such a command line to :func:`main`, so that
+    ``lpo-train --preset cpu-demo`` and ``lpo-demo`` are the same command.
+    """
+    argv = sys.argv[1:] if argv is None else argv
+    return any(a == "--preset" or a.startswith("--preset=") for a in argv)
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    try:
+        code = run_demo(argv)
+    except KeyboardInterrupt:
+        _log("interrupted; what finished is in the run directory")
+        code = 130
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

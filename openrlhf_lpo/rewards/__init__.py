@@ -1,0 +1,1 @@
+"""Verifiable rewards. Submodules are imported explicitly (no heavy imports here)."""

@@ -1,0 +1,116 @@
+"""OpenRLHF 0.11.2 reward-function file for Countdown and math (``--reward.remote_url <this file>``).
+
+OpenRLHF's single-turn rollout executor loads a ``.py`` given as ``--reward.remote_url`` and
+calls ``reward_func(queries, prompts, labels)`` from a worker thread after each generation;
+``queries`` are the decoded prompt+response strings. This file is that function for our tasks.
+
+Labels (written by :mod:`openrlhf_lpo.data`) name their task, and tasks are a registry:
+
+* ``{"task": "countdown", "nums": [..], "target": t}`` -> :func:`grade_countdown`;
+* ``{"task": "math", "answer": "..."}`` or any label that is not a JSON object -> :func:`math_reward`
+  (so MATH-style datasets whose label column is the bare gold answer work unchanged).
+
+Returned per batch: ``rewards`` and ``scores`` (float tensors) and ``extra_logs``
+(``answer_found``, ``grader_timeout``; the same keys for every task so batches concatenate).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Callable, Dict, List, Tuple
+
+REWARDS: Dict[str, Callable[[str, dict], Tuple[float, str]]] = {}
+
+
+def register_reward(name: str):
+    """Register ``fn(response, label_dict) -> (reward, status)`` under a task name."""
+
+    def deco(fn):
+        if name in REWARDS:
+            raise ValueError(f"reward task {name!r} is already registered")
+        REWARDS[name] = fn
+        return fn
+
+    return deco
+
+
+@register_reward("countdown")
+def _countdown(response: str, label: dict) -> Tuple[float, str]:
+    from openrlhf_lpo.rewards.countdown import grade_countdown
+
+    format_score = float(os.environ.get("LPO_COUNTDOWN_FORMAT_SCORE", "0.0"))
+    result = grade_countdown(response, label["nums"], label["target"], format_score=format_score)
+    return result.reward, result.status
+
+
+@register_reward("math")
+def _math(response: str, label: dict) -> Tuple[float, str]:
+    from openrlhf_lpo.rewards.math_reward import math_reward
+
+    return math_reward(response, label["answer"])
+
+
+def parse_label(label) -> dict:
+    """Label string -> dict with a ``task``; a non-JSON (or non-object) label is a math gold answer."""
+    if isinstance(label, dict):
+        parsed = label
+    else:
+        try:
+            parsed = json.loads(label)
+        except (TypeError, ValueError):
+            parsed = None
+        if not isinstance(parsed, dict):
+            return {"task": "math", "answer": str(label)}
+    task = parsed.get("task")
+    if task not in REWARDS:
+        raise ValueError(f"label task {task!r} is unknown; registered tasks: {sorted(REWARDS)}")
+    return parsed
+
+
+def response_of(query: str, prompt: str) -> str:
+    """The generated part of ``query`` (prompt + response as decoded by the rollout engine).
+
+    The prompt is removed so that text inside it (Countdown's ``<answer> (1 + 2) / 3 </answer>``
+    example) is never graded as the model's answer.
+    """
+    if prompt and query.startswith(prompt):
+        return query[len(prompt):]
+    if prompt:
+        tail = prompt[-64:]
+        cut = query.rfind(tail)
+        if cut >= 0:
+            return query[cut + len(tail):]
+    return query
+
+
+def score_one(query: str, prompt: str, label) -> Tuple[float, str]:
+    """Reward and status of one sample."""
+    parsed = parse_label(label)
+    return REWARDS[parsed["task"]](response_of(query, prompt), parsed)
+
+
+def reward_func(queries: List[str], prompts: List[str], labels: List[str]) -> dict:
+    """OpenRLHF reward hook: one reward per query (see module docstring)."""
+    import torch
+
+    if not (len(queries) == len(prompts) == len(labels)):
+        raise ValueError(
+            f"reward_func got {len(queries)} queries, {len(prompts)} prompts, {len(labels)} labels; "
+            "they must have the same length"
+        )
+    rewards, found, timeouts = [], [], []
+    for query, prompt, label in zip(queries, prompts, labels):
+        reward, status = score_one(query, prompt, label)
+        rewards.append(reward)
+        found.append(0.0 if status == "no_answer" else 1.0)
+        timeouts.append(1.0 if status == "timeout" else 0.0)
+    rewards_t = torch.tensor(rewards, dtype=torch.float32)
+    return {
+        "rewards": rewards_t,
+        "scores": rewards_t.clone(),
+        "extra_logs": {
+            "answer_found": torch.tensor(found, dtype=torch.float32),
+            "grader_timeout": torch.tensor(timeouts, dtype=torch.float32),
+        },
+    }

@@ -1,0 +1,45 @@
+"""Prompt templates give exact strings."""
+
+import pytest
+
+from evaluation.templates import TEMPLATES, render_prompt
+
+Q = "What is $1+1$?"
+MATH_I = "Please reason step by step, and put your final answer within \\boxed{}."
+
+
+def test_qwen_boxed_and_cot_exact():
+    assert render_prompt("qwen-boxed", Q, "math") == (
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+        "<|im_start|>user\nWhat is $1+1$?\nPlease reason step by step, and put your final answer within \\boxed{}.<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert render_prompt("qwen25-math-cot", Q, "math") == (
+        "<|im_start|>system\nPlease reason step by step, and put your final answer within \\boxed{}.<|im_end|>\n"
+        "<|im_start|>user\nWhat is $1+1$?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert render_prompt("none", Q, "math") == Q + "\n" + MATH_I + "\n"
+    assert render_prompt("qwen-boxed", "Pick one.\nA) x\nB) y", "choice").endswith(
+        "B) y\nPlease reason step by step, and put the letter of your final answer choice within \\boxed{} "
+        "(e.g. \\boxed{A}).<|im_end|>\n<|im_start|>assistant\n"
+    )
+    r1 = render_prompt("r1", Q, "math")
+    assert r1.startswith("A conversation between User and Assistant.") and r1.endswith(
+        "\nUser: What is $1+1$?\n" + MATH_I + "\nAssistant: <think>"
+    )
+
+
+def test_chat_templates_use_the_tokenizer(tmp_path):
+    from openrlhf_lpo.tiny import build_tokenizer
+
+    tok = build_tokenizer(tmp_path)
+    assert render_prompt("chat", Q, "math", tok) == f"<|im_start|>user\n{Q}\n{MATH_I}<|im_end|>\n<|im_start|>assistant\n"
+    assert render_prompt("verl-math", Q, "math", tok) == (
+        f"<|im_start|>user\n{Q} Let's think step by step and output the final answer within \\boxed{{}}.<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    with pytest.raises(ValueError, match="chat_template"):
+        render_prompt("chat", Q, "math", None)
+    with pytest.raises(ValueError, match="unknown --template"):
+        render_prompt("qwen", Q, "math")
+    assert set(TEMPLATES) == {"qwen-boxed", "qwen25-math-cot", "verl-math", "r1", "chat", "none"}

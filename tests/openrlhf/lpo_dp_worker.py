@@ -1,0 +1,42 @@
+"""gloo worker for the dp=2 gradient-exactness test: python lpo_dp_worker.py RANK WORLD PORT MODEL_DIR OUT.
+
+Every rank runs the real LPOActorTrainer on its OpenRLHF chunk of the rollout batch; rank 0
+writes, per case, the max abs difference between the DP-averaged step gradient and the
+full-batch listwise gradient (float64) to OUT (json, written atomically).
+"""
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def main():
+    rank, world, port, model_dir, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=world, rank=rank)
+    from lpo_harness import gradient_matrix, max_abs, max_abs_diff
+
+    results, refs = gradient_matrix(model_dir, dp=world, rank=rank)
+    if rank == 0:
+        table = {}
+        for (packing, micro, div), r in results.items():
+            table[f"packing={int(packing)},micro={micro},div={div}"] = {
+                "err": max_abs_diff(r["grads"], refs[div]),
+                "scale": max_abs(refs[div]),
+                "two_pass": r["two_pass"],
+            }
+        tmp = out + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(table, f, indent=1)
+        os.replace(tmp, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
