@@ -334,6 +334,32 @@ def _actor_log_probs(actor, ids: List[int]):
     return out[0].double()
 
 
+def check_engine_parity(engines, ids: List[int], actor_log_probs, temperature: float, **record) -> float:
+    """After a weight sync: every engine's log-probs of the probe sequence ``ids`` must equal the
+    actor's (max |diff| <= ``LPO_CPU_PARITY_TOL``, default 1e-4; a failure raises). The result
+    is appended as one JSON line to ``LPO_CPU_PARITY_LOG`` when set. Returns the max |diff|."""
+    import ray
+    import torch
+
+    engine_lps = ray.get([engine.log_probs_of.remote(ids, temperature) for engine in engines])
+    tol = float(os.environ.get("LPO_CPU_PARITY_TOL", "1e-4"))
+    diffs = [float((torch.tensor(lp, dtype=torch.float64) - actor_log_probs).abs().max()) for lp in engine_lps]
+    log_path = os.environ.get("LPO_CPU_PARITY_LOG")
+    if log_path:
+        entry = {"time": time.time(), "max_abs_diff": max(diffs), "per_engine": diffs, "tol": tol,
+                 "num_tokens": len(ids) - 1, **record, "probe_ids": ids,
+                 "actor_log_probs": actor_log_probs.tolist(), "engine_log_probs": engine_lps[0]}
+        with open(log_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(entry) + "\n")
+    if max(diffs) > tol:
+        raise RuntimeError(
+            f"CPU rollout engine log-probs differ from the actor's after the weight sync: max |diff| "
+            f"{max(diffs):.3g} > LPO_CPU_PARITY_TOL={tol:g} (engine {os.environ.get('LPO_CPU_ENGINE', 'hf')}, "
+            f"{record.get('backend', 'deepspeed')} actor)"
+        )
+    return max(diffs)
+
+
 def cpu_broadcast_to_engines(self) -> None:
     """``ActorPPOTrainer.broadcast_to_vllm`` for CPU mode.
 
@@ -359,25 +385,10 @@ def cpu_broadcast_to_engines(self) -> None:
         t0 = time.time()
         ref = ray.put(state)
         ray.get([engine.update_weights.remote(ref) for engine in self.vllm_engines])
-        sync_s = time.time() - t0
         ids = probe_sequence(self.tokenizer)
-        actor_lp = _actor_log_probs(self.actor, ids)
-        engine_lps = ray.get([engine.log_probs_of.remote(ids, float(self.actor.temperature)) for engine in self.vllm_engines])
-        tol = float(os.environ.get("LPO_CPU_PARITY_TOL", "1e-4"))
-        diffs = [float((torch.tensor(lp, dtype=torch.float64) - actor_lp).abs().max()) for lp in engine_lps]
-        record = {"time": time.time(), "max_abs_diff": max(diffs), "per_engine": diffs, "tol": tol,
-                  "num_tokens": len(ids) - 1, "sync_s": sync_s, "num_tensors": len(state),
-                  "weights_abs_sum": float(sum(t.double().abs().sum() for t in state.values())),
-                  "probe_ids": ids, "actor_log_probs": actor_lp.tolist(), "engine_log_probs": engine_lps[0]}
-        log_path = os.environ.get("LPO_CPU_PARITY_LOG")
-        if log_path:
-            with open(log_path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(record) + "\n")
-        if max(diffs) > tol:
-            raise RuntimeError(
-                f"CPU rollout engine log-probs differ from the actor's after the weight sync: max |diff| "
-                f"{max(diffs):.3g} > LPO_CPU_PARITY_TOL={tol:g} (engine {os.environ.get('LPO_CPU_ENGINE', 'hf')})"
-            )
+        check_engine_parity(self.vllm_engines, ids, _actor_log_probs(self.actor, ids),
+                            float(self.actor.temperature), sync_s=time.time() - t0, num_tensors=len(state),
+                            weights_abs_sum=float(sum(t.double().abs().sum() for t in state.values())))
     torch.distributed.barrier()
 
 

@@ -269,13 +269,9 @@ class MegatronPolicyActor:
     def _check_engine_parity(self, num_tensors: int) -> None:
         """After a state-dict sync: engines' log-probs of a fixed probe sequence must equal the
         actor's (max |diff| <= LPO_CPU_PARITY_TOL, default 1e-4); appended to LPO_CPU_PARITY_LOG."""
-        import json
-        import time
-
-        import ray
         import torch.distributed as dist
 
-        from openrlhf_lpo.cpu import probe_sequence
+        from openrlhf_lpo.cpu import check_engine_parity, probe_sequence
 
         ids = probe_sequence(self.tokenizer)
         seq = torch.tensor([ids], dtype=torch.long)
@@ -284,21 +280,8 @@ class MegatronPolicyActor:
         actor_lp = self.actor.log_probs(batch)[0].double().cpu()  # collective
         if dist.get_rank() != 0:
             return
-        temp = float(self.actor.cfg.temperature)
-        engine_lps = ray.get([e.log_probs_of.remote(ids, temp) for e in self.vllm_engines])
-        diffs = [float((torch.tensor(lp, dtype=torch.float64) - actor_lp).abs().max()) for lp in engine_lps]
-        tol = float(os.environ.get("LPO_CPU_PARITY_TOL", "1e-4"))
-        record = {"time": time.time(), "backend": "megatron", "max_abs_diff": max(diffs), "per_engine": diffs,
-                  "tol": tol, "num_tokens": len(ids) - 1, "num_tensors": num_tensors}
-        log_path = os.environ.get("LPO_CPU_PARITY_LOG")
-        if log_path:
-            with open(log_path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(record) + "\n")
-        if max(diffs) > tol:
-            raise RuntimeError(
-                f"rollout engine log-probs differ from the Megatron actor's after the weight sync: "
-                f"max |diff| {max(diffs):.3g} > LPO_CPU_PARITY_TOL={tol:g}"
-            )
+        check_engine_parity(self.vllm_engines, ids, actor_lp, float(self.actor.cfg.temperature),
+                            backend="megatron", num_tensors=num_tensors)
 
     # --------------------------------------------------------------------- checkpoints
     def save_checkpoint(self, tag, client_states=None, metric_value=None, metric_key=None):
