@@ -156,7 +156,14 @@ def _plot_passk(table: dict, path: Path) -> None:
         ax.set_xlabel("k")
         ax.set_ylabel("pass@k (%)")
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(benches):]:
+    _save_panels(fig, axes, len(benches), path)
+
+
+def _save_panels(fig, axes, used: int, path: Path) -> None:
+    """Hide unused panels, add one shared legend, write the PNG atomically (no timestamp metadata)."""
+    import matplotlib.pyplot as plt
+
+    for ax in list(axes.flat)[used:]:
         ax.axis("off")
     handles, labels = axes.flat[0].get_legend_handles_labels()
     if handles:
@@ -193,16 +200,7 @@ def _plot_steps(table: dict, path: Path, metric: str) -> None:
         ax.set_xlabel("training step")
         ax.set_ylabel(f"{metric} (%)")
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(panels):]:
-        ax.axis("off")
-    handles, labels = axes.flat[0].get_legend_handles_labels()
-    if handles:
-        fig.legend(handles, labels, loc="lower center", ncol=min(3, len(labels)), fontsize=7)
-    fig.tight_layout(rect=(0, 0.08, 1, 1))
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110, metadata={"Software": None})
-    plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
+    _save_panels(fig, axes, len(panels), path)
 
 
 def report(runs: str | Path, out: str | Path | None = None, formats: tuple[str, ...] = FORMATS,
