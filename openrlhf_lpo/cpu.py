@@ -25,7 +25,8 @@ What it does, in the driver and in every Ray worker (through Ray's
    * ``openrlhf.trainer.ray.vllm_engine``: ``create_vllm_engines`` builds CPU rollout engines
      (:mod:`openrlhf_lpo.engines`, same Ray methods) instead of vLLM ``RolloutRayActor``\ s.
 3. flash-attn's triton cross-entropy is made unimportable (OpenRLHF then computes log-probs
-   with torch), DeepSpeed's optimizer is torch's AdamW (no C++ build), its collectives use gloo (DeepSpeed's CPU accelerator); torch uses
+   with torch), DeepSpeed's optimizer is torch's AdamW and its shared-memory comm op is not
+   built (no C++ builds), its collectives use gloo (DeepSpeed's CPU accelerator); torch uses
    ``LPO_CPU_THREADS`` threads per process (default 1) so every process computes the same
    numbers for the same input, which the parity check relies on.
 
@@ -177,6 +178,13 @@ def _patch_ppo_actor(module) -> None:
     cls.broadcast_to_vllm = cpu_broadcast_to_engines
 
 
+def _patch_deepspeed_comm(module) -> None:
+    # DeepSpeed's torch comm backend JIT-compiles a shared-memory all-reduce op on the CPU
+    # accelerator (about a minute of C++ per fresh cache) that only its inference all-reduce
+    # uses; training collectives go through torch.distributed (gloo) either way.
+    module.build_shm_op = lambda: None
+
+
 def _patch_vllm_engine(module) -> None:
     # create_vllm_engines looks RolloutRayActor up at call time: swapping the class is enough,
     # whatever name the CLI imported the factory under.
@@ -188,6 +196,7 @@ def _patch_vllm_engine(module) -> None:
 PATCHES: Dict[str, Callable] = {
     "openrlhf.utils.utils": _patch_dtype_helper,
     "openrlhf.utils.deepspeed.deepspeed": _patch_deepspeed_strategy,
+    "deepspeed.comm.torch": _patch_deepspeed_comm,
     "openrlhf.trainer.ppo_utils.replay_buffer": _patch_replay_buffer,
     "openrlhf.trainer.ray.ppo_actor": _patch_ppo_actor,
     "openrlhf.trainer.ray.vllm_engine": _patch_vllm_engine,

@@ -2,7 +2,7 @@
 
 Public names (stable):
     FlagGroup, FlagError, FLAG_GROUPS, register_flag_group(group), flag_groups(),
-    EXTRA_ESTIMATORS, LPO_ESTIMATORS, dp_size(args), flag_was_given(args, dest)
+    EXTRA_ESTIMATORS, LPO_ESTIMATORS, PAIRED_TEMPERATURE, dp_size(args), flag_was_given(args, dest)
 
 A flag group bundles what one feature adds to the stock OpenRLHF 0.11.2 CLI:
 
@@ -34,6 +34,7 @@ __all__ = [
     "flag_groups",
     "EXTRA_ESTIMATORS",
     "LPO_ESTIMATORS",
+    "PAIRED_TEMPERATURE",
     "dp_size",
     "flag_was_given",
 ]
@@ -94,6 +95,10 @@ def dp_size(args: argparse.Namespace) -> int:
 
 LPO_ESTIMATORS = ("lpo",)
 EXTRA_ESTIMATORS = ("lpo", "maxrl")
+# Group-baseline policy-gradient estimators and the temperature of their LPO pairing: with
+# --lpo.end_kl they log the same KL(w*||P) as LPO (metrics only), so the two can be compared.
+PAIRED_TEMPERATURE = {"group_norm": "std", "dr_grpo": "one", "maxrl": "mean", "rloo": "one",
+                      "reinforce_baseline": "one"}
 
 LPO_DEFAULTS = {"divergence": "fwd", "temperature": "std", "projection": "listwise"}
 
@@ -136,7 +141,9 @@ def _add_lpo_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         default=False,
         help="log KL(w*||P) at the end of the update exactly (one extra no-grad forward of the rollout "
-        "batch per step); without it lpo/kl_last uses P from each group's last training visit.",
+        "batch per step); without it lpo/kl_last uses P from each group's last training visit. Also "
+        "works with group_norm, dr_grpo, maxrl, rloo and reinforce_baseline (metrics only; w* uses "
+        "--lpo.temperature, default the estimator's pairing: std, one, mean, one, one).",
     )
 
 
@@ -145,15 +152,15 @@ def _validate_extra_estimators(args: argparse.Namespace) -> None:
 
     est = args.algo.advantage.estimator
     K = args.rollout.n_samples_per_prompt
-    lpo_flags = ["lpo.divergence", "lpo.temperature", "lpo.projection"]
     if est not in LPO_ESTIMATORS:
-        given = [f"--{f}" for f in lpo_flags if flag_was_given(args, f)]
-        given += [f"--{f}" for f in ("lpo.force_two_pass", "lpo.end_kl") if getattr(args.lpo, f.split(".")[1])]
+        given = [f"--{f}" for f in ("lpo.divergence", "lpo.projection") if flag_was_given(args, f)]
+        given += ["--lpo.force_two_pass"] if args.lpo.force_two_pass else []
         if given:
             raise FlagError(
                 f"{', '.join(given)} only apply with --algo.advantage.estimator lpo (got {est}); "
                 "drop them or switch the estimator to lpo"
             )
+        _validate_listwise_metrics(args, est, K)
     if est not in EXTRA_ESTIMATORS:
         return
     if K < 2:
@@ -234,8 +241,44 @@ def _validate_extra_estimators(args: argparse.Namespace) -> None:
         args.actor.entropy_coef = 0.0
 
 
+def _validate_listwise_metrics(args: argparse.Namespace, est: str, K: int) -> None:
+    """--lpo.end_kl / --lpo.temperature with a policy-gradient estimator: the metrics-only target."""
+    from openrlhf_lpo import listwise
+
+    temperature_given = flag_was_given(args, "lpo.temperature")
+    if not args.lpo.end_kl:
+        if temperature_given:
+            raise FlagError(
+                f"--lpo.temperature with --algo.advantage.estimator {est} only sets the target of the "
+                "logged KL(w*||P); add --lpo.end_kl or drop --lpo.temperature"
+            )
+        return
+    if est not in PAIRED_TEMPERATURE:
+        raise FlagError(
+            f"--lpo.end_kl needs prompt groups: it applies to --algo.advantage.estimator lpo or one of "
+            f"{sorted(PAIRED_TEMPERATURE)} (got {est}); drop --lpo.end_kl"
+        )
+    if K < 2:
+        raise FlagError(
+            f"--lpo.end_kl needs --rollout.n_samples_per_prompt >= 2 (got {K}): KL(w*||P) lives on the "
+            "simplex of a prompt's K responses"
+        )
+    if not temperature_given:
+        args.lpo.temperature = PAIRED_TEMPERATURE[est]
+    try:
+        args.lpo.temperature = listwise.parse_temperature(args.lpo.temperature)
+    except ValueError as e:
+        raise FlagError(f"--lpo.temperature: {e}") from None
+
+
+def listwise_metrics_enabled(args: argparse.Namespace) -> bool:
+    """True when a non-LPO estimator logs the listwise KL (the LPO classes must be installed)."""
+    est = args.algo.advantage.estimator
+    return est not in LPO_ESTIMATORS and est in PAIRED_TEMPERATURE and bool(getattr(args.lpo, "end_kl", False))
+
+
 def _lpo_before_train(args: argparse.Namespace):
-    if args.algo.advantage.estimator not in EXTRA_ESTIMATORS:
+    if args.algo.advantage.estimator not in EXTRA_ESTIMATORS and not listwise_metrics_enabled(args):
         return None
     from openrlhf_lpo.openrlhf.patches import apply_patches
 

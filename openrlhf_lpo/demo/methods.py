@@ -26,12 +26,13 @@ class Method:
         return self.estimator == "lpo"
 
     def pipeline_flags(self) -> List[str]:
-        """``lpo-train`` flags selecting this method (OpenRLHF's ``group_norm`` is GRPO)."""
+        """``lpo-train`` flags selecting this method (OpenRLHF's ``group_norm`` is GRPO); every
+        method logs KL(w*||P) after its update against the same target (``--lpo.end_kl``)."""
+        metrics = ["--lpo.temperature", self.temperature, "--lpo.end_kl"]
         if self.is_lpo:
-            return ["--algo.advantage.estimator", "lpo", "--lpo.divergence", self.divergence,
-                    "--lpo.temperature", self.temperature]
+            return ["--algo.advantage.estimator", "lpo", "--lpo.divergence", self.divergence] + metrics
         upstream = {"grpo": "group_norm", "dr_grpo": "dr_grpo"}[self.estimator]
-        return ["--algo.advantage.estimator", upstream]
+        return ["--algo.advantage.estimator", upstream] + metrics
 
 
 METHODS: Dict[str, Method] = {}

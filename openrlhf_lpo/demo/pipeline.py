@@ -125,10 +125,7 @@ def pipeline_argv(method: Method, cfg: RLConfig, model_path: str, dataset: str, 
         "--logger.tensorboard_dir", str(out_dir / "tb"), "--logger.logging_steps", "1",
         "--ckpt.path", str(out_dir / "ckpt"), "--ckpt.output_dir", str(out_dir / "final"),
     ]
-    argv += method.pipeline_flags()
-    if method.is_lpo:
-        argv += ["--lpo.end_kl"]
-    return argv
+    return argv + method.pipeline_flags()
 
 
 def _diagnose(tail: str, returncode: int, log_path: Path) -> str:

@@ -6,6 +6,7 @@ a handful of Ray methods; :class:`CPURolloutEngine` implements the same ones:
 * ``generate(prompt_token_ids, sampling_params)`` -> an object shaped like vLLM's
   ``RequestOutput`` (``outputs[0].token_ids / finish_reason / logprobs``), awaited by
   OpenRLHF's agent executors (single-turn with the reward function, or a custom agent);
+  requests that arrive together are generated as one batch (``generate_many``);
 * ``generate_responses(...)`` (K samples of one prompt through the executor, as upstream),
   ``get_num_unfinished_requests``, and no-op ``sleep / wake_up / pause_generation /
   resume_generation / reset_prefix_cache / init_process_group``;
@@ -132,52 +133,95 @@ class HFBackend:
             return lp.gather(-1, target[:, None])[:, 0].tolist()
 
     def generate(self, prompt_ids: List[int], sp):
+        return self.generate_many([(prompt_ids, sp)])[0]
+
+    def generate_many(self, requests: Sequence) -> List[SimpleNamespace]:
+        """``[(prompt_ids, sampling_params)] -> [RequestOutput-like]``: requests that share
+        temperature / top-p / top-k / logprobs are sampled together in one left-padded batch
+        (per-request max_tokens and min_tokens)."""
+        results: List[Optional[SimpleNamespace]] = [None] * len(requests)
+        groups: Dict[tuple, List[int]] = {}
+        for i, (_, sp) in enumerate(requests):
+            key = (float(_param(sp, "temperature", 1.0)), float(_param(sp, "top_p", 1.0)),
+                   int(_param(sp, "top_k", -1)), getattr(sp, "logprobs", None) is not None)
+            groups.setdefault(key, []).append(i)
+        for key, idx in groups.items():
+            outs = self._sample_batch([list(requests[i][0]) for i in idx], [requests[i][1] for i in idx], *key)
+            for i, out in zip(idx, outs):
+                results[i] = out
+        return results
+
+    def _sample_batch(self, prompts: List[List[int]], sps: List, temperature: float, top_p: float, top_k: int,
+                      want_logprobs: bool) -> List[SimpleNamespace]:
         import torch
 
-        temperature = float(_param(sp, "temperature", 1.0))
-        top_p = float(_param(sp, "top_p", 1.0))
-        top_k = int(_param(sp, "top_k", -1))
-        max_tokens = int(_param(sp, "max_tokens", 16))
-        min_tokens = int(_param(sp, "min_tokens", 0))
-        want_logprobs = getattr(sp, "logprobs", None) is not None
+        B, L = len(prompts), max(len(p) for p in prompts)
+        max_tokens = [int(_param(sp, "max_tokens", 16)) for sp in sps]
+        min_tokens = torch.tensor([int(_param(sp, "min_tokens", 0)) for sp in sps])
+        ids = torch.zeros(B, L, dtype=torch.long)
+        attention = torch.zeros(B, L, dtype=torch.long)
+        for i, p in enumerate(prompts):  # left padding
+            ids[i, L - len(p):] = torch.tensor(p, dtype=torch.long)
+            attention[i, L - len(p):] = 1
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
         stop = torch.tensor(sorted(self.stop_ids), dtype=torch.long)
-        tokens, logprobs, finish = [], [], "length"
+        tokens: List[List[int]] = [[] for _ in range(B)]
+        logprobs: List[list] = [[] for _ in range(B)]
+        finish = ["length"] * B
+        active = [m > 0 for m in max_tokens]
         with torch.no_grad():
-            out = self.model(torch.tensor([prompt_ids], dtype=torch.long), use_cache=True)
-            for step in range(max_tokens):
-                logits = out.logits[0, -1].to(torch.float32)
-                if step < min_tokens and len(stop):
-                    logits[stop] = float("-inf")
+            out = self.model(ids, attention_mask=attention, position_ids=positions, use_cache=True)
+            next_pos = positions[:, -1:] + 1
+            for step in range(max(max_tokens, default=0)):
+                if not any(active):
+                    break
+                logits = out.logits[:, -1].to(torch.float32)
+                if len(stop) and step < int(min_tokens.max()):  # no EOS before min_tokens
+                    is_stop = torch.zeros(logits.shape[-1], dtype=torch.bool).index_fill(0, stop, True)
+                    logits = logits.masked_fill((step < min_tokens)[:, None] & is_stop[None, :], float("-inf"))
                 if temperature <= 0:
-                    token = int(torch.argmax(logits))
+                    token = torch.argmax(logits, dim=-1)
                     processed = logits
                 else:
                     processed = logits / temperature
-                    if top_k > 0 and top_k < processed.numel():
-                        kth = torch.topk(processed, top_k).values[-1]
+                    if 0 < top_k < processed.shape[-1]:
+                        kth = torch.topk(processed, top_k, dim=-1).values[:, -1:]
                         processed = processed.masked_fill(processed < kth, float("-inf"))
                     if top_p < 1.0:
-                        sorted_logits, order = torch.sort(processed, descending=True)
-                        cum = torch.softmax(sorted_logits, -1).cumsum(-1)
-                        drop = cum - torch.softmax(sorted_logits, -1) > top_p
-                        processed = processed.clone()
-                        processed[order[drop]] = float("-inf")
+                        sorted_logits, order = torch.sort(processed, dim=-1, descending=True)
+                        p_sorted = torch.softmax(sorted_logits, -1)
+                        drop_sorted = p_sorted.cumsum(-1) - p_sorted > top_p
+                        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+                        processed = processed.masked_fill(drop, float("-inf"))
                     probs = torch.softmax(processed, -1)
-                    token = int(torch.multinomial(probs, 1, generator=self.generator))
-                tokens.append(token)
-                if want_logprobs:
-                    lp = float(torch.log_softmax(processed, -1)[token])
-                    logprobs.append({token: SimpleNamespace(logprob=lp, rank=None, decoded_token=None)})
-                if token in self.stop_ids:
-                    finish = "stop"
+                    token = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+                chosen_lp = torch.log_softmax(processed, -1).gather(-1, token[:, None])[:, 0] if want_logprobs else None
+                for i in range(B):
+                    if not active[i]:
+                        continue
+                    t = int(token[i])
+                    tokens[i].append(t)
+                    if want_logprobs:
+                        logprobs[i].append({t: SimpleNamespace(logprob=float(chosen_lp[i]), rank=None, decoded_token=None)})
+                    if t in self.stop_ids:
+                        finish[i], active[i] = "stop", False
+                    elif len(tokens[i]) >= max_tokens[i]:
+                        active[i] = False
+                if not any(active):
                     break
-                out = self.model(
-                    torch.tensor([[token]], dtype=torch.long), past_key_values=out.past_key_values, use_cache=True
-                )
-        completion = SimpleNamespace(
-            index=0, token_ids=tokens, finish_reason=finish, logprobs=logprobs if want_logprobs else None, text=None
-        )
-        return SimpleNamespace(prompt_token_ids=list(prompt_ids), outputs=[completion], finished=True)
+                attention = torch.cat([attention, torch.ones(B, 1, dtype=torch.long)], dim=-1)
+                out = self.model(token[:, None], attention_mask=attention, position_ids=next_pos,
+                                 past_key_values=out.past_key_values, use_cache=True)
+                next_pos = next_pos + 1
+        return [
+            SimpleNamespace(
+                prompt_token_ids=list(p),
+                outputs=[SimpleNamespace(index=0, token_ids=t, finish_reason=f, logprobs=lp if want_logprobs else None,
+                                         text=None)],
+                finished=True,
+            )
+            for p, t, f, lp in zip(prompts, tokens, finish, logprobs)
+        ]
 
 
 @register_backend("vllm")
@@ -241,9 +285,13 @@ class VLLMBackend:
         return values
 
     def generate(self, prompt_ids: List[int], sp):
+        return self.generate_many([(prompt_ids, sp)])[0]
+
+    def generate_many(self, requests: Sequence) -> list:
         from vllm.inputs import TokensPrompt
 
-        return self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), sp, use_tqdm=False)[0]
+        prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids, _ in requests]
+        return self.llm.generate(prompts, [sp for _, sp in requests], use_tqdm=False)
 
 
 def _load_agent_executor(path: str):
@@ -292,18 +340,46 @@ class CPURolloutEngine:
         )
         self.executor = _load_agent_executor(agent_func_path) if agent_func_path else SingleTurnAgentExecutor(remote_rm_url)
         self._unfinished = 0
+        self._queue: List = []
+        self._server = None
+        self.batch_sizes: List[int] = []  # requests per backend batch (for tests / inspection)
         self.num_weight_updates = 0
 
     async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None):
+        """One request; concurrent requests (a prompt's K samples, other prompts' calls) are
+        collected for ``BATCH_WINDOW_S`` and generated as one batch by the backend."""
         if multi_modal_data:
             raise ValueError("the CPU rollout engine does not support multi-modal prompts")
+        future = asyncio.get_running_loop().create_future()
+        self._queue.append((list(prompt_token_ids), sampling_params, future))
         self._unfinished += 1
+        if self._server is None or self._server.done():
+            self._server = asyncio.ensure_future(self._serve())
         try:
-            result = self.backend.generate(list(prompt_token_ids), sampling_params)
+            return await future
         finally:
             self._unfinished -= 1
-        await asyncio.sleep(0)
-        return result
+
+    BATCH_WINDOW_S = 0.005
+
+    async def _serve(self):
+        while self._queue:
+            seen = -1
+            while seen != len(self._queue):  # until no new request arrived within the window
+                seen = len(self._queue)
+                await asyncio.sleep(self.BATCH_WINDOW_S)
+            batch, self._queue = self._queue, []
+            self.batch_sizes.append(len(batch))
+            try:
+                results = self.backend.generate_many([(ids, sp) for ids, sp, _ in batch])
+            except Exception as e:  # every waiting request sees the error
+                for _, _, future in batch:
+                    if not future.done():
+                        future.set_exception(e)
+                continue
+            for (_, _, future), result in zip(batch, results):
+                if not future.done():
+                    future.set_result(result)
 
     async def generate_responses(
         self, prompt, label, sampling_params, max_length, hf_tokenizer, num_samples=1, images=None

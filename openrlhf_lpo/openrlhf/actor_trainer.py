@@ -9,6 +9,12 @@ Public names (stable):
     plan_windows(gids, K, micro, gas, generator=None) -> list of windows of micro-batches of
                        replay-buffer indices (group-level shuffle, windows of whole groups)
     lpo_group_stats(s[G,K], w*[G,K]) -> dict of per-group KL / entropies (Figure 5 metrics)
+    listwise_group_sums(gids, s, w*, n_groups) -> [5, n_groups] sums that add up over ranks
+    listwise_stats_from_sums(sums) -> mean KL(w*||P), H(P), H(w*) over the groups present
+
+Every other estimator runs the stock ``ppo_train``; with ``--lpo.end_kl`` a group estimator
+(GRPO, Dr.GRPO, MaxRL, ...) also logs lpo/kl_start, lpo/kl_end, lpo/entropy_p_end and
+lpo/entropy_target for the target w* of its paired temperature (metrics only, after the update).
 
 Exactness (the listwise gradient sum_k c_k grad s_k needs every c_k from all K members at the
 current parameters; s_t and w* are fixed for the rollout batch):
@@ -43,7 +49,8 @@ from openrlhf.utils.loss_utils import iter_grad_accum_global_norm
 from openrlhf_lpo import listwise
 from openrlhf_lpo.openrlhf.experience_maker import LPO_INFO_KEYS
 
-__all__ = ["LPOActorTrainer", "LPOPolicyLoss", "LPOMicroBatch", "plan_windows", "lpo_group_stats"]
+__all__ = ["LPOActorTrainer", "LPOPolicyLoss", "LPOMicroBatch", "plan_windows", "lpo_group_stats",
+           "listwise_group_sums", "listwise_stats_from_sums"]
 
 
 # ----------------------------------------------------------------------------- loss
@@ -162,6 +169,38 @@ def lpo_group_stats(s: torch.Tensor, target: torch.Tensor) -> Dict[str, torch.Te
     return {"kl": kl, "entropy_p": h_p, "entropy_target": h_w}
 
 
+def listwise_group_sums(gids: torch.Tensor, s: torch.Tensor, target: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """Per-group sums [5, n_groups] (float64) over the members given: sum e^s, sum e^s s,
+    sum w* s, sum w* log w*, member count. Members of one group may sit on different ranks:
+    the sums add up (all-reduce) and :func:`listwise_stats_from_sums` finishes the softmax."""
+    s = s.double()
+    w = target.double().to(s.device)
+    gids = gids.long().to(s.device)
+    e = s.exp()  # s is a mean of clipped token log-ratios: bounded, no overflow
+    w_log_w = torch.where(w > 0, w * torch.log(w), torch.zeros_like(w))
+    rows = torch.stack([e, e * s, w * s, w_log_w, torch.ones_like(s)])
+    out = torch.zeros(5, n_groups, dtype=torch.float64, device=s.device)
+    return out.index_add_(1, gids, rows)
+
+
+def listwise_stats_from_sums(sums: torch.Tensor, group_size: int) -> Dict[str, float]:
+    """Mean over groups of KL(w*||P) = sum w log w - sum w s + log Z, H(P) = log Z - sum e^s s / Z
+    and H(w*), with P = softmax(s), Z = sum e^s (Eq. 10's divergence, Figure 5's entropies)."""
+    z, zs, ws, wlogw, count = sums
+    present = count > 0
+    if bool((count[present] != group_size).any()):
+        bad = sorted(set(int(c) for c in count[present].tolist()) - {group_size})
+        raise ValueError(
+            f"listwise metrics: groups with {bad} members, expected --rollout.n_samples_per_prompt {group_size}"
+        )
+    log_z = torch.log(z[present])
+    kl = wlogw[present] - ws[present] + log_z
+    h_p = log_z - zs[present] / z[present]
+    n = max(int(present.sum()), 1)
+    return {"kl": float(kl.sum()) / n, "entropy_p": float(h_p.sum()) / n,
+            "entropy_target": float(-wlogw[present].sum()) / n, "groups": float(present.sum())}
+
+
 # ----------------------------------------------------------------------------- trainer
 
 
@@ -203,7 +242,8 @@ class LPOActorTrainer(ActorPPOTrainer):
             ring_attn_group=self.strategy.ring_attn_group,
         )
         return listwise.sequence_log_ratio(
-            log_probs.double(), experience.action_log_probs.double(), experience.action_mask, self.actor_loss_fn.clip_eps
+            log_probs.double(), experience.action_log_probs.double(), experience.action_mask,
+            tuple(self.args.actor.eps_clip_low_high),
         )
 
     def _collate(self, items, indices):
@@ -212,10 +252,50 @@ class LPOActorTrainer(ActorPPOTrainer):
         exp.to_device(self._device())
         return exp, meta
 
+    def _listwise_stats(self, gids: torch.Tensor, s: torch.Tensor, target: torch.Tensor) -> Dict[str, float]:
+        """Mean listwise stats of the global rollout batch (groups may span ranks)."""
+        device = self._device()
+        n = torch.tensor([int(gids.max()) + 1 if len(gids) else 0], dtype=torch.float64, device=device)
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MAX)
+        sums = listwise_group_sums(gids.to(device), s.to(device), target.to(device), int(n.item()))
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(sums)
+        return listwise_stats_from_sums(sums.cpu(), self.args.rollout.n_samples_per_prompt)
+
+    def _end_log_ratios(self, items) -> torch.Tensor:
+        """s of every replay-buffer item at the current parameters (no grad)."""
+        s_end = torch.zeros(len(items), dtype=torch.float64)
+        self.actor.train()
+        micro = self.micro_train_batch_size
+        for lo in range(0, len(items), micro):
+            ids = list(range(lo, min(lo + micro, len(items))))
+            exp, _ = self._collate(items, ids)
+            s_end[torch.tensor(ids)] = self._sequence_log_ratio(exp).double().cpu()
+        return s_end
+
+    def _pg_ppo_train(self, kl_ctl: float):
+        """Stock ppo_train; with --lpo.end_kl, the listwise KL of the paired target after it."""
+        items = self.replay_buffer.items
+        meta = [{k: it.info.pop(k) for k in LPO_INFO_KEYS if k in it.info} for it in items]
+        status = super().ppo_train(kl_ctl)
+        if not (items and self.args.lpo.end_kl and all("lpo_target" in m for m in meta)):
+            return status
+        gids = torch.tensor([int(m["lpo_gid"]) for m in meta])
+        target = torch.tensor([float(m["lpo_target"]) for m in meta], dtype=torch.float64)
+        prev = torch.tensor([float(m["lpo_prev_log_ratio"]) for m in meta], dtype=torch.float64)
+        start = self._listwise_stats(gids, prev, target)
+        end = self._listwise_stats(gids, self._end_log_ratios(items), target)
+        status.update({
+            "lpo/kl_start": start["kl"], "lpo/kl_end": end["kl"], "lpo/entropy_p_end": end["entropy_p"],
+            "lpo/entropy_target": start["entropy_target"], "lpo/groups": start["groups"],
+        })
+        return status
+
     # -- main loop
     def ppo_train(self, kl_ctl: float):
         if not self.is_lpo:
-            return super().ppo_train(kl_ctl)
+            return self._pg_ppo_train(kl_ctl)
 
         args = self.args
         K = args.rollout.n_samples_per_prompt
@@ -341,17 +421,9 @@ class LPOActorTrainer(ActorPPOTrainer):
             "abs_coef_sum": abs_coef_sum,
             "coef_count": float(coef_count),
         }
+        end = None
         if self.args.lpo.end_kl:
-            s_end = torch.zeros(len(items), dtype=torch.float64)
-            self.actor.train()
-            micro = self.micro_train_batch_size
-            for lo in range(0, len(items), micro):
-                ids = list(range(lo, min(lo + micro, len(items))))
-                exp, _ = self._collate(items, ids)
-                s_end[torch.tensor(ids)] = self._sequence_log_ratio(exp).double().cpu()
-            end = lpo_group_stats(s_end[idx].view(-1, K), w)
-            sums["kl_end"] = float(end["kl"].sum())
-            sums["entropy_p_end"] = float(end["entropy_p"].sum())
+            end = self._listwise_stats(torch.tensor(gids), self._end_log_ratios(items), target)
         tau_max = float(t[finite].max()) if bool(finite.any()) else 0.0
         tau_neg_min = float(-t[finite].min()) if bool(finite.any()) else 0.0
         if torch.distributed.is_initialized():
@@ -374,7 +446,7 @@ class LPOActorTrainer(ActorPPOTrainer):
             "lpo/two_pass": float(two_pass),
             "lpo/groups": sums["groups"],
         }
-        if "kl_end" in sums:
-            out["lpo/kl_end"] = sums["kl_end"] / G
-            out["lpo/entropy_p_end"] = sums["entropy_p_end"] / G
+        if end is not None:
+            out["lpo/kl_end"] = end["kl"]
+            out["lpo/entropy_p_end"] = end["entropy_p"]
         return out

@@ -21,6 +21,9 @@ Behaviour per ``--algo.advantage.estimator``:
     maxrl   A = (R - mean)/mean per group (all-zero groups 0), then OpenRLHF's per-token
             returns (reward shaping with the KL penalty, cumulative returns) like group_norm.
     other   the stock RemoteExperienceMaker code, untouched.
+With ``--lpo.end_kl`` a group policy-gradient estimator (group_norm, dr_grpo, maxrl, rloo,
+reinforce_baseline) also gets the LPO_INFO_KEYS (gid = index // K, w* with ``--lpo.temperature``)
+after its own advantages, for the logged KL(w*||P) only; its advantages stay stock.
 """
 
 from __future__ import annotations
@@ -116,7 +119,10 @@ class LPOExperienceMaker(RemoteExperienceMaker):
     def compute_advantages_and_returns(self, experiences: List[Experience]) -> List[Experience]:
         est = self.advantage_estimator
         if est not in ("lpo", "maxrl"):
-            return super().compute_advantages_and_returns(experiences)
+            experiences = super().compute_advantages_and_returns(experiences)
+            if _listwise_metrics(self.strategy.args):
+                _attach_targets(experiences, self.strategy.args)
+            return experiences
         args = self.strategy.args
         K = args.rollout.n_samples_per_prompt
         for exp in experiences:
@@ -148,29 +154,56 @@ class LPOExperienceMaker(RemoteExperienceMaker):
                 exp.advantages = exp.returns.clone()
                 exp.info["return"] = shaped.sum(dim=-1)
                 exp.kl = None
+            if _listwise_metrics(args):
+                _attach_targets(experiences, args)
             return experiences
 
         # ---- lpo: the Gibbs target of every group (Theorem 1, Eq. 8)
-        rewards = rewards.double()  # targets in float64 (G x K scalars)
-        tau = listwise.group_temperature(rewards, args.lpo.temperature)
-        prev = torch.zeros_like(rewards)
-        target = listwise.gibbs_target(rewards, tau, prev_log_ratio=prev)
-        degenerate = listwise.degenerate_groups(rewards)
-        tau_logged = torch.where(degenerate.unsqueeze(1), torch.full_like(tau, float("nan")), tau)
-
-        def per_sample(x):
-            return x.expand(-1, K).reshape(-1)[order].split(lengths) if x.shape[1] == 1 else x.reshape(-1)[order].split(lengths)
-
-        for exp, r, w, s_t, t in zip(
-            experiences, per_sample(rewards), per_sample(target), per_sample(prev), per_sample(tau_logged)
-        ):
-            exp.info["lpo_reward"] = r.float()
-            exp.info["lpo_target"] = w  # float64: exact targets, cast on use
-            exp.info["lpo_prev_log_ratio"] = s_t
-            exp.info["lpo_tau"] = t.float()
-            signal = (w - 1.0 / K).to(torch.float32)
+        _attach_targets(experiences, args)
+        for exp in experiences:
+            signal = (exp.info["lpo_target"] - 1.0 / K).to(torch.float32)
             exp.advantages = signal.unsqueeze(1) * exp.action_mask.float()
             exp.returns = exp.advantages.clone()
-            exp.info["return"] = r.float()
+            exp.info["return"] = exp.info["lpo_reward"].clone()
             exp.kl = None
         return experiences
+
+
+def _listwise_metrics(args) -> bool:
+    from openrlhf_lpo.cli.flags import listwise_metrics_enabled
+
+    return listwise_metrics_enabled(args)
+
+
+@torch.no_grad()
+def _attach_targets(experiences: List[Experience], args) -> None:
+    """Write LPO_INFO_KEYS into every experience: w* = softmax(R/tau + s_t) of its group (Eq. 8)
+    from ``exp.rewards`` (after length penalties) and ``--lpo.temperature``; s_t = 0."""
+    K = args.rollout.n_samples_per_prompt
+    lengths = [len(exp.index) for exp in experiences]
+    order = torch.tensor([i for exp in experiences for i in exp.index], dtype=torch.long)
+    if order.numel() % K or sorted(order.tolist()) != list(range(order.numel())):
+        raise ValueError(
+            f"experience indices must cover 0..N-1 with N a multiple of --rollout.n_samples_per_prompt {K}"
+        )
+    flat = torch.cat([exp.rewards.reshape(-1) for exp in experiences]).double()  # float64 targets
+    rewards = torch.empty_like(flat)
+    rewards[order] = flat
+    rewards = rewards.view(-1, K)  # [G, K], prompt-major like the rollout
+    tau = listwise.group_temperature(rewards, args.lpo.temperature)
+    prev = torch.zeros_like(rewards)
+    target = listwise.gibbs_target(rewards, tau, prev_log_ratio=prev)
+    degenerate = listwise.degenerate_groups(rewards)
+    tau_logged = torch.where(degenerate.unsqueeze(1), torch.full_like(tau, float("nan")), tau)
+
+    def per_sample(x):
+        return x.expand(-1, K).reshape(-1)[order].split(lengths)
+
+    for exp, r, w, s_t, t in zip(
+        experiences, per_sample(rewards), per_sample(target), per_sample(prev), per_sample(tau_logged)
+    ):
+        exp.info["lpo_gid"] = torch.tensor([i // K for i in exp.index], dtype=torch.long)
+        exp.info["lpo_reward"] = r.float()
+        exp.info["lpo_target"] = w  # float64: exact targets, cast on use
+        exp.info["lpo_prev_log_ratio"] = s_t
+        exp.info["lpo_tau"] = t.float()

@@ -41,9 +41,11 @@ def test_ci_preset_end_to_end(tmp_path):
             assert r["upstream"]["rollout/num_samples"] == g * k
             assert 0.0 < r["entropy"] <= math.log(128) + 1e-6
             assert math.isfinite(r["grad_norm"]) and r["grad_norm"] >= 0.0
-            if name == "lpo-fwd":
-                assert r["kl_target"] >= 0.0
-                assert r["upstream"]["lpo/groups"] == g
+            # both methods log KL(w*||P) after the update against the same std-temperature target
+            assert 0.0 <= r["kl_target"] <= r["upstream"]["lpo/kl_start"] + 0.5
+            assert r["upstream"]["lpo/groups"] == g
+            up = r["upstream"]  # on-policy start: P uniform, so KL(w*||U) = log K - H(w*)
+            assert up["lpo/kl_start"] == pytest.approx(math.log(k) - up["lpo/entropy_target"], abs=1e-6)  # float32 logs
         assert (run / "pipeline" / name / "command.txt").read_text().startswith("lpo-train ")
 
     png = (run / "comparison.png").read_bytes()

@@ -77,9 +77,10 @@ def test_methods_registry_and_flags():
         parse_methods("lpo-fwd,ppo")
     with pytest.raises(ValueError, match="twice"):
         parse_methods("grpo,grpo")
-    assert METHODS["grpo"].pipeline_flags() == ["--algo.advantage.estimator", "group_norm"]
+    assert METHODS["grpo"].pipeline_flags() == ["--algo.advantage.estimator", "group_norm",
+                                                "--lpo.temperature", "std", "--lpo.end_kl"]
     assert METHODS["lpo-rev"].pipeline_flags() == ["--algo.advantage.estimator", "lpo", "--lpo.divergence", "rev",
-                                                   "--lpo.temperature", "std"]
+                                                   "--lpo.temperature", "std", "--lpo.end_kl"]
 
 
 @pytest.mark.parametrize("field,value,flag", [("k", 1, "--k"), ("steps", 0, "--steps"),

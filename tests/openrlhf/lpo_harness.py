@@ -280,3 +280,43 @@ def gradient_matrix(model_dir, dp=1, rank=0, K=4, G=4, seed=0):
                 assert len(grads) == 1, f"expected one optimizer step, got {len(grads)}"
                 results[(packing, micro, div)] = {"grads": grads[0], "two_pass": status["lpo/two_pass"]}
     return results, refs
+
+
+# ----------------------------------------------------------------------------- listwise metrics reference
+
+
+def reference_listwise_stats(actor, experiences, K, temperature, eps_low_high):
+    """Brute force in numpy float64, one group at a time: s of every sample at ``actor``'s current
+    parameters (clipped token log-ratios, length mean), w* = softmax((R - mean)/tau) of its group
+    (uniform for equal rewards), and the means of KL(w*||P), H(P), H(w*) with P = softmax(s)."""
+    import numpy as np
+
+    lo, hi = math.log(1 - eps_low_high[0]), math.log(1 + eps_low_high[1])
+    rows = []
+    for e in experiences:
+        with torch.no_grad():
+            lp = actor(e.sequences, e.action_mask, attention_mask=e.attention_mask).double()
+        m = e.action_mask.double()
+        ratio = (lp - e.action_log_probs.double()).clamp(lo, hi) * m
+        s = ratio.sum(1) / m.sum(1).clamp(min=1.0)
+        for j, i in enumerate(e.index):
+            rows.append((int(i), float(s[j]), float(e.rewards[j])))
+    rows.sort()
+    s_all = np.array([r[1] for r in rows]).reshape(-1, K)
+    r_all = np.array([r[2] for r in rows]).reshape(-1, K)
+    kls, h_ps, h_ws = [], [], []
+    for s, r in zip(s_all, r_all):
+        if r.max() == r.min():
+            logits = np.zeros(K)
+        else:
+            tau = {"std": lambda: r.std(ddof=1), "one": lambda: 1.0, "mean": lambda: r.mean()}[temperature]() \
+                if isinstance(temperature, str) else float(temperature)
+            logits = (r - r.mean()) / tau
+        w = np.exp(logits - logits.max())
+        w /= w.sum()
+        p = np.exp(s - s.max())
+        p /= p.sum()
+        kls.append(sum(wk * (math.log(wk) - math.log(pk)) for wk, pk in zip(w, p) if wk > 0))
+        h_ps.append(-sum(pk * math.log(pk) for pk in p))
+        h_ws.append(-sum(wk * math.log(wk) for wk in w if wk > 0))
+    return {"kl": float(np.mean(kls)), "entropy_p": float(np.mean(h_ps)), "entropy_target": float(np.mean(h_ws))}

@@ -129,6 +129,11 @@ def test_metrics_match_independent_computation(tiny_model_dir, gloo_world1):
     assert status["lpo/tau_min"] == pytest.approx(float(std[~flat.squeeze(1)].min()), rel=1e-6)
     assert status["lpo/abs_coef_mean"] > 0 and status["lpo/two_pass"] == 1.0
     assert "lpo/kl_end" in status and abs(status["lpo/kl_end"] - status["lpo/kl_last"]) > 1e-6
+    from lpo_harness import reference_listwise_stats
+
+    ref = reference_listwise_stats(actor, exps, K, "std", args.actor.eps_clip_low_high)  # brute force, end of update
+    assert status["lpo/kl_end"] == pytest.approx(ref["kl"], abs=1e-10)
+    assert status["lpo/entropy_p_end"] == pytest.approx(ref["entropy_p"], abs=1e-10)
     for key in ("actor_grad_norm", "response_length", "response_entropy", "policy_loss", "ppo_clip_ratio"):
         assert key in status, key
     assert status["actor_grad_norm"] > 0 and status["response_entropy"] > 0

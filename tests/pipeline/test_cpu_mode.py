@@ -53,6 +53,9 @@ torch.distributed.init_process_group("gloo", rank=0, world_size=1, init_method=f
 mesh = ds_mod.init_device_mesh("cuda", (1, 1, 1), mesh_dim_names=("dp", "sp", "tp"))
 out["mesh_device"] = mesh.device_type
 torch.distributed.destroy_process_group()
+import importlib
+ds_comm = importlib.import_module("deepspeed.comm.torch")
+out["shm_op"] = repr(ds_comm.build_shm_op())  # not JIT-compiled in CPU mode
 print(json.dumps(out))
 """
 
@@ -82,7 +85,7 @@ def test_cpu_mode_patches_upstream(repo_env):
     assert res["device"] == "cpu" and res["triton_ce_blocked"] is True
     assert res["buffer_device"] == "cpu" and res["batch_device"] == "cpu"
     assert res["sync_patched"] and res["engine_patched"] and res["torch_adam"] is True
-    assert res["mesh_device"] == "cpu"
+    assert res["mesh_device"] == "cpu" and res["shm_op"] == "None"
 
 
 def test_cpu_mode_can_be_switched_off(repo_env):

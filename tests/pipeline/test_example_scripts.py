@@ -2,8 +2,9 @@
 
 The scripts print their final flag list with ``LPO_PRINT_ARGS=1`` (bash evaluates the config
 files exactly as a launch would); the flags then go through ``build_parser_and_parse``: the stock
-OpenRLHF 0.11.2 parser and validation plus our flag groups. The Megatron scripts belong to the
-Megatron backend and are parsed by its own tests.
+OpenRLHF 0.11.2 parser and validation plus our flag groups. The Megatron recipes
+(``BACKEND=megatron``) are parsed against a tiny offline model with Qwen3-8B/14B's head layout
+(8 query and 8 KV heads), because the Megatron layout check reads the model's HF config.
 """
 
 import os
@@ -37,11 +38,33 @@ EXPECTED_TASK = {
     "train_countdown_qwen3_4b.sh": (128, 64, 1024, "Qwen/Qwen3-4B-Base"),
     "train_math_qwen3_1.7b.sh": (256, 128, 4096, "Qwen/Qwen3-1.7B-Base"),
     "train_math_qwen3_8b.sh": (256, 128, 4096, "Qwen/Qwen3-8B-Base"),
+    "train_math_qwen3_8b_megatron.sh": (256, 128, 4096, None),
+    "train_math_qwen3_14b_megatron.sh": (256, 128, 4096, None),
+}
+EXPECTED_DEFAULT_MODEL = {
+    "train_math_qwen3_8b_megatron.sh": "Qwen/Qwen3-8B-Base",
+    "train_math_qwen3_14b_megatron.sh": "Qwen/Qwen3-14B-Base",
+}
+# Megatron recipes: (tp, pp, actor GPUs)
+EXPECTED_MEGATRON = {
+    "train_math_qwen3_8b_megatron.sh": (4, 1, 8),
+    "train_math_qwen3_14b_megatron.sh": (8, 1, 16),
 }
 
 
+@pytest.fixture(scope="module")
+def megatron_layout_model(tmp_path_factory):
+    """Tiny Qwen3 whose heads split over TP 8 like Qwen3-8B/14B (8 KV heads), 4 layers."""
+    from openrlhf_lpo.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tp8") / "q3", arch="qwen3", hidden_size=64, num_layers=4,
+                            num_heads=8, num_kv_heads=8, head_dim=8, intermediate_size=128)
+
+
 def script_args(name, method, **env):
-    run_env = {k: v for k, v in os.environ.items() if k not in ("MODEL", "DATA", "EXTRA_ARGS", "METHOD")}
+    run_env = {k: v for k, v in os.environ.items()
+               if k not in ("MODEL", "DATA", "EXTRA_ARGS", "METHOD", "BACKEND", "MEGATRON_TP", "MEGATRON_PP", "NNODES",
+                            "GPUS_PER_NODE", "VLLM_ENGINES", "VLLM_TP")}
     run_env.update(LPO_PRINT_ARGS="1", METHOD=method, **env)
     out = subprocess.run(["bash", str(SCRIPTS_DIR / name)], env=run_env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
@@ -58,8 +81,18 @@ def test_recipes_and_methods_exist():
 
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("script", RECIPES)
-def test_recipe_parses_with_paper_settings(script, method):
-    args = build_parser_and_parse(script_args(script, method))
+def test_recipe_parses_with_paper_settings(script, method, request):
+    env = {}
+    if script in EXPECTED_MEGATRON:
+        env["MODEL"] = request.getfixturevalue("megatron_layout_model")
+    args = build_parser_and_parse(script_args(script, method, **env))
+    if script in EXPECTED_MEGATRON:
+        tp, pp, gpus = EXPECTED_MEGATRON[script]
+        assert (args.backend, args.megatron.tp, args.megatron.pp) == ("megatron", tp, pp)
+        assert args.actor.num_nodes * args.actor.num_gpus_per_node == gpus
+        assert not args.train.colocate_all and not args.ds.enable_sleep
+    else:
+        assert args.backend == "deepspeed" and args.train.colocate_all
     est, div, temp, proj = EXPECTED_METHOD[method]
     assert args.algo.advantage.estimator == est
     if est == "lpo":
@@ -73,7 +106,7 @@ def test_recipe_parses_with_paper_settings(script, method):
     assert args.algo.kl.init_coef == 0 and args.algo.kl.use_loss is False
     prompts, mini, tokens, model = EXPECTED_TASK[script]
     assert args.rollout.batch_size == prompts and args.train.batch_size == mini * 8
-    assert args.rollout.max_new_tokens == tokens and args.actor.model_name_or_path == model
+    assert args.rollout.max_new_tokens == tokens and args.actor.model_name_or_path == (model or env["MODEL"])
     assert args.data.max_len >= tokens
 
 
@@ -83,6 +116,17 @@ def test_extra_args_override_and_bad_method():
     bad = subprocess.run(["bash", str(SCRIPTS_DIR / "train_countdown_qwen3_4b.sh")],
                          env=dict(os.environ, LPO_PRINT_ARGS="1", METHOD="nope"), capture_output=True, text=True)
     assert bad.returncode == 2 and "METHOD=nope" in bad.stderr
+    bad = subprocess.run(["bash", str(SCRIPTS_DIR / "train_countdown_qwen3_4b.sh")],
+                         env=dict(os.environ, LPO_PRINT_ARGS="1", BACKEND="fsdp"), capture_output=True, text=True)
+    assert bad.returncode == 2 and "BACKEND=fsdp" in bad.stderr
+
+
+def test_megatron_recipe_rejects_a_layout_the_model_cannot_split(megatron_layout_model, capsys):
+    argv = script_args("train_math_qwen3_8b_megatron.sh", "lpo_fwd", MODEL=megatron_layout_model, MEGATRON_TP="1",
+                       MEGATRON_PP="8")
+    with pytest.raises(SystemExit):
+        build_parser_and_parse(argv)
+    assert "num_hidden_layers=4" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("script", SMOKES)
@@ -91,3 +135,10 @@ def test_smoke_scripts_parse(script, method):
     args = build_parser_and_parse(script_args(script, method))
     assert args.algo.advantage.estimator == EXPECTED_METHOD[method][0]
     assert args.vllm.num_engines == 1 and args.ckpt.save_steps == 1
+
+
+@pytest.mark.parametrize("script", sorted(EXPECTED_DEFAULT_MODEL))
+def test_megatron_recipe_default_models(script):
+    argv = script_args(script, "lpo_fwd")  # printed flags only: the hub model is not read here
+    assert argv[argv.index("--actor.model_name_or_path") + 1] == EXPECTED_DEFAULT_MODEL[script]
+    assert argv[argv.index("--backend") + 1] == "megatron"

@@ -1,6 +1,7 @@
 # Shared launcher of the LPO recipes (sourced by examples/scripts/train_*.sh).
-# Inputs: TASK (configs/tasks/<TASK>.sh) and METHOD (configs/methods/<METHOD>.sh).
-# Environment knobs: NNODES, GPUS_PER_NODE, VLLM_ENGINES, RAY_ADDRESS, WORKING_DIR, SAVE_ROOT,
+# Inputs: TASK (configs/tasks/<TASK>.sh), METHOD (configs/methods/<METHOD>.sh) and BACKEND
+# (configs/backends/<BACKEND>.sh: deepspeed, the default, or megatron with MEGATRON_TP/MEGATRON_PP).
+# Environment knobs: NNODES, GPUS_PER_NODE, VLLM_ENGINES, VLLM_TP, RAY_ADDRESS, WORKING_DIR, SAVE_ROOT,
 # WANDB_KEY, EXTRA_ARGS (appended last, so they override the recipe), LPO_PRINT_ARGS=1 (print the
 # flags one per line and exit: used by tests/pipeline to parse every recipe with the lpo-train parser).
 set -euo pipefail
@@ -8,23 +9,17 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
 CONFIGS="${LPO_CONFIGS:-$ROOT/configs}"
 [ -f "$CONFIGS/tasks/$TASK.sh" ] || { echo "unknown TASK=$TASK (see $CONFIGS/tasks)" >&2; exit 2; }
 [ -f "$CONFIGS/methods/$METHOD.sh" ] || { echo "unknown METHOD=$METHOD (see $CONFIGS/methods)" >&2; exit 2; }
+BACKEND="${BACKEND:-deepspeed}"
+[ -f "$CONFIGS/backends/$BACKEND.sh" ] || { echo "unknown BACKEND=$BACKEND (see $CONFIGS/backends)" >&2; exit 2; }
 source "$CONFIGS/common.sh"
 source "$CONFIGS/tasks/$TASK.sh"
 source "$CONFIGS/methods/$METHOD.sh"
 
 NNODES="${NNODES:-1}"
 GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
-VLLM_ENGINES="${VLLM_ENGINES:-$((NNODES * GPUS_PER_NODE))}"
 SAVE_ROOT="${SAVE_ROOT:-$ROOT/runs}"
 RUN_NAME="${RUN_NAME:-${TASK}_${METHOD}}"
-
-CLUSTER_ARGS=(
-  --actor.num_nodes "$NNODES" --actor.num_gpus_per_node "$GPUS_PER_NODE"
-  --ref.num_nodes "$NNODES" --ref.num_gpus_per_node "$GPUS_PER_NODE"
-  --vllm.num_engines "$VLLM_ENGINES" --vllm.tensor_parallel_size 1
-  --vllm.gpu_memory_utilization 0.6 --vllm.enable_sleep --ds.enable_sleep
-  --train.colocate_all
-)
+source "$CONFIGS/backends/$BACKEND.sh"  # CLUSTER_ARGS
 LOG_ARGS=(
   --ckpt.path "$SAVE_ROOT/$RUN_NAME/ckpt" --ckpt.output_dir "$SAVE_ROOT/$RUN_NAME/final"
   --ckpt.save_steps 20 --ckpt.save_hf --ckpt.max_num 3 --ckpt.load_enable
