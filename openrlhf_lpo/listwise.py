@@ -45,6 +45,8 @@ __all__ = [
     "pointwise_projection_loss",
     "pg_advantages",
     "parse_temperature",
+    "listwise_group_sums",
+    "listwise_stats_from_sums",
 ]
 
 
@@ -482,3 +484,39 @@ def pg_advantages(rewards: Tensor, estimator: str = "grpo") -> Tensor:
     _check_groups("rewards", rewards)
     _check_finite("rewards", rewards)
     return _lookup(PG_ESTIMATORS, "PG estimator", estimator)(rewards)
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+def listwise_group_sums(gids: Tensor, s: Tensor, target: Tensor, n_groups: int) -> Tensor:
+    """Per-group sums [5, n_groups] (float64) over the members given: sum e^s, sum e^s s,
+    sum w* s, sum w* log w*, member count. Members of one group may sit on different ranks:
+    the sums add up (all-reduce) and :func:`listwise_stats_from_sums` finishes the softmax."""
+    s = s.double()
+    w = target.double().to(s.device)
+    gids = gids.long().to(s.device)
+    e = s.exp()  # s is a mean of clipped token log-ratios: bounded, no overflow
+    w_log_w = torch.where(w > 0, w * torch.log(w), torch.zeros_like(w))
+    rows = torch.stack([e, e * s, w * s, w_log_w, torch.ones_like(s)])
+    out = torch.zeros(5, n_groups, dtype=torch.float64, device=s.device)
+    return out.index_add_(1, gids, rows)
+
+
+def listwise_stats_from_sums(sums: Tensor, group_size: int) -> Dict[str, float]:
+    """Mean over groups of KL(w*||P) = sum w log w - sum w s + log Z, H(P) = log Z - sum e^s s / Z
+    and H(w*), with P = softmax(s), Z = sum e^s (Eq. 10's divergence, Figure 5's entropies)."""
+    z, zs, ws, wlogw, count = sums
+    present = count > 0
+    if bool((count[present] != group_size).any()):
+        bad = sorted(set(int(c) for c in count[present].tolist()) - {group_size})
+        raise ValueError(
+            f"listwise metrics: groups with {bad} members, expected group_size={group_size} (K, "
+            "--rollout.n_samples_per_prompt): a group is missing members on every rank"
+        )
+    log_z = torch.log(z[present])
+    kl = wlogw[present] - ws[present] + log_z
+    h_p = log_z - zs[present] / z[present]
+    n = max(int(present.sum()), 1)
+    return {"kl": float(kl.sum()) / n, "entropy_p": float(h_p.sum()) / n,
+            "entropy_target": float(-wlogw[present].sum()) / n, "groups": float(present.sum())}

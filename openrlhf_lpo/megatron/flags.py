@@ -70,8 +70,6 @@ def _validate(args: argparse.Namespace) -> None:
         (args.algo.kl.use_loss, "--algo.kl.use_loss"),
         (bool(args.actor.entropy_coef), "--actor.entropy_coef != 0"),
         (args.actor.aux_loss_coef > 0, "--actor.aux_loss_coef"),
-        (bool(getattr(getattr(args, "lpo", None), "end_kl", False)),
-         "--lpo.end_kl (the Megatron actor does not log listwise metrics yet)"),
     ]
     for bad, flag in unsupported:
         if bad:

@@ -230,8 +230,30 @@ class MegatronPolicyActor:
         status = {STATUS_KEYS.get(k, k): v / max(n, 1) for k, v in status.items()}
         status["actor_lr"] = self.actor.cfg.lr
         status["optimizer_steps"] = float(n)
+        if getattr(getattr(args, "lpo", None), "end_kl", False):
+            status.update(self._listwise_end_metrics(batch))
         dist.barrier()
         return status
+
+    def _listwise_end_metrics(self, batch) -> Dict[str, float]:
+        """--lpo.end_kl: KL(w*||P) of the rank's rollout batch before and after this update,
+        P = softmax(s) at the current parameters (one no-grad forward), reduced over DP."""
+        from openrlhf_lpo import listwise
+        from openrlhf_lpo.metrics import distributed_listwise_stats
+
+        if "target" not in batch or "lpo_gid" not in batch:
+            raise ValueError("--lpo.end_kl: experiences carry no info['lpo_target'] / info['lpo_gid'] "
+                             "(the LPO experience maker writes them)")
+        args = self.args
+        lp = self.actor.log_probs({k: batch[k] for k in ("sequences", "attention_mask", "action_mask")})
+        s_end = listwise.sequence_log_ratio(lp.double().cpu(), batch["old_log_probs"].double(), batch["action_mask"],
+                                            tuple(args.actor.eps_clip_low_high))
+        gids, target = batch["lpo_gid"].long(), batch["target"].double()
+        K, group = args.rollout.n_samples_per_prompt, self.actor.ps.get_data_parallel_group()
+        start = distributed_listwise_stats(gids, torch.zeros_like(s_end), target, K, group=group)
+        end = distributed_listwise_stats(gids, s_end, target, K, group=group)
+        return {"lpo/kl_start": start["kl"], "lpo/kl_end": end["kl"], "lpo/entropy_p_end": end["entropy_p"],
+                "lpo/entropy_target": start["entropy_target"], "lpo/groups": start["groups"]}
 
     # --------------------------------------------------------------------- weights
     def _engines_take_state_dicts(self) -> bool:

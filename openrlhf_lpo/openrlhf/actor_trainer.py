@@ -9,8 +9,6 @@ Public names (stable):
     plan_windows(gids, K, micro, gas, generator=None) -> list of windows of micro-batches of
                        replay-buffer indices (group-level shuffle, windows of whole groups)
     lpo_group_stats(s[G,K], w*[G,K]) -> dict of per-group KL / entropies (Figure 5 metrics)
-    listwise_group_sums(gids, s, w*, n_groups) -> [5, n_groups] sums that add up over ranks
-    listwise_stats_from_sums(sums) -> mean KL(w*||P), H(P), H(w*) over the groups present
 
 Every other estimator runs the stock ``ppo_train``; with ``--lpo.end_kl`` a group estimator
 (GRPO, Dr.GRPO, MaxRL, ...) also logs lpo/kl_start, lpo/kl_end, lpo/entropy_p_end and
@@ -47,10 +45,10 @@ from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
 from openrlhf.utils.loss_utils import iter_grad_accum_global_norm
 
 from openrlhf_lpo import listwise
+from openrlhf_lpo.metrics import distributed_listwise_stats
 from openrlhf_lpo.openrlhf.experience_maker import LPO_INFO_KEYS
 
-__all__ = ["LPOActorTrainer", "LPOPolicyLoss", "LPOMicroBatch", "plan_windows", "lpo_group_stats",
-           "listwise_group_sums", "listwise_stats_from_sums"]
+__all__ = ["LPOActorTrainer", "LPOPolicyLoss", "LPOMicroBatch", "plan_windows", "lpo_group_stats"]
 
 
 # ----------------------------------------------------------------------------- loss
@@ -169,38 +167,6 @@ def lpo_group_stats(s: torch.Tensor, target: torch.Tensor) -> Dict[str, torch.Te
     return {"kl": kl, "entropy_p": h_p, "entropy_target": h_w}
 
 
-def listwise_group_sums(gids: torch.Tensor, s: torch.Tensor, target: torch.Tensor, n_groups: int) -> torch.Tensor:
-    """Per-group sums [5, n_groups] (float64) over the members given: sum e^s, sum e^s s,
-    sum w* s, sum w* log w*, member count. Members of one group may sit on different ranks:
-    the sums add up (all-reduce) and :func:`listwise_stats_from_sums` finishes the softmax."""
-    s = s.double()
-    w = target.double().to(s.device)
-    gids = gids.long().to(s.device)
-    e = s.exp()  # s is a mean of clipped token log-ratios: bounded, no overflow
-    w_log_w = torch.where(w > 0, w * torch.log(w), torch.zeros_like(w))
-    rows = torch.stack([e, e * s, w * s, w_log_w, torch.ones_like(s)])
-    out = torch.zeros(5, n_groups, dtype=torch.float64, device=s.device)
-    return out.index_add_(1, gids, rows)
-
-
-def listwise_stats_from_sums(sums: torch.Tensor, group_size: int) -> Dict[str, float]:
-    """Mean over groups of KL(w*||P) = sum w log w - sum w s + log Z, H(P) = log Z - sum e^s s / Z
-    and H(w*), with P = softmax(s), Z = sum e^s (Eq. 10's divergence, Figure 5's entropies)."""
-    z, zs, ws, wlogw, count = sums
-    present = count > 0
-    if bool((count[present] != group_size).any()):
-        bad = sorted(set(int(c) for c in count[present].tolist()) - {group_size})
-        raise ValueError(
-            f"listwise metrics: groups with {bad} members, expected --rollout.n_samples_per_prompt {group_size}"
-        )
-    log_z = torch.log(z[present])
-    kl = wlogw[present] - ws[present] + log_z
-    h_p = log_z - zs[present] / z[present]
-    n = max(int(present.sum()), 1)
-    return {"kl": float(kl.sum()) / n, "entropy_p": float(h_p.sum()) / n,
-            "entropy_target": float(-wlogw[present].sum()) / n, "groups": float(present.sum())}
-
-
 # ----------------------------------------------------------------------------- trainer
 
 
@@ -254,14 +220,8 @@ class LPOActorTrainer(ActorPPOTrainer):
 
     def _listwise_stats(self, gids: torch.Tensor, s: torch.Tensor, target: torch.Tensor) -> Dict[str, float]:
         """Mean listwise stats of the global rollout batch (groups may span ranks)."""
-        device = self._device()
-        n = torch.tensor([int(gids.max()) + 1 if len(gids) else 0], dtype=torch.float64, device=device)
-        if torch.distributed.is_initialized():
-            torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MAX)
-        sums = listwise_group_sums(gids.to(device), s.to(device), target.to(device), int(n.item()))
-        if torch.distributed.is_initialized():
-            torch.distributed.all_reduce(sums)
-        return listwise_stats_from_sums(sums.cpu(), self.args.rollout.n_samples_per_prompt)
+        return distributed_listwise_stats(gids, s, target, self.args.rollout.n_samples_per_prompt,
+                                          device=self._device())
 
     def _end_log_ratios(self, items) -> torch.Tensor:
         """s of every replay-buffer item at the current parameters (no grad)."""

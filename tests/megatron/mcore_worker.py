@@ -7,6 +7,7 @@ for log-probs, and plain torch autograd + clip_grad_norm_ + AdamW for the traini
 """
 
 import json
+import math
 import os
 import sys
 import time
@@ -285,7 +286,7 @@ def check_policy_actor():
             train=NS(micro_batch_size=2, batch_size=8, max_epochs=1),
             rollout=NS(temperature=1.0, n_samples_per_prompt=K),
             algo=NS(advantage=NS(estimator="lpo")),
-            lpo=NS(divergence="fwd", projection="listwise", force_two_pass=False),
+            lpo=NS(divergence="fwd", projection="listwise", force_two_pass=False, end_kl=True),
             ckpt=NS(path=os.path.join(OUT, "policy_ckpt"), load_enable=load, save_hf=True,
                     output_dir=os.path.join(OUT, "policy_final")),
             vllm=NS(sync_backend="gloo"), seed=42,
@@ -304,6 +305,9 @@ def check_policy_actor():
     n = batch["sequences"].shape[0] // dp
     sl = slice(r * n, (r + 1) * n)
     rec = {}
+    # old log-probs of the whole batch (what each rank's per-experience forward + 0.01 gives, up to
+    # float noise), for the brute-force --lpo.end_kl reference below
+    old_full = (pa.forward(batch["sequences"], batch["action_mask"], batch["attention_mask"]) + 0.01).double()
 
     def one_iteration(actor_obj):
         for j in range(0, n, 2):  # two experiences per rank, merged by fit()
@@ -325,8 +329,17 @@ def check_policy_actor():
     if RANK == 0:
         rec["engine_updates"] = engine.updates
         with torch.no_grad():
-            rec["engine_vs_actor"] = masked_maxdiff(hf_logp(engine.hf.double(), batch), lp_actor, mask)
+            new_lp = hf_logp(engine.hf.double(), batch)  # independent HF forward of the synced weights
+            rec["engine_vs_actor"] = masked_maxdiff(new_lp, lp_actor, mask)
             engine.hf.float()
+        lo, hi = math.log(0.8), math.log(1.2)
+        s_ref = ((new_lp - old_full).clamp(lo, hi) * mask).sum(1) / mask.sum(1)
+        w = target.double().view(G, K)
+        p = torch.softmax(s_ref.view(G, K), 1)
+        kl = torch.where(w > 0, w * (w.log() - p.log()), torch.zeros_like(w)).sum(1)
+        rec["end_kl"] = [st1["lpo/kl_end"], float(kl.mean())]
+        rec["start_kl"] = [st1["lpo/kl_start"], float(math.log(K) + torch.where(w > 0, w * w.log(), 0 * w).sum(1).mean())]
+        rec["end_groups"] = st1["lpo/groups"]
     pa.save_checkpoint("global_step1", {"episode": 1})
     saved = dict(pa.actor.export_hf_weights())
     st2 = one_iteration(pa)

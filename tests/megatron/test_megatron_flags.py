@@ -38,7 +38,6 @@ def test_megatron_flags_parse(tiny_dir):
         (["--megatron.tp", "4"], "num_key_value_heads=2"),
         (["--megatron.pp", "4"], "num_hidden_layers=2"),
         (["--actor.entropy_coef", "0.01"], "--actor.entropy_coef"),
-        (["--lpo.end_kl"], "--lpo.end_kl (the Megatron actor does not log listwise metrics yet)"),
     ],
 )
 def test_bad_megatron_layouts_exit_2(tiny_dir, capsys, extra, needle):

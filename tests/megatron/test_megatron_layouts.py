@@ -97,3 +97,7 @@ def test_policy_actor_wrapper_fit_sync_resume(mcore_world):
     rank0 = _checks(mcore_world)[0]["policy_actor"]
     assert rank0["engine_updates"] == 1
     assert rank0["engine_vs_actor"] < 1e-5  # the engine scores with the actor's weights
+    # --lpo.end_kl over the DP group (each DP rank holds half the groups) vs brute force on HF
+    got, ref = rank0["end_kl"]
+    assert abs(got - ref) < 1e-5 and abs(rank0["start_kl"][0] - rank0["start_kl"][1]) < 1e-6
+    assert abs(got - rank0["start_kl"][0]) > 1e-5 and rank0["end_groups"] == 4

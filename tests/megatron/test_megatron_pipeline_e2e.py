@@ -49,7 +49,7 @@ def e2e(tmp_path_factory):
         "--actor.adam.lr", "1e-2", "--actor.lr_scheduler", "constant", "--actor.max_norm", "1.0",
         "--actor.entropy_coef", "0", "--ds.attn_implementation", "sdpa", "--logger.logging_steps", "1",
         "--ckpt.path", str(w / "ckpt"), "--ckpt.output_dir", str(w / "final"), "--ckpt.save_steps", "1",
-        "--ckpt.save_hf", "--algo.advantage.estimator", "lpo",
+        "--ckpt.save_hf", "--algo.advantage.estimator", "lpo", "--lpo.end_kl",
         "--backend", "megatron", "--megatron.tp", "2", "--megatron.params_dtype", "fp32",
     ]
     rc1, log1 = _run(base + ["--data.max_samples", "8", "--train.num_episodes", "1"], env, w / "run1.log")
@@ -71,6 +71,9 @@ def test_two_iterations_and_weight_sync(e2e):
     assert len(syncs) == 2 and all(r["max_abs_diff"] < 1e-4 and r["num_tensors"] > 0 for r in syncs)
     grad_norms = [float(x) for x in re.findall(r"'actor_grad_norm': ([0-9.e+-]+)", e2e["log1"])]
     assert grad_norms and max(grad_norms) > 0  # informative groups: the policy was updated
+    end_kl = [float(x) for x in re.findall(r"'lpo/kl_end': ([0-9.e+-]+)", e2e["log1"])]
+    groups = [float(x) for x in re.findall(r"'lpo/groups': ([0-9.e+-]+)", e2e["log1"])]
+    assert len(end_kl) == 2 and all(v >= 0 for v in end_kl) and groups == [4.0, 4.0]  # reduced over DP
     ck = e2e["w"] / "ckpt"
     assert (ck / "_actor" / "latest").exists()
     assert (ck / "global_step2_hf" / "model.safetensors.index.json").exists()

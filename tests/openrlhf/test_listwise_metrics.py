@@ -16,8 +16,8 @@ from lpo_harness import (CPUStrategy, cpu_cuda_queries, make_actor, make_experie
                          make_trainer, max_abs, max_abs_diff, parse_args, reference_listwise_stats)
 from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
 
-from openrlhf_lpo.openrlhf.actor_trainer import (LPOActorTrainer, listwise_group_sums, listwise_stats_from_sums,
-                                                 lpo_group_stats)
+from openrlhf_lpo.listwise import listwise_group_sums, listwise_stats_from_sums
+from openrlhf_lpo.openrlhf.actor_trainer import LPOActorTrainer, lpo_group_stats
 
 K, G = 4, 4
 
@@ -92,7 +92,7 @@ def test_group_sums_add_up_over_any_split():
     assert got["kl"] == pytest.approx(float(ref["kl"].mean()), abs=1e-14)
     assert got["entropy_p"] == pytest.approx(float(ref["entropy_p"].mean()), abs=1e-14)
     assert got["entropy_target"] == pytest.approx(float(ref["entropy_target"].mean()), abs=1e-14)
-    with pytest.raises(ValueError, match="n_samples_per_prompt"):
+    with pytest.raises(ValueError, match="missing members"):
         listwise_stats_from_sums(listwise_group_sums(gids[:-1], s.reshape(-1)[:-1], w.reshape(-1)[:-1], n_groups), k)
 
 
