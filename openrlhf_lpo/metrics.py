@@ -6,6 +6,9 @@ Public names (stable):
         KL(w*||P) (Eq. 10), H(P) and H(w*), P = softmax(s). Each rank passes its own samples
         (global group ids ``gids``); a group's members may sit on different ranks. Every rank of
         ``group`` (default: the world, when torch.distributed is initialised) must call it.
+    listwise_update_metrics(gids, s_start, s_end, target, group_size, group=None, device=None)
+        -> the logged ``lpo/kl_start``, ``lpo/kl_end``, ``lpo/entropy_p_end``, ``lpo/entropy_target``,
+        ``lpo/groups`` of an update that moved s from ``s_start`` to ``s_end``.
 
 Used by the DeepSpeed actor trainer and the Megatron actor for ``--lpo.end_kl``.
 """
@@ -19,7 +22,7 @@ import torch.distributed as dist
 
 from openrlhf_lpo.listwise import listwise_group_sums, listwise_stats_from_sums
 
-__all__ = ["distributed_listwise_stats"]
+__all__ = ["distributed_listwise_stats", "listwise_update_metrics"]
 
 
 def distributed_listwise_stats(gids: torch.Tensor, s: torch.Tensor, target: torch.Tensor, group_size: int,
@@ -33,3 +36,11 @@ def distributed_listwise_stats(gids: torch.Tensor, s: torch.Tensor, target: torc
     if reduce:
         dist.all_reduce(sums, group=group)
     return listwise_stats_from_sums(sums.cpu(), group_size)
+
+
+def listwise_update_metrics(gids: torch.Tensor, s_start: torch.Tensor, s_end: torch.Tensor, target: torch.Tensor,
+                            group_size: int, group=None, device: Optional[torch.device] = None) -> Dict[str, float]:
+    start = distributed_listwise_stats(gids, s_start, target, group_size, group=group, device=device)
+    end = distributed_listwise_stats(gids, s_end, target, group_size, group=group, device=device)
+    return {"lpo/kl_start": start["kl"], "lpo/kl_end": end["kl"], "lpo/entropy_p_end": end["entropy_p"],
+            "lpo/entropy_target": start["entropy_target"], "lpo/groups": start["groups"]}

@@ -239,7 +239,7 @@ class MegatronPolicyActor:
         """--lpo.end_kl: KL(w*||P) of the rank's rollout batch before and after this update,
         P = softmax(s) at the current parameters (one no-grad forward), reduced over DP."""
         from openrlhf_lpo import listwise
-        from openrlhf_lpo.metrics import distributed_listwise_stats
+        from openrlhf_lpo.metrics import listwise_update_metrics
 
         if "target" not in batch or "lpo_gid" not in batch:
             raise ValueError("--lpo.end_kl: experiences carry no info['lpo_target'] / info['lpo_gid'] "
@@ -248,12 +248,9 @@ class MegatronPolicyActor:
         lp = self.actor.log_probs({k: batch[k] for k in ("sequences", "attention_mask", "action_mask")})
         s_end = listwise.sequence_log_ratio(lp.double().cpu(), batch["old_log_probs"].double(), batch["action_mask"],
                                             tuple(args.actor.eps_clip_low_high))
-        gids, target = batch["lpo_gid"].long(), batch["target"].double()
-        K, group = args.rollout.n_samples_per_prompt, self.actor.ps.get_data_parallel_group()
-        start = distributed_listwise_stats(gids, torch.zeros_like(s_end), target, K, group=group)
-        end = distributed_listwise_stats(gids, s_end, target, K, group=group)
-        return {"lpo/kl_start": start["kl"], "lpo/kl_end": end["kl"], "lpo/entropy_p_end": end["entropy_p"],
-                "lpo/entropy_target": start["entropy_target"], "lpo/groups": start["groups"]}
+        s_start = torch.zeros_like(s_end)  # on-policy: old log-probs are the pre-update actor's
+        return listwise_update_metrics(batch["lpo_gid"].long(), s_start, s_end, batch["target"].double(),
+                                       args.rollout.n_samples_per_prompt, group=self.actor.ps.get_data_parallel_group())
 
     # --------------------------------------------------------------------- weights
     def _engines_take_state_dicts(self) -> bool:

@@ -45,7 +45,7 @@ from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
 from openrlhf.utils.loss_utils import iter_grad_accum_global_norm
 
 from openrlhf_lpo import listwise
-from openrlhf_lpo.metrics import distributed_listwise_stats
+from openrlhf_lpo.metrics import distributed_listwise_stats, listwise_update_metrics
 from openrlhf_lpo.openrlhf.experience_maker import LPO_INFO_KEYS
 
 __all__ = ["LPOActorTrainer", "LPOPolicyLoss", "LPOMicroBatch", "plan_windows", "lpo_group_stats"]
@@ -218,11 +218,6 @@ class LPOActorTrainer(ActorPPOTrainer):
         exp.to_device(self._device())
         return exp, meta
 
-    def _listwise_stats(self, gids: torch.Tensor, s: torch.Tensor, target: torch.Tensor) -> Dict[str, float]:
-        """Mean listwise stats of the global rollout batch (groups may span ranks)."""
-        return distributed_listwise_stats(gids, s, target, self.args.rollout.n_samples_per_prompt,
-                                          device=self._device())
-
     def _end_log_ratios(self, items) -> torch.Tensor:
         """s of every replay-buffer item at the current parameters (no grad)."""
         s_end = torch.zeros(len(items), dtype=torch.float64)
@@ -244,12 +239,8 @@ class LPOActorTrainer(ActorPPOTrainer):
         gids = torch.tensor([int(m["lpo_gid"]) for m in meta])
         target = torch.tensor([float(m["lpo_target"]) for m in meta], dtype=torch.float64)
         prev = torch.tensor([float(m["lpo_prev_log_ratio"]) for m in meta], dtype=torch.float64)
-        start = self._listwise_stats(gids, prev, target)
-        end = self._listwise_stats(gids, self._end_log_ratios(items), target)
-        status.update({
-            "lpo/kl_start": start["kl"], "lpo/kl_end": end["kl"], "lpo/entropy_p_end": end["entropy_p"],
-            "lpo/entropy_target": start["entropy_target"], "lpo/groups": start["groups"],
-        })
+        status.update(listwise_update_metrics(gids, prev, self._end_log_ratios(items), target,
+                                              self.args.rollout.n_samples_per_prompt, device=self._device()))
         return status
 
     # -- main loop
@@ -383,7 +374,8 @@ class LPOActorTrainer(ActorPPOTrainer):
         }
         end = None
         if self.args.lpo.end_kl:
-            end = self._listwise_stats(torch.tensor(gids), self._end_log_ratios(items), target)
+            end = distributed_listwise_stats(torch.tensor(gids), self._end_log_ratios(items), target, K,
+                                             device=self._device())
         tau_max = float(t[finite].max()) if bool(finite.any()) else 0.0
         tau_neg_min = float(-t[finite].min()) if bool(finite.any()) else 0.0
         if torch.distributed.is_initialized():
