@@ -360,6 +360,32 @@ def check_policy_actor():
     rec["resume_iter2_diff"] = max(float((after2b[k] - after2[k]).abs().max()) for k in saved)
     rec["grad_norm_iter2"] = [st2["actor_grad_norm"], st2b["actor_grad_norm"]]
     rec["status_keys"] = sorted(st2)
+
+    # GRPO (group_norm) with --lpo.end_kl: fit()'s policy-gradient path logs the same listwise metrics
+    pg_args = make_args(False)
+    pg_args.algo.advantage.estimator = "group_norm"
+    pg_args.ckpt.path = os.path.join(OUT, "policy_ckpt_pg")
+    pa3 = cls.__new__(cls)
+    pa3.init_model_from_pretrained(NS(args=pg_args), model_dir, max_steps=2, vllm_engines=[engine])
+    adv = listwise.pg_advantages(rewards, "grpo").reshape(-1, 1) * batch["action_mask"].float()
+    for j in range(0, n, 2):
+        idx = slice(sl.start + j, sl.start + j + 2)
+        exp = NS(sequences=batch["sequences"][idx], attention_mask=batch["attention_mask"][idx],
+                 action_mask=batch["action_mask"][idx], advantages=adv[idx],
+                 info={"lpo_target": target[idx], "lpo_gid": gid[idx]})
+        exp.action_log_probs = pa3.forward(exp.sequences, exp.action_mask, exp.attention_mask) + 0.01
+        pa3.append(exp)
+    st3 = pa3.fit()
+    pa3.broadcast_to_vllm()
+    if RANK == 0:
+        with torch.no_grad():
+            pg_lp = hf_logp(engine.hf.double(), batch)
+            engine.hf.float()
+        s_pg = ((pg_lp - old_full).clamp(lo, hi) * mask).sum(1) / mask.sum(1)
+        p_pg = torch.softmax(s_pg.view(G, K), 1)
+        kl_pg = torch.where(w > 0, w * (w.log() - p_pg.log()), torch.zeros_like(w)).sum(1)
+        rec["pg_end_kl"] = [st3["lpo/kl_end"], float(kl_pg.mean())]
+        rec["pg_moved"] = abs(st3["lpo/kl_end"] - st3["lpo/kl_start"])
     results["checks"]["policy_actor"] = rec
 
 

@@ -101,3 +101,5 @@ def test_policy_actor_wrapper_fit_sync_resume(mcore_world):
     got, ref = rank0["end_kl"]
     assert abs(got - ref) < 1e-5 and abs(rank0["start_kl"][0] - rank0["start_kl"][1]) < 1e-6
     assert abs(got - rank0["start_kl"][0]) > 1e-5 and rank0["end_groups"] == 4
+    got, ref = rank0["pg_end_kl"]  # the same metrics from a GRPO (group_norm) fit()
+    assert abs(got - ref) < 1e-5 and rank0["pg_moved"] > 1e-5
