@@ -332,12 +332,15 @@ def check_policy_actor():
             new_lp = hf_logp(engine.hf.double(), batch)  # independent HF forward of the synced weights
             rec["engine_vs_actor"] = masked_maxdiff(new_lp, lp_actor, mask)
             engine.hf.float()
-        lo, hi = math.log(0.8), math.log(1.2)
-        s_ref = ((new_lp - old_full).clamp(lo, hi) * mask).sum(1) / mask.sum(1)
         w = target.double().view(G, K)
-        p = torch.softmax(s_ref.view(G, K), 1)
-        kl = torch.where(w > 0, w * (w.log() - p.log()), torch.zeros_like(w)).sum(1)
-        rec["end_kl"] = [st1["lpo/kl_end"], float(kl.mean())]
+
+        def ref_kl(lp):
+            """Mean KL(w*||softmax(s)) with s from HF log-probs ``lp`` (clip band of eps 0.2)."""
+            s_ref = ((lp - old_full).clamp(math.log(0.8), math.log(1.2)) * mask).sum(1) / mask.sum(1)
+            p = torch.softmax(s_ref.view(G, K), 1)
+            return float(torch.where(w > 0, w * (w.log() - p.log()), torch.zeros_like(w)).sum(1).mean())
+
+        rec["end_kl"] = [st1["lpo/kl_end"], ref_kl(new_lp)]
         rec["start_kl"] = [st1["lpo/kl_start"], float(math.log(K) + torch.where(w > 0, w * w.log(), 0 * w).sum(1).mean())]
         rec["end_groups"] = st1["lpo/groups"]
     pa.save_checkpoint("global_step1", {"episode": 1})
@@ -381,10 +384,7 @@ def check_policy_actor():
         with torch.no_grad():
             pg_lp = hf_logp(engine.hf.double(), batch)
             engine.hf.float()
-        s_pg = ((pg_lp - old_full).clamp(lo, hi) * mask).sum(1) / mask.sum(1)
-        p_pg = torch.softmax(s_pg.view(G, K), 1)
-        kl_pg = torch.where(w > 0, w * (w.log() - p_pg.log()), torch.zeros_like(w)).sum(1)
-        rec["pg_end_kl"] = [st3["lpo/kl_end"], float(kl_pg.mean())]
+        rec["pg_end_kl"] = [st3["lpo/kl_end"], ref_kl(pg_lp)]
         rec["pg_moved"] = abs(st3["lpo/kl_end"] - st3["lpo/kl_start"])
     results["checks"]["policy_actor"] = rec
 
