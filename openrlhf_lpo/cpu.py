@@ -61,10 +61,46 @@ def gpu_available() -> bool:
 
 
 def cpu_mode_wanted() -> bool:
-    """True when no GPU is present and ``LPO_CPU_MODE`` is not ``0``."""
+    """True when no GPU is present and ``LPO_CPU_MODE`` is not ``0`` (this process only; the
+    ``lpo-train`` decision, which also looks at the Ray cluster, is :func:`decide_cpu_mode`)."""
     if os.environ.get("LPO_CPU_MODE", "1") == "0":
         return False
     return not gpu_available()
+
+
+def ray_address() -> Optional[str]:
+    """The Ray cluster ``ray.init()`` would join (``RAY_ADDRESS``), or None for a new local one."""
+    return os.environ.get("RAY_ADDRESS") or None
+
+
+def cluster_gpus(address: str) -> float:
+    """GPUs of the Ray cluster at ``address`` (connects this driver to it, read-only)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+    return float(ray.cluster_resources().get("GPU", 0.0))
+
+
+def decide_cpu_mode(mode: str = "auto", address: Optional[str] = None, local_gpu: Optional[bool] = None):
+    """``(on, reason)`` for ``--cpu.mode``: ``on``/``off`` as given; ``auto`` is on only when this
+    driver sees no GPU AND it does not join a Ray cluster with GPUs. A driver on a head or login
+    node without GPUs (KubeRay, Slurm) that joins a GPU cluster through ``RAY_ADDRESS`` runs the
+    real GPU pipeline."""
+    if mode == "on":
+        return True, "--cpu.mode on"
+    if mode not in ("auto", "off"):
+        raise ValueError(f"--cpu.mode {mode!r}: use auto, on or off")
+    if mode == "off" or os.environ.get("LPO_CPU_MODE", "1") == "0":
+        return False, "--cpu.mode off" if mode == "off" else "LPO_CPU_MODE=0"
+    if local_gpu if local_gpu is not None else gpu_available():
+        return False, "this driver sees a GPU"
+    if address:
+        gpus = cluster_gpus(address)
+        if gpus > 0:
+            return False, f"the Ray cluster at {address} has {gpus:g} GPUs"
+        return True, f"no GPU here and the Ray cluster at {address} has none"
+    return True, "no GPU here and no Ray cluster to join (RAY_ADDRESS unset)"
 
 
 # ----------------------------------------------------------------------------- torch.cuda
@@ -290,9 +326,20 @@ def init_ray(num_cpus: Optional[int] = None, num_gpus: Optional[int] = None, **k
 
     if ray.is_initialized():
         return None
+    kwargs.setdefault("include_dashboard", False)
+    address = ray_address()
+    if address:  # an existing cluster: its resources are its own (it needs logical GPU slots)
+        ctx = ray.init(address=address, runtime_env=ray_runtime_env(), **kwargs)
+        if float(ray.cluster_resources().get("GPU", 0.0)) <= 0:
+            ray.shutdown()
+            raise RuntimeError(
+                f"CPU mode joined the Ray cluster at RAY_ADDRESS={address}, which declares no GPU resources; "
+                "OpenRLHF's actors ask for GPU slots: start it with `ray start --head --num-gpus 16` (logical "
+                "slots on a CPU machine) or unset RAY_ADDRESS to let lpo-train start a local cluster"
+            )
+        return ctx
     num_cpus = num_cpus if num_cpus is not None else int(os.environ.get("LPO_CPU_NUM_CPUS", "16"))
     num_gpus = num_gpus if num_gpus is not None else int(os.environ.get("LPO_CPU_NUM_GPUS", "16"))
-    kwargs.setdefault("include_dashboard", False)
     return ray.init(num_cpus=num_cpus, num_gpus=num_gpus, runtime_env=ray_runtime_env(), **kwargs)
 
 
@@ -463,8 +510,9 @@ def _adjust_flat_or_nested(ns) -> List[str]:
 
 def _add_cpu_arguments(parser) -> None:
     g = parser.add_argument_group("CPU mode (openrlhf_lpo.cpu; active only when no GPU is present)")
-    g.add_argument("--cpu.mode", type=str, default="auto", choices=["auto", "off"],
-                   help="auto: run on the CPU when torch sees no GPU (default); off: never")
+    g.add_argument("--cpu.mode", type=str, default="auto", choices=["auto", "on", "off"],
+                   help="auto (default): CPU mode when this driver sees no GPU and does not join a Ray cluster "
+                   "with GPUs (RAY_ADDRESS); on: always (debug a recipe on CPU); off: never")
     g.add_argument("--cpu.engine", type=str, default=None, choices=["hf", "vllm"],
                    help="CPU rollout engine backend (default: $LPO_CPU_ENGINE or hf)")
 
@@ -489,8 +537,13 @@ class _RaySession:
 
 def _cpu_before_train(args):
     cpu_args = getattr(args, "cpu", None)
-    if getattr(cpu_args, "mode", "auto") == "off" or not cpu_mode_wanted():
+    on, reason = decide_cpu_mode(getattr(cpu_args, "mode", "auto"), ray_address())
+    print(f"[openrlhf_lpo.cpu] CPU mode {'on' if on else 'off'}: {reason}", file=sys.stderr)
+    if not on:
         return None
+    if gpu_available():
+        raise RuntimeError("--cpu.mode on but this driver sees a GPU: hide it with CUDA_VISIBLE_DEVICES= (the CPU "
+                           "mode replaces CUDA calls) or use --cpu.mode auto")
     if getattr(cpu_args, "engine", None):
         os.environ["LPO_CPU_ENGINE"] = cpu_args.engine
     enable_cpu_mode()

@@ -83,22 +83,15 @@ def flag_was_given(args: argparse.Namespace, dotted: str) -> bool:
 
 def dp_size(args: argparse.Namespace) -> int:
     """Effective data-parallel size of the actor (what OpenRLHF chunks experiences by)."""
-    return (
-        args.actor.num_nodes
-        * args.actor.num_gpus_per_node
-        // max(args.ds.ring_attn_size, 1)
-        // max(args.ds.tensor_parallel_size, 1)
-    )
+    from openrlhf_lpo.openrlhf.config import dp_size as _dp_size
+
+    return _dp_size(args)
 
 
 # ----------------------------------------------------------------------------- LPO / MaxRL
 
-LPO_ESTIMATORS = ("lpo",)
-EXTRA_ESTIMATORS = ("lpo", "maxrl")
-# Group-baseline policy-gradient estimators and the temperature of their LPO pairing: with
-# --lpo.end_kl they log the same KL(w*||P) as LPO (metrics only), so the two can be compared.
-PAIRED_TEMPERATURE = {"group_norm": "std", "dr_grpo": "one", "maxrl": "mean", "rloo": "one",
-                      "reinforce_baseline": "one"}
+from openrlhf_lpo.openrlhf.config import (  # noqa: E402  (shared with the OpenRLHF extension)
+    EXTRA_ESTIMATORS, LPO_ESTIMATORS, PAIRED_TEMPERATURE, listwise_metrics_enabled, uses_lpo_classes)
 
 LPO_DEFAULTS = {"divergence": "fwd", "temperature": "std", "projection": "listwise"}
 
@@ -186,25 +179,38 @@ def _validate_extra_estimators(args: argparse.Namespace) -> None:
             "-sum_k w*_k s_k); drop one of them"
         )
 
-    # ---- options that would scatter groups or that the LPO surrogate does not implement
+    # ---- options the listwise loss does not implement (everything else composes: docs/lpo_flags.md)
+    adv = args.algo.advantage
     refusals = [
-        (args.train.dynamic_batch_enable, "--train.dynamic_batch_enable",
-         "dynamic batching re-partitions samples by length and scatters groups; use fixed "
-         "--train.micro_batch_size (groups that straddle micro-batches stay exact via the two-pass path)"),
-        (args.train.async_enable, "--train.async_enable",
-         "the async trainer is not wired for LPO yet; run synchronously"),
-        (args.ds.ring_attn_size > 1, "--ds.ring_attn_size > 1", "ring attention is not supported with LPO yet"),
+        (args.ds.ring_attn_size > 1, "--ds.ring_attn_size > 1",
+         "ring attention splits one sequence over ranks; the LPO trainer's no-grad passes and group "
+         "windows do not implement it"),
         (args.ds.tensor_parallel_size > 1, "--ds.tensor_parallel_size > 1",
-         "DeepSpeed tensor parallelism is not supported with LPO yet"),
+         "DeepSpeed tensor parallelism is not supported with LPO; use --backend megatron --megatron.tp N"),
         (args.actor.policy_loss_type != "ppo", f"--actor.policy_loss_type {args.actor.policy_loss_type}",
-         "LPO replaces the policy loss; leave --actor.policy_loss_type at ppo"),
+         "LPO replaces the policy loss (GSPO's sequence ratio included); leave --actor.policy_loss_type at ppo"),
         (args.actor.dual_clip is not None, "--actor.dual_clip", "dual-clip is a PPO option LPO does not use"),
-        (args.algo.advantage.is_correction_level != "off", "--algo.advantage.is_correction_level",
-         "train/rollout importance-sampling correction is not implemented in the LPO surrogate; set it to off"),
+        (adv.is_correction_level == "seq", "--algo.advantage.is_correction_level seq",
+         "a rejected response would have to leave its group's list (changing K); use the token level, whose "
+         "clip/mask modes LPO maps onto its listwise correction s_t"),
+        (adv.is_correction_level != "off" and adv.is_correction_gating != "ratio",
+         f"--algo.advantage.is_correction_gating {adv.is_correction_gating}",
+         "LPO's listwise correction reads the ratio pi_t/mu itself; use --algo.advantage.is_correction_gating ratio"),
     ]
     for bad, flag, why in refusals:
         if bad:
             raise FlagError(f"{flag} is not supported with --algo.advantage.estimator lpo: {why}")
+    if adv.is_correction_level != "off":
+        low, high = adv.is_correction_threshold
+        if not (0.0 < low < 1.0 < high):
+            raise FlagError(
+                f"--algo.advantage.is_correction_threshold {low} {high}: LPO's listwise correction bounds "
+                "the ratio pi_t/mu to [low, high] around 1, so it needs 0 < low < 1 < high (e.g. 0.5 5.0)"
+            )
+    elif args.train.async_enable:
+        print("[openrlhf_lpo] --train.async_enable without --algo.advantage.is_correction_level: LPO treats each "
+              "list as drawn from the start-of-update policy (s_t = 0). Add --algo.advantage.is_correction_level "
+              "token --algo.advantage.is_correction_mode clip for the listwise off-policy target (docs/lpo_flags.md).")
     lo, hi = args.actor.eps_clip_low_high
     if not (0.0 < lo < 1.0) or hi <= 0.0:
         raise FlagError(
@@ -225,7 +231,7 @@ def _validate_extra_estimators(args: argparse.Namespace) -> None:
             f"--train.batch_size {tb} must be a multiple of dp x --rollout.n_samples_per_prompt = "
             f"{dp} x {K} = {dp * K} so every optimizer step on every rank holds whole groups"
         )
-    if tb % (dp * mb):
+    if not args.train.dynamic_batch_enable and tb % (dp * mb):
         raise FlagError(
             f"--train.batch_size {tb} must be a multiple of dp x --train.micro_batch_size = {dp} x {mb} "
             "(whole micro-batches per optimizer step)"
@@ -236,7 +242,8 @@ def _validate_extra_estimators(args: argparse.Namespace) -> None:
             f"--train.batch_size {tb} (whole optimizer steps per rollout batch)"
         )
 
-    # response entropy is one of the logged quantities: compute it, with coefficient 0.
+    # response entropy is one of the logged quantities: with coefficient 0 it is computed without
+    # an autograd graph (LPOActorTrainer.training_step).
     if args.actor.entropy_coef is None:
         args.actor.entropy_coef = 0.0
 
@@ -271,14 +278,8 @@ def _validate_listwise_metrics(args: argparse.Namespace, est: str, K: int) -> No
         raise FlagError(f"--lpo.temperature: {e}") from None
 
 
-def listwise_metrics_enabled(args: argparse.Namespace) -> bool:
-    """True when a non-LPO estimator logs the listwise KL (the LPO classes must be installed)."""
-    est = args.algo.advantage.estimator
-    return est not in LPO_ESTIMATORS and est in PAIRED_TEMPERATURE and bool(getattr(args.lpo, "end_kl", False))
-
-
 def _lpo_before_train(args: argparse.Namespace):
-    if args.algo.advantage.estimator not in EXTRA_ESTIMATORS and not listwise_metrics_enabled(args):
+    if not uses_lpo_classes(args):
         return None
     from openrlhf_lpo.openrlhf.patches import apply_patches
 
@@ -294,6 +295,17 @@ register_flag_group(
         estimators=EXTRA_ESTIMATORS,
     )
 )
+
+
+def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("lpo-train run control")
+    g.add_argument("--dry-run", dest="dry_run", action="store_true", default=False,
+                   help="validate every flag, print the plan (GPUs per role, groups per rank, optimizer windows "
+                   "per rollout batch, one- or two-pass, steps per episode, the last partial batch) and exit "
+                   "without starting Ray or loading a model")
+
+
+register_flag_group(FlagGroup(name="run", add_arguments=_add_run_arguments))
 
 
 def enter_before_train(stack: contextlib.ExitStack, args: argparse.Namespace) -> None:

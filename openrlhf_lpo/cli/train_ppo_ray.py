@@ -180,8 +180,20 @@ def main(argv: Optional[List[str]] = None) -> None:
         return demo_cli.main(argv)
 
     def run(args, stock_train):
+        from openrlhf_lpo.cli import plan
+
+        if args.dry_run:
+            try:
+                lines = plan.plan_lines(args)
+            except (FileNotFoundError, ValueError) as e:
+                print(f"lpo-train --dry-run: {e}", file=sys.stderr)
+                raise SystemExit(2) from None
+            print("lpo-train --dry-run: flags are valid; nothing was started")
+            print("\n".join(lines))
+            return
         with contextlib.ExitStack() as stack:
             _flags.enter_before_train(stack, args)
+            _check_cluster(args, plan)
             # names the stock module imported before the swaps (``PolicyModelActor``) follow them
             patches = sys.modules.get("openrlhf_lpo.openrlhf.patches")
             if patches is not None:
@@ -189,6 +201,25 @@ def main(argv: Optional[List[str]] = None) -> None:
             stock_train(args)
 
     _run_stock(argv, run)
+
+
+def _check_cluster(args, plan) -> None:
+    """Join (or start) Ray as the stock ``train()`` would, then fail fast if the recipe cannot fit."""
+    import os
+
+    import ray
+
+    if not ray.is_initialized():  # the stock train() would call ray.init() with these env vars
+        ray.init(runtime_env={"env_vars": {
+            "TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM", "true"),
+            "NCCL_DEBUG": os.environ.get("NCCL_DEBUG", "WARN"),
+            "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": os.environ.get("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", "1"),
+        }})
+    try:
+        plan.check_cluster(args, ray.cluster_resources())
+    except plan.ClusterTooSmall as e:
+        print(f"lpo-train: {e}", file=sys.stderr)
+        raise SystemExit(3) from None
 
 
 if __name__ == "__main__":

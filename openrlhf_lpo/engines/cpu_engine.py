@@ -69,6 +69,19 @@ def _stop_ids(model_path: str, config) -> set:
     return ids
 
 
+def request_seed(engine_seed: int, prompt_ids: Sequence[int], occurrence: int, user_seed: Optional[int] = None) -> int:
+    """Seed of one request: a hash of the engine seed (or the request's own ``SamplingParams.seed``),
+    the prompt's tokens and how many times this engine has seen that prompt before. The samples
+    then do not depend on which requests happen to be generated in one batch (like vLLM's
+    per-request seeds), so runs with the same seed get the same rollouts."""
+    import hashlib
+
+    base = engine_seed if user_seed is None else user_seed
+    digest = hashlib.blake2b(repr((int(base), tuple(int(t) for t in prompt_ids), int(occurrence))).encode(),
+                             digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
 def _engine_dtype() -> str:
     """Initial engine dtype (a weight sync switches to the synced tensors' dtype)."""
     default = "float32" if os.environ.get("LPO_CPU_DTYPE", "fp32") == "fp32" else "bfloat16"
@@ -95,7 +108,6 @@ class HFBackend:
         )
         self.model.eval()
         self.stop_ids = _stop_ids(model_path, config)
-        self.generator = torch.Generator().manual_seed(int(seed))
 
     def update_weights(self, state: Dict) -> None:
         import torch
@@ -132,27 +144,29 @@ class HFBackend:
             target = torch.tensor(list(ids)[1:], dtype=torch.long)
             return lp.gather(-1, target[:, None])[:, 0].tolist()
 
-    def generate(self, prompt_ids: List[int], sp):
-        return self.generate_many([(prompt_ids, sp)])[0]
+    def generate(self, prompt_ids: List[int], sp, seed: int = 0):
+        return self.generate_many([(prompt_ids, sp, seed)])[0]
 
     def generate_many(self, requests: Sequence) -> List[SimpleNamespace]:
-        """``[(prompt_ids, sampling_params)] -> [RequestOutput-like]``: requests that share
+        """``[(prompt_ids, sampling_params, seed)] -> [RequestOutput-like]``: requests that share
         temperature / top-p / top-k / logprobs are sampled together in one left-padded batch
-        (per-request max_tokens and min_tokens)."""
+        (per-request max_tokens, min_tokens and random generator, so the batch does not change
+        any request's samples)."""
         results: List[Optional[SimpleNamespace]] = [None] * len(requests)
         groups: Dict[tuple, List[int]] = {}
-        for i, (_, sp) in enumerate(requests):
+        for i, (_, sp, _seed) in enumerate(requests):
             key = (float(_param(sp, "temperature", 1.0)), float(_param(sp, "top_p", 1.0)),
                    int(_param(sp, "top_k", -1)), getattr(sp, "logprobs", None) is not None)
             groups.setdefault(key, []).append(i)
         for key, idx in groups.items():
-            outs = self._sample_batch([list(requests[i][0]) for i in idx], [requests[i][1] for i in idx], *key)
+            outs = self._sample_batch([list(requests[i][0]) for i in idx], [requests[i][1] for i in idx],
+                                      [requests[i][2] for i in idx], *key)
             for i, out in zip(idx, outs):
                 results[i] = out
         return results
 
-    def _sample_batch(self, prompts: List[List[int]], sps: List, temperature: float, top_p: float, top_k: int,
-                      want_logprobs: bool) -> List[SimpleNamespace]:
+    def _sample_batch(self, prompts: List[List[int]], sps: List, seeds: List[int], temperature: float, top_p: float,
+                      top_k: int, want_logprobs: bool) -> List[SimpleNamespace]:
         import torch
 
         B, L = len(prompts), max(len(p) for p in prompts)
@@ -169,6 +183,7 @@ class HFBackend:
         logprobs: List[list] = [[] for _ in range(B)]
         finish = ["length"] * B
         active = [m > 0 for m in max_tokens]
+        generators = [torch.Generator().manual_seed(int(seed)) for seed in seeds]
         with torch.no_grad():
             out = self.model(ids, attention_mask=attention, position_ids=positions, use_cache=True)
             next_pos = positions[:, -1:] + 1
@@ -194,7 +209,8 @@ class HFBackend:
                         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
                         processed = processed.masked_fill(drop, float("-inf"))
                     probs = torch.softmax(processed, -1)
-                    token = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+                    token = torch.stack([torch.multinomial(probs[i], 1, generator=generators[i])[0]
+                                         for i in range(B)])
                 chosen_lp = torch.log_softmax(processed, -1).gather(-1, token[:, None])[:, 0] if want_logprobs else None
                 for i in range(B):
                     if not active[i]:
@@ -284,14 +300,22 @@ class VLLMBackend:
             values.append(float(entry[ids[pos]].logprob))
         return values
 
-    def generate(self, prompt_ids: List[int], sp):
-        return self.generate_many([(prompt_ids, sp)])[0]
+    def generate(self, prompt_ids: List[int], sp, seed: int = 0):
+        return self.generate_many([(prompt_ids, sp, seed)])[0]
 
     def generate_many(self, requests: Sequence) -> list:
+        """vLLM's per-request ``SamplingParams.seed`` carries each request's seed."""
+        import copy
+
         from vllm.inputs import TokensPrompt
 
-        prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids, _ in requests]
-        return self.llm.generate(prompts, [sp for _, sp in requests], use_tqdm=False)
+        prompts, params = [], []
+        for ids, sp, seed in requests:
+            prompts.append(TokensPrompt(prompt_token_ids=list(ids)))
+            sp = copy.copy(sp)
+            sp.seed = int(seed)
+            params.append(sp)
+        return self.llm.generate(prompts, params, use_tqdm=False)
 
 
 def _load_agent_executor(path: str):
@@ -323,14 +347,12 @@ class CPURolloutEngine:
         remote_rm_url=None,
         attn_implementation: str = "sdpa",
     ):
+        import torch
         from openrlhf.utils.agent import SingleTurnAgentExecutor
 
-        try:  # the CPU mode in this worker even without the Ray setup hook
-            from openrlhf_lpo.cpu import enable_cpu_mode
-
-            enable_cpu_mode()
-        except ImportError:
-            pass
+        threads = int(os.environ.get("LPO_CPU_THREADS", "1"))  # the actor's thread count: same numbers
+        if threads > 0:
+            torch.set_num_threads(threads)
         name = backend or os.environ.get("LPO_CPU_ENGINE", "hf")
         if name not in BACKENDS:
             raise ValueError(f"LPO_CPU_ENGINE={name!r} is unknown; choose one of {sorted(BACKENDS)}")
@@ -344,6 +366,8 @@ class CPURolloutEngine:
         self._server = None
         self.batch_sizes: List[int] = []  # requests per backend batch (for tests / inspection)
         self.num_weight_updates = 0
+        self.seed = int(seed)
+        self._seen: Dict[tuple, int] = {}  # prompt tokens -> requests so far (per-request seeds)
 
     async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None):
         """One request; concurrent requests (a prompt's K samples, other prompts' calls) are
@@ -351,7 +375,12 @@ class CPURolloutEngine:
         if multi_modal_data:
             raise ValueError("the CPU rollout engine does not support multi-modal prompts")
         future = asyncio.get_running_loop().create_future()
-        self._queue.append((list(prompt_token_ids), sampling_params, future))
+        ids = list(prompt_token_ids)
+        key = tuple(ids)
+        occurrence = self._seen.get(key, 0)
+        self._seen[key] = occurrence + 1
+        seed = request_seed(self.seed, ids, occurrence, getattr(sampling_params, "seed", None))
+        self._queue.append((ids, sampling_params, seed, future))
         self._unfinished += 1
         if self._server is None or self._server.done():
             self._server = asyncio.ensure_future(self._serve())
@@ -371,13 +400,13 @@ class CPURolloutEngine:
             batch, self._queue = self._queue, []
             self.batch_sizes.append(len(batch))
             try:
-                results = self.backend.generate_many([(ids, sp) for ids, sp, _ in batch])
+                results = self.backend.generate_many([(ids, sp, seed) for ids, sp, seed, _ in batch])
             except Exception as e:  # every waiting request sees the error
-                for _, _, future in batch:
+                for *_, future in batch:
                     if not future.done():
                         future.set_exception(e)
                 continue
-            for (_, _, future), result in zip(batch, results):
+            for (*_, future), result in zip(batch, results):
                 if not future.done():
                     future.set_result(result)
 

@@ -5,10 +5,10 @@ Public names (stable):
                        ``--algo.advantage.estimator lpo``, stock behaviour for every other estimator
     LPOPolicyLoss      drop-in for ``PolicyLoss`` (same call signature, same 5-tuple) used by the
                        stock ``training_step``; reads the micro-batch's ``LPOMicroBatch`` context
-    LPOMicroBatch      per-micro-batch context: targets, optional detached coefficients, normaliser
-    plan_windows(gids, K, micro, gas, generator=None) -> list of windows of micro-batches of
-                       replay-buffer indices (group-level shuffle, windows of whole groups)
+    LPOMicroBatch      per-micro-batch context: targets, s_t, optional detached coefficients, normaliser
+    WindowPlan         one optimizer window: micro-batches of replay-buffer indices, its pass mode
     lpo_group_stats(s[G,K], w*[G,K]) -> dict of per-group KL / entropies (Figure 5 metrics)
+    detached_entropy(logits) -> per-token entropy without an autograd graph (chunked)
 
 Every other estimator runs the stock ``ppo_train``; with ``--lpo.end_kl`` a group estimator
 (GRPO, Dr.GRPO, MaxRL, ...) also logs lpo/kl_start, lpo/kl_end, lpo/entropy_p_end and
@@ -17,38 +17,52 @@ lpo/entropy_target for the target w* of its paired temperature (metrics only, af
 Exactness (the listwise gradient sum_k c_k grad s_k needs every c_k from all K members at the
 current parameters; s_t and w* are fixed for the rollout batch):
 
-* each DP rank holds whole groups (LPOExperienceMaker's split) and every optimizer window
-  (``gas`` micro-batches = train.batch_size/dp samples) is made of whole groups;
-* parameters are constant inside a window (DeepSpeed steps at the accumulation boundary);
-* one pass: when every micro-batch holds whole groups (micro_batch_size % K == 0) the loss
-  sum_g D_g(w*, softmax(s_g)) is differentiated directly inside the stock training_step;
-* two passes otherwise (or ``--lpo.force_two_pass``): a no-grad forward over the window's
-  micro-batches gives s for every member, c = dD/ds per group in closed form, then each
-  micro-batch back-propagates the detached surrogate sum_k c_k s_k;
-* normalisation: every micro-batch loss is divided by the global number of groups in the
-  window / gas and multiplied by dp (DeepSpeed divides by gas and averages over DP), so one
-  optimizer step follows the gradient of the listwise loss averaged over the window's groups.
+* each DP rank holds whole groups (LPOExperienceMaker) and every optimizer window holds
+  ``--train.batch_size`` / K groups of the rank's share (the last window of a partial rollout
+  batch holds the rest), groups shuffled as units;
+* the trainer marks DeepSpeed's accumulation boundary itself (``set_gradient_accumulation_boundary``)
+  at the end of each window, so windows of any length step exactly once;
+* micro-batches: ``--train.micro_batch_size`` samples, or under dynamic batching
+  ``--train.max_tokens_per_gpu`` tokens (whole groups as items when each group fits, single
+  samples otherwise), the count agreed across ranks;
+* per window, c comes from one of three places (``lpo/*_windows`` count them):
+    one pass     every micro-batch holds whole groups: the loss D(w*, softmax(s_g)) is
+                 differentiated directly inside the stock training_step;
+    shortcut     the first window of a rollout batch runs at the parameters that produced the old
+                 log-probs, so s = s_t exactly and c = dD/ds(s_t) needs no forward;
+    pre-pass     later windows whose micro-batches split groups: a no-grad forward gives s;
+  then each micro-batch back-propagates the detached surrogate sum_k c_k s_k;
+* normalisation: every micro-batch loss is divided by (global groups in the window / gas) and
+  multiplied by dp (DeepSpeed divides by its gas and averages over DP), so one optimizer step
+  follows the gradient of the listwise loss averaged over the window's groups. KL and entropy
+  terms get the window's global token/sample counts the same way.
 """
 
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
+from unittest import mock
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
+from openrlhf.models import actor as _actor_module
 from openrlhf.models.utils import masked_mean
+from openrlhf.trainer.ppo_utils.experience import make_experience_batch
 from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
-from openrlhf.utils.loss_utils import iter_grad_accum_global_norm
 
 from openrlhf_lpo import listwise
 from openrlhf_lpo.metrics import distributed_listwise_stats, listwise_update_metrics
+from openrlhf_lpo.openrlhf import layout
 from openrlhf_lpo.openrlhf.experience_maker import LPO_INFO_KEYS
+from openrlhf_lpo.openrlhf.offpolicy import (BehaviourCorrection, behaviour_stats, correction_from_args,
+                                             token_keep_mask)
 
-__all__ = ["LPOActorTrainer", "LPOPolicyLoss", "LPOMicroBatch", "plan_windows", "lpo_group_stats"]
+__all__ = ["LPOActorTrainer", "LPOPolicyLoss", "LPOMicroBatch", "WindowPlan", "lpo_group_stats",
+           "detached_entropy"]
 
 
 # ----------------------------------------------------------------------------- loss
@@ -61,8 +75,18 @@ class LPOMicroBatch:
     target: torch.Tensor  # [B] w*_k, members of a group contiguous when coefficients is None
     groups_norm: float  # global groups in the optimizer window / gas
     group_size: int
-    coefficients: Optional[torch.Tensor] = None  # [B] detached c_k (two-pass / pointwise)
+    prev: Optional[torch.Tensor] = None  # [B] s_t = delta_k (offpolicy.py); None = 0
+    coefficients: Optional[torch.Tensor] = None  # [B] detached c_k (shortcut / pre-pass / pointwise)
     record: Dict[str, torch.Tensor] = field(default_factory=dict)  # s, c of this pass (detached)
+
+
+def lpo_log_ratio(log_probs, old_log_probs, action_mask, rollout_log_probs, prev, clip_eps,
+                  correction: Optional[BehaviourCorrection]) -> torch.Tensor:
+    """s_k = (1/n_k) sum_t clip(log pi_theta - log pi_t) + delta_k (Eq. 4 against the behaviour
+    policy, offpolicy.py), float64; tokens that the correction's mask mode rejects are left out."""
+    mask = token_keep_mask(old_log_probs, rollout_log_probs, action_mask, correction)
+    s = listwise.sequence_log_ratio(log_probs.double(), old_log_probs.double(), mask, clip_eps)
+    return s if prev is None else s + prev.to(device=s.device, dtype=s.dtype)
 
 
 class LPOPolicyLoss(nn.Module):
@@ -73,11 +97,13 @@ class LPOPolicyLoss(nn.Module):
     ``advantages`` and the token/sample normalisers are ignored (LPO normalises by groups).
     """
 
-    def __init__(self, divergence: str, projection: str, clip_eps_low: float, clip_eps_high: float):
+    def __init__(self, divergence: str, projection: str, clip_eps_low: float, clip_eps_high: float,
+                 correction: Optional[BehaviourCorrection] = None):
         super().__init__()
         self.divergence = divergence
         self.projection = projection
         self.clip_eps = (clip_eps_low, clip_eps_high)
+        self.correction = correction
         self.context: Optional[LPOMicroBatch] = None
 
     def forward(
@@ -95,7 +121,8 @@ class LPOPolicyLoss(nn.Module):
         if ctx is None:
             raise RuntimeError("LPOPolicyLoss needs a micro-batch context (set by LPOActorTrainer.ppo_train)")
         # LPO math in float64 (B scalars): the listwise softmax is exact whatever the layout.
-        s = listwise.sequence_log_ratio(log_probs.double(), old_log_probs.double(), action_mask, self.clip_eps)
+        s = lpo_log_ratio(log_probs, old_log_probs, action_mask, rollout_log_probs, ctx.prev, self.clip_eps,
+                          self.correction)
         if ctx.coefficients is None:
             K = ctx.group_size
             s_g = s.view(-1, K)
@@ -117,42 +144,7 @@ class LPOPolicyLoss(nn.Module):
         return loss, clip_ratio, ppo_kl, None, None
 
 
-# ----------------------------------------------------------------------------- planning
-
-
-def plan_windows(
-    gids: List[int], K: int, micro: int, gas: int, generator: Optional[torch.Generator] = None
-) -> List[List[List[int]]]:
-    """Windows (optimizer steps) of micro-batches of indices into ``gids``.
-
-    Groups (equal gid) are kept whole and shuffled as units when ``generator`` is given; the
-    flattened group sequence is cut into windows of micro*gas samples, each into gas
-    micro-batches of ``micro`` samples.
-    """
-    groups: "OrderedDict[int, List[int]]" = OrderedDict()
-    for i, g in enumerate(gids):
-        groups.setdefault(int(g), []).append(i)
-    bad = {g: len(m) for g, m in groups.items() if len(m) != K}
-    if bad:
-        raise ValueError(
-            f"groups {sorted(bad)[:5]} have {sorted(set(bad.values()))} members on this rank, expected "
-            f"--rollout.n_samples_per_prompt {K}: a group was split across ranks or truncated"
-        )
-    members = list(groups.values())
-    if generator is not None:
-        perm = torch.randperm(len(members), generator=generator).tolist()
-        members = [members[p] for p in perm]
-    order = [i for m in members for i in m]
-    window = micro * gas
-    if window % K or len(order) % window:
-        raise ValueError(
-            f"{len(order)} samples on this rank cannot form optimizer windows of whole groups: window = "
-            f"--train.micro_batch_size {micro} x gas {gas} = {window} samples must be a multiple of K={K} "
-            f"and divide the rank's samples (check --train.batch_size and --rollout.batch_size)"
-        )
-    return [
-        [order[w + m : w + m + micro] for m in range(0, window, micro)] for w in range(0, len(order), window)
-    ]
+# ----------------------------------------------------------------------------- helpers
 
 
 def lpo_group_stats(s: torch.Tensor, target: torch.Tensor) -> Dict[str, torch.Tensor]:
@@ -167,7 +159,29 @@ def lpo_group_stats(s: torch.Tensor, target: torch.Tensor) -> Dict[str, torch.Te
     return {"kl": kl, "entropy_p": h_p, "entropy_target": h_w}
 
 
-# ----------------------------------------------------------------------------- trainer
+def detached_entropy(logits: torch.Tensor, max_elements: int = 1 << 26) -> torch.Tensor:
+    """Per-token entropy of softmax(logits) [B, T] with no autograd graph, computed over chunks of
+    positions so the temporary holds at most ``max_elements`` (the stock ``compute_entropy`` keeps the
+    full [B, T, V] softmax for backward; with ``--actor.entropy_coef 0`` it is only logged)."""
+    with torch.no_grad():
+        b, t, v = logits.shape
+        out = torch.empty(b, t, dtype=logits.dtype, device=logits.device)
+        step = max(1, max_elements // max(b * v, 1))
+        for lo in range(0, t, step):
+            chunk = logits[:, lo:lo + step]
+            p = torch.softmax(chunk, dim=-1)
+            out[:, lo:lo + step] = torch.logsumexp(chunk, dim=-1) - (p * chunk).sum(-1)
+    return out
+
+
+@dataclass
+class WindowPlan:
+    """One optimizer window: micro-batches of replay-buffer indices and where c comes from."""
+
+    micro_batches: List[List[int]]
+    groups: int  # global groups in the window (all ranks)
+    mode: str  # "one_pass" | "shortcut" | "pre_pass" | "pointwise"
+    loss_norm: Dict[str, object]  # dp_size, batch_num_tokens, global_batch_size (stock KL / entropy terms)
 
 
 def _pop_lpo_info(info: dict) -> Dict[str, torch.Tensor]:
@@ -180,68 +194,174 @@ def _pop_lpo_info(info: dict) -> Dict[str, torch.Tensor]:
     return out
 
 
+# ----------------------------------------------------------------------------- trainer
+
+
 class LPOActorTrainer(ActorPPOTrainer):
     """ActorPPOTrainer whose ``ppo_train`` implements LPO (see module doc); stock otherwise."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.is_lpo = self.args.algo.advantage.estimator == "lpo"
+        self.correction = correction_from_args(self.args) if self.is_lpo else None
         if self.is_lpo:
             lo, hi = self.args.actor.eps_clip_low_high
-            self.actor_loss_fn = LPOPolicyLoss(self.args.lpo.divergence, self.args.lpo.projection, lo, hi)
-        self.last_window_plan: List[List[List[int]]] = []  # for inspection/tests
+            self.actor_loss_fn = LPOPolicyLoss(self.args.lpo.divergence, self.args.lpo.projection, lo, hi,
+                                               correction=self.correction)
+        self.last_window_plan: List[WindowPlan] = []  # for inspection/tests
+        self._ppo_calls = 0
 
-    # -- helpers
+    # -- distributed helpers
     def _device(self) -> torch.device:
         return next(self.actor.parameters()).device
 
+    def _dp_group(self):
+        mesh = getattr(self.strategy, "ds_device_mesh", None)
+        return mesh["dp"].get_group() if mesh is not None else None
+
     def _dp_size(self) -> int:
-        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        return world // max(self.args.ds.ring_attn_size, 1) // max(self.args.ds.tensor_parallel_size, 1)
+        if not dist.is_initialized():
+            return 1
+        return dist.get_world_size(group=self._dp_group())
+
+    def _all_reduce(self, values: List[float], op=None) -> List[float]:
+        """All-reduce a few numbers over the DP group, on the group's device (NCCL needs it)."""
+        t = torch.tensor(values, dtype=torch.float64, device=self._device())
+        if dist.is_initialized():
+            dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=self._dp_group())
+        return t.tolist()
+
+    def _engine(self):
+        return getattr(self.actor, "model", None)
+
+    def _gas(self) -> int:
+        """Gradient-accumulation steps the engine divides each backward loss by."""
+        engine = self._engine()
+        if hasattr(engine, "gradient_accumulation_steps"):
+            return int(engine.gradient_accumulation_steps())
+        return 1 if self.args.train.dynamic_batch_enable else max(int(self.strategy.accumulated_gradient), 1)
+
+    def _mark_boundary(self, is_boundary: bool) -> None:
+        engine = self._engine()
+        if hasattr(engine, "set_gradient_accumulation_boundary"):
+            engine.set_gradient_accumulation_boundary(is_boundary)
+
+    # -- forward helpers
+    def _mm_inputs(self, experience) -> dict:
+        if getattr(experience, "mm_train_inputs", None) and getattr(self.actor, "is_vlm", False):
+            from openrlhf.utils.vlm_utils import merge_mm_train_inputs
+
+            return merge_mm_train_inputs(experience.mm_train_inputs, experience.sequences.device)
+        return {}
 
     @torch.no_grad()
-    def _sequence_log_ratio(self, experience) -> torch.Tensor:
+    def _log_ratio(self, experience, prev: Optional[torch.Tensor]) -> torch.Tensor:
         log_probs = self.actor(
             experience.sequences,
             experience.action_mask,
             attention_mask=experience.attention_mask,
             ring_attn_group=self.strategy.ring_attn_group,
+            **self._mm_inputs(experience),
         )
-        return listwise.sequence_log_ratio(
-            log_probs.double(), experience.action_log_probs.double(), experience.action_mask,
-            tuple(self.args.actor.eps_clip_low_high),
-        )
+        return lpo_log_ratio(log_probs, experience.action_log_probs, experience.action_mask,
+                             experience.rollout_log_probs, prev, tuple(self.args.actor.eps_clip_low_high),
+                             self.correction).cpu()
 
     def _collate(self, items, indices):
-        exp = self.replay_buffer.collate_fn([items[i] for i in indices])
+        exp = make_experience_batch([items[i] for i in indices], self.args.ds.packing_samples)
         meta = _pop_lpo_info(exp.info)
         exp.to_device(self._device())
         return exp, meta
 
-    def _end_log_ratios(self, items) -> torch.Tensor:
-        """s of every replay-buffer item at the current parameters (no grad)."""
-        s_end = torch.zeros(len(items), dtype=torch.float64)
+    def _log_ratios(self, items, indices: List[int], prev: Optional[torch.Tensor]) -> torch.Tensor:
+        """s of ``items[indices]`` at the current parameters (no grad), micro-batch by micro-batch."""
+        out = torch.zeros(len(indices), dtype=torch.float64)
         self.actor.train()
-        micro = self.micro_train_batch_size
-        for lo in range(0, len(items), micro):
-            ids = list(range(lo, min(lo + micro, len(items))))
+        micro = max(int(self.micro_train_batch_size), 1)
+        for lo in range(0, len(indices), micro):
+            ids = indices[lo:lo + micro]
             exp, _ = self._collate(items, ids)
-            s_end[torch.tensor(ids)] = self._sequence_log_ratio(exp).double().cpu()
-        return s_end
+            out[lo:lo + len(ids)] = self._log_ratio(exp, None if prev is None else prev[torch.tensor(ids)]).double()
+        return out
 
+    def training_step(self, experience, kl_ctl, step, loss_batch_info=None):
+        if self.args.actor.entropy_coef == 0:
+            # entropy is only logged: no [B, T, V] softmax kept for backward
+            with mock.patch.object(_actor_module, "compute_entropy", detached_entropy):
+                return super().training_step(experience, kl_ctl, step, loss_batch_info)
+        return super().training_step(experience, kl_ctl, step, loss_batch_info)
+
+    # -- policy-gradient estimators (stock update, optional listwise metrics)
     def _pg_ppo_train(self, kl_ctl: float):
-        """Stock ppo_train; with --lpo.end_kl, the listwise KL of the paired target after it."""
+        """Stock ppo_train; with --lpo.end_kl, the listwise KL of the paired target after it.
+        Every rank joins the metric's collectives, also one whose share of a partial batch is empty."""
         items = self.replay_buffer.items
         meta = [{k: it.info.pop(k) for k in LPO_INFO_KEYS if k in it.info} for it in items]
         status = super().ppo_train(kl_ctl)
-        if not (items and self.args.lpo.end_kl and all("lpo_target" in m for m in meta)):
+        if not (self.args.lpo.end_kl and all("lpo_target" in m for m in meta)):
             return status
-        gids = torch.tensor([int(m["lpo_gid"]) for m in meta])
+        gids = torch.tensor([int(m["lpo_gid"]) for m in meta], dtype=torch.long)
         target = torch.tensor([float(m["lpo_target"]) for m in meta], dtype=torch.float64)
         prev = torch.tensor([float(m["lpo_prev_log_ratio"]) for m in meta], dtype=torch.float64)
-        status.update(listwise_update_metrics(gids, prev, self._end_log_ratios(items), target,
-                                              self.args.rollout.n_samples_per_prompt, device=self._device()))
+        s_end = self._log_ratios(items, list(range(len(items))), None)
+        status.update(listwise_update_metrics(gids, prev, s_end, target, self.args.rollout.n_samples_per_prompt,
+                                              group=self._dp_group(), device=self._device()))
         return status
+
+    # -- planning
+    def _loss_norm(self, items, indices: List[int], gas: int, dp: int) -> Dict[str, object]:
+        """Stock normalisers of one window (KL / entropy terms): global response tokens and non-empty
+        samples of the window, divided by gas (DeepSpeed divides each backward by its gas)."""
+        masks = [items[i].action_mask for i in indices]
+        tokens = float(sum(int(m.sum()) for m in masks))
+        samples = float(sum(int(m.sum() > 0) for m in masks))
+        tokens, samples = self._all_reduce([tokens, samples])
+        device = self._device()
+        return {"dp_size": dp, "batch_num_tokens": torch.tensor(tokens / gas, dtype=torch.float32, device=device),
+                "global_batch_size": torch.tensor(samples / gas, dtype=torch.float32, device=device)}
+
+    def plan(self, items, gids: List[int], epoch: int) -> List[WindowPlan]:
+        """The optimizer windows of one epoch over this rank's items (collectives: every rank calls it).
+        The first window of epoch 0 runs at the parameters that produced the old log-probs."""
+        args = self.args
+        K = args.rollout.n_samples_per_prompt
+        dp, gas = self._dp_size(), self._gas()
+        members = layout.group_members(gids, K)
+        groups_per_window = max(args.train.batch_size // (dp * K), 1)
+        gen = torch.Generator().manual_seed(int(args.train.seed) * 1000003 + self._ppo_calls * 1009 + epoch)
+        windows = layout.window_groups(members, groups_per_window, gen)
+        lo_n, hi_n = self._all_reduce([-len(windows), len(windows)], op=dist.ReduceOp.MAX)
+        if -lo_n != hi_n:
+            raise RuntimeError(f"data-parallel ranks hold different numbers of optimizer windows ({-lo_n:g} vs "
+                               f"{hi_n:g}); the LPO experience maker deals groups in equal counts")
+        dynamic = bool(args.train.dynamic_batch_enable)
+        lengths = [int(it.total_length.reshape(-1)[0].item()) for it in items] if dynamic else None
+        projection = args.lpo.projection
+        plans = []
+        for w, window in enumerate(windows):
+            if dynamic:
+                budget = int(args.train.max_tokens_per_gpu)
+                whole, per_sample = layout.budget_micro_count(window, lengths, budget)
+                all_whole = self._all_reduce([0.0 if whole is None else 1.0], op=dist.ReduceOp.MIN)[0] > 0
+                n_micro = int(self._all_reduce([float(whole if all_whole else per_sample)], op=dist.ReduceOp.MAX)[0])
+                micro_batches = layout.budget_micro_batches(window, lengths, n_micro, all_whole)
+                whole_groups = all_whole
+            else:
+                micro = int(self.micro_train_batch_size)
+                micro_batches = layout.fixed_micro_batches(window, micro)
+                whole_groups = micro % K == 0
+            if projection == "pointwise":
+                mode = "pointwise"
+            elif whole_groups and not args.lpo.force_two_pass:
+                mode = "one_pass"
+            elif epoch == 0 and w == 0 and not args.lpo.force_two_pass:
+                mode = "shortcut"
+            else:
+                mode = "pre_pass"
+            indices = [i for mb in micro_batches for i in mb]
+            n_groups = int(self._all_reduce([float(len(window))])[0])
+            plans.append(WindowPlan(micro_batches, n_groups, mode, self._loss_norm(items, indices, gas, dp)))
+        return plans
 
     # -- main loop
     def ppo_train(self, kl_ctl: float):
@@ -252,12 +372,10 @@ class LPOActorTrainer(ActorPPOTrainer):
         K = args.rollout.n_samples_per_prompt
         items = self.replay_buffer.items
         if not items:
-            return {}
-        gas = max(int(self.strategy.accumulated_gradient), 1)
-        micro = self.micro_train_batch_size
-        dp = self._dp_size()
-        div, proj = self.actor_loss_fn.divergence, self.actor_loss_fn.projection
-        two_pass = proj == "listwise" and (micro % K != 0 or args.lpo.force_two_pass)
+            raise RuntimeError("LPO: this rank received no samples for the update (the experience maker deals "
+                               "every rank whole groups in equal counts)")
+        gas = self._gas()
+        div = self.actor_loss_fn.divergence
 
         # per-sample constants of the rollout batch
         gids = [int(it.info["lpo_gid"]) for it in items]
@@ -265,58 +383,70 @@ class LPOActorTrainer(ActorPPOTrainer):
         prev = torch.tensor([float(it.info["lpo_prev_log_ratio"]) for it in items], dtype=torch.float64)
         reward = torch.tensor([float(it.info["lpo_reward"]) for it in items], dtype=torch.float64)
         tau = torch.tensor([float(it.info["lpo_tau"]) for it in items], dtype=torch.float64)
-        groups_per_window = micro * gas // K
-        groups_norm = groups_per_window * dp / gas
+        prev_ctx = prev if bool(prev.abs().max() > 0) else None
 
-        last_s = torch.zeros(len(items), dtype=torch.float64)
+        plans = [p for epoch in range(self.max_epochs) for p in self.plan(items, gids, epoch)]
+        self.last_window_plan = plans
+        if args.train.dynamic_batch_enable:  # read by the stock training_step, per micro-batch
+            flags, scales = [], []
+            for p in plans:
+                n = sum(len(mb) for mb in p.micro_batches)
+                flags += [0] * (len(p.micro_batches) - 1) + [1]
+                scales += [len(mb) / n for mb in p.micro_batches]
+            self.replay_buffer.dynamic_optimizer_step = flags
+            self.replay_buffer.dynamic_sample_loss_scale = scales
+
+        last_s = prev.clone()
         sums: Dict[str, float] = {}
         weights: Dict[str, str] = {}
         last: Dict[str, float] = {}
         counts = {"_n_samples": 0.0, "_n_tokens": 0.0}
         abs_coef_sum, coef_count = 0.0, 0
+        modes = {"one_pass": 0, "shortcut": 0, "pre_pass": 0, "pointwise": 0}
 
         step = 0
-        for epoch in range(self.max_epochs):
-            plan = plan_windows(gids, K, micro, gas, generator=torch.Generator().manual_seed(
-                int(args.train.seed) * 1000003 + self._ppo_calls * 1009 + epoch))
-            self.last_window_plan = plan
-            for window in plan:
-                batches = [self._collate(items, mb) for mb in window]
-                coefficients = [None] * len(window)
-                if two_pass:
-                    self.actor.train()
-                    s_win = torch.cat([self._sequence_log_ratio(exp).double().cpu() for exp, _ in batches])
-                    idx = torch.tensor([i for mb in window for i in mb])
-                    # groups are contiguous in the window's flattened order
-                    c = listwise.listwise_coefficients(s_win.view(-1, K), target[idx].view(-1, K), div).reshape(-1)
-                    coefficients = list(c.split([len(mb) for mb in window]))
-                elif proj == "pointwise":
-                    coefficients = [-target[torch.tensor(mb)] for mb in window]
-                normed = iter_grad_accum_global_norm(
-                    iter([exp for exp, _ in batches]), self.strategy, gas, lambda e: e.action_mask
+        for plan in plans:
+            modes[plan.mode] += 1
+            idx = torch.tensor([i for mb in plan.micro_batches for i in mb])
+            coefficients = None
+            if plan.mode == "pointwise":
+                coefficients = -target[idx]
+            elif plan.mode in ("shortcut", "pre_pass"):
+                s_win = prev[idx] if plan.mode == "shortcut" else self._log_ratios(items, idx.tolist(), prev_ctx)
+                order = sorted(range(len(idx)), key=lambda j: (gids[int(idx[j])], j))  # groups contiguous
+                o = torch.tensor(order)
+                c_sorted = listwise.listwise_coefficients(s_win[o].view(-1, K), target[idx[o]].view(-1, K), div)
+                coefficients = torch.empty(len(idx), dtype=torch.float64)
+                coefficients[o] = c_sorted.reshape(-1)
+            offset = 0
+            for m, mb in enumerate(plan.micro_batches):
+                exp, _ = self._collate(items, mb)
+                sel = torch.tensor(mb)
+                ctx = LPOMicroBatch(
+                    target=target[sel],
+                    groups_norm=plan.groups / gas,
+                    group_size=K,
+                    prev=None if prev_ctx is None else prev_ctx[sel],
+                    coefficients=None if coefficients is None else coefficients[offset:offset + len(mb)],
                 )
-                for (exp, _), (_, loss_info), mb, coef in zip(batches, normed, window, coefficients):
-                    ctx = LPOMicroBatch(
-                        target=target[torch.tensor(mb)],
-                        groups_norm=groups_norm,
-                        group_size=K,
-                        coefficients=coef,
-                    )
-                    self.actor_loss_fn.context = ctx
-                    status = self.training_step(exp, kl_ctl, step, loss_info)
+                offset += len(mb)
+                self._mark_boundary(m == len(plan.micro_batches) - 1)
+                self.actor_loss_fn.context = ctx
+                try:
+                    status = self.training_step(exp, kl_ctl, step, plan.loss_norm)
+                finally:
                     self.actor_loss_fn.context = None
-                    step += 1
-                    last_s[torch.tensor(mb)] = ctx.record["s"].double().cpu()
-                    abs_coef_sum += float(ctx.record["c"].abs().sum())
-                    coef_count += len(mb)
-                    self._accumulate(status, sums, weights, last, counts)
+                step += 1
+                last_s[sel] = ctx.record["s"].double().cpu()
+                abs_coef_sum += float(ctx.record["c"].abs().sum())
+                coef_count += len(mb)
+                self._accumulate(status, sums, weights, last, counts)
 
         status = self._reduce(sums, weights, last, counts)
-        status.update(self._lpo_metrics(items, gids, target, prev, reward, tau, last_s, abs_coef_sum, coef_count, two_pass))
+        status.update(self._lpo_metrics(items, gids, target, prev, reward, tau, last_s, abs_coef_sum, coef_count,
+                                        modes, prev_ctx))
         self._ppo_calls += 1
         return status
-
-    _ppo_calls = 0
 
     # -- metrics
     @staticmethod
@@ -335,20 +465,20 @@ class LPOActorTrainer(ActorPPOTrainer):
             weights[k] = w
 
     def _reduce(self, sums, weights, last, counts):
-        packed = dict(sums)
-        packed.update(counts)
-        reduced = self.strategy.all_reduce(packed, op="sum") if torch.distributed.is_initialized() else packed
-        n_tok, n_smp = float(reduced["_n_tokens"]), float(reduced["_n_samples"])
+        keys = sorted(sums)
+        totals = self._all_reduce([sums[k] for k in keys] + [counts["_n_tokens"], counts["_n_samples"]])
+        n_tok, n_smp = totals[-2], totals[-1]
         out = {}
-        for k in sums:
+        for k, v in zip(keys, totals):
             denom = n_tok if weights[k] == "token" else n_smp
-            out[k] = float(reduced[k]) / max(denom, 1e-12)
+            out[k] = float(v) / max(denom, 1e-12)
         out.update(last)
         if "entropy_loss" in out:
             out["response_entropy"] = out["entropy_loss"]
         return out
 
-    def _lpo_metrics(self, items, gids, target, prev, reward, tau, last_s, abs_coef_sum, coef_count, two_pass):
+    def _lpo_metrics(self, items, gids, target, prev, reward, tau, last_s, abs_coef_sum, coef_count, modes,
+                     prev_ctx):
         K = self.args.rollout.n_samples_per_prompt
         order = sorted(range(len(gids)), key=lambda i: (gids[i], i))
         idx = torch.tensor(order)
@@ -359,30 +489,24 @@ class LPOActorTrainer(ActorPPOTrainer):
         degenerate = listwise.degenerate_groups(r).double()
         t = tau[idx].view(-1, K)[:, 0]
         finite = torch.isfinite(t)
-        sums = {
-            "groups": float(w.shape[0]),
-            "kl_start": float(start["kl"].sum()),
-            "kl_last": float(lastst["kl"].sum()),
-            "entropy_p_start": float(start["entropy_p"].sum()),
-            "entropy_p_last": float(lastst["entropy_p"].sum()),
-            "entropy_target": float(start["entropy_target"].sum()),
-            "degenerate": float(degenerate.sum()),
-            "tau_sum": float(t[finite].sum()),
-            "tau_count": float(finite.sum()),
-            "abs_coef_sum": abs_coef_sum,
-            "coef_count": float(coef_count),
-        }
+        behaviour = behaviour_stats(prev[idx].view(-1, K))
+        names = ["groups", "kl_start", "kl_last", "entropy_p_start", "entropy_p_last", "entropy_target",
+                 "degenerate", "tau_sum", "tau_count", "abs_coef_sum", "coef_count", "behaviour_abs", "behaviour_ess"]
+        values = [float(w.shape[0]), float(start["kl"].sum()), float(lastst["kl"].sum()),
+                  float(start["entropy_p"].sum()), float(lastst["entropy_p"].sum()),
+                  float(start["entropy_target"].sum()), float(degenerate.sum()), float(t[finite].sum()),
+                  float(finite.sum()), abs_coef_sum, float(coef_count), behaviour["abs_mean_sum"],
+                  behaviour["ess_sum"]]
+        sums = dict(zip(names, self._all_reduce(values)))
         end = None
         if self.args.lpo.end_kl:
-            end = distributed_listwise_stats(torch.tensor(gids), self._end_log_ratios(items), target, K,
+            s_end = self._log_ratios(items, list(range(len(items))), prev_ctx)
+            end = distributed_listwise_stats(torch.tensor(gids), s_end, target, K, group=self._dp_group(),
                                              device=self._device())
-        tau_max = float(t[finite].max()) if bool(finite.any()) else 0.0
-        tau_neg_min = float(-t[finite].min()) if bool(finite.any()) else 0.0
-        if torch.distributed.is_initialized():
-            sums = self.strategy.all_reduce(sums, op="sum")
-            ext = self.strategy.all_reduce({"tau_max": tau_max, "tau_neg_min": tau_neg_min}, op="max")
-            tau_max, tau_neg_min = float(ext["tau_max"]), float(ext["tau_neg_min"])
-        sums = {k: float(v) for k, v in sums.items()}
+        any_finite = bool(finite.any())
+        ext = self._all_reduce([float(t[finite].max()) if any_finite else -math.inf,
+                                float(-t[finite].min()) if any_finite else -math.inf, behaviour["abs_max"]],
+                               op=dist.ReduceOp.MAX)
         G = max(sums["groups"], 1.0)
         out = {
             "lpo/kl_start": sums["kl_start"] / G,
@@ -392,12 +516,19 @@ class LPOActorTrainer(ActorPPOTrainer):
             "lpo/entropy_target": sums["entropy_target"] / G,
             "lpo/degenerate_frac": sums["degenerate"] / G,
             "lpo/tau_mean": sums["tau_sum"] / max(sums["tau_count"], 1.0),
-            "lpo/tau_max": tau_max,
-            "lpo/tau_min": -tau_neg_min,
+            "lpo/tau_max": ext[0] if math.isfinite(ext[0]) else 0.0,
+            "lpo/tau_min": -ext[1] if math.isfinite(ext[1]) else 0.0,
             "lpo/abs_coef_mean": sums["abs_coef_sum"] / max(sums["coef_count"], 1.0),
-            "lpo/two_pass": float(two_pass),
+            "lpo/two_pass": float(modes["pre_pass"] > 0),
+            "lpo/one_pass_windows": float(modes["one_pass"]),
+            "lpo/shortcut_windows": float(modes["shortcut"]),
+            "lpo/pre_pass_windows": float(modes["pre_pass"]),
             "lpo/groups": sums["groups"],
         }
+        if self.correction is not None:
+            out["lpo/behaviour_abs_mean"] = sums["behaviour_abs"] / G
+            out["lpo/behaviour_abs_max"] = ext[2]
+            out["lpo/behaviour_ess"] = sums["behaviour_ess"] / G
         if end is not None:
             out["lpo/kl_end"] = end["kl"]
             out["lpo/entropy_p_end"] = end["entropy_p"]

@@ -1,4 +1,5 @@
-"""LPO experience maker: group-aligned DP split, group ids and Gibbs targets per sample.
+"""LPO experience maker: groups dealt whole to the data-parallel ranks, group ids and Gibbs
+targets per sample, the behaviour correction s_t.
 
 Public names (stable):
     LPOExperienceMaker          subclass of openrlhf's RemoteExperienceMaker (0.11.2)
@@ -6,18 +7,23 @@ Public names (stable):
         lpo_gid       int64   prompt-group id inside the rollout batch (K members each)
         lpo_reward    float   reward after OpenRLHF's length penalties (what w* is built from)
         lpo_target    float   w*_k = softmax(R/tau + s_t)_k of its group (Eq. 8)
-        lpo_prev_log_ratio    s_t: the target's log-ratio at the pre-update policy; 0 here,
-                              because old log-probs are computed by the actor that generated
-                              the rollout batch's update (on-policy start of the update)
+        lpo_prev_log_ratio    s_t = delta_k, the start point against the behaviour policy
+                              (offpolicy.py; 0 unless --algo.advantage.is_correction_level is on)
         lpo_tau       float   the group temperature (nan for groups with all-equal rewards)
-    group_dp_layout(n_groups, dp, groups_per_chunk) -> list of group-index lists
+    rank_experiences(experiences, dp) -> dp experiences, one per rank (each rank's run merged)
 
 Behaviour per ``--algo.advantage.estimator``:
-    lpo     rollout samples are split into experiences that hold whole groups, E a multiple of
-            dp with E/dp experiences per rank, so OpenRLHF's contiguous ceil(E/dp) chunking
-            (launcher.async_run_method_batch) puts every group on exactly one rank. Advantages
-            and returns are set to the on-policy listwise signal w*_k - 1/K per token (logged
-            only; the LPO actor trainer builds its loss from lpo_target).
+    lpo     rewards are clipped (--reward.clip_range) and, with a KL penalty in the reward
+            (--algo.kl.init_coef > 0, no --algo.kl.use_loss), reduced by kl_coef * sum_t KL_t: the
+            sequence reward OpenRLHF's per-token shaping sums to. The rollout batch's groups are dealt to the dp ranks in equal counts (a partial batch
+            whose group count does not divide by dp drops the remainder, with a warning;
+            layout.py), Karmarkar-Karp balanced by tokens under dynamic batching, contiguous
+            otherwise; each rank's samples are cut into the same number of forward chunks of
+            ``--rollout.micro_batch_size`` samples (or ``--rollout.max_tokens_per_gpu`` tokens),
+            so OpenRLHF's ceil(E/dp) chunking gives every rank exactly its groups while the
+            old-log-prob forward stays at the stock micro-batch size. Advantages and returns are
+            set to the on-policy listwise signal w*_k - 1/K per token (logged only; the LPO actor
+            trainer builds its loss from lpo_target).
     maxrl   A = (R - mean)/mean per group (all-zero groups 0), then OpenRLHF's per-token
             returns (reward shaping with the KL penalty, cumulative returns) like group_norm.
     other   the stock RemoteExperienceMaker code, untouched.
@@ -28,7 +34,6 @@ after its own advantages, for the logged KL(w*||P) only; its advantages stay sto
 
 from __future__ import annotations
 
-import math
 from typing import List
 
 import torch
@@ -37,48 +42,33 @@ from openrlhf.models.utils import compute_reward
 from openrlhf.trainer.ppo_utils.experience import Experience
 from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
 from openrlhf.trainer.ppo_utils.length_penalty import apply_length_penalties
+from openrlhf.utils.logging_utils import init_logger
 
 from openrlhf_lpo import listwise
+from openrlhf_lpo.openrlhf import layout
+from openrlhf_lpo.openrlhf.config import dp_size, listwise_metrics_enabled
+from openrlhf_lpo.openrlhf.offpolicy import behaviour_log_ratio, correction_from_args
 
-__all__ = ["LPOExperienceMaker", "LPO_INFO_KEYS", "group_dp_layout"]
+__all__ = ["LPOExperienceMaker", "LPO_INFO_KEYS", "rank_experiences"]
+
+logger = init_logger(__name__)
 
 LPO_INFO_KEYS = ("lpo_gid", "lpo_reward", "lpo_target", "lpo_prev_log_ratio", "lpo_tau")
 
 
-def _effective_dp(args) -> int:
-    return (
-        args.actor.num_nodes
-        * args.actor.num_gpus_per_node
-        // max(args.ds.ring_attn_size, 1)
-        // max(args.ds.tensor_parallel_size, 1)
-    )
+def rank_experiences(experiences: List[Experience], dp: int) -> List[Experience]:
+    """Merge each rank's run of ``len/dp`` consecutive experiences into one (dynamic batching hands
+    each rank one experience; stock ``balance_experiences`` would scatter the groups)."""
+    if len(experiences) % dp:
+        raise ValueError(f"{len(experiences)} experiences for {dp} ranks: the LPO layout gives each rank a run")
+    per = len(experiences) // dp
+    from openrlhf.trainer.ppo_utils.experience import make_experience_batch, split_experience_batch
 
-
-def group_dp_layout(n_groups: int, dp: int, groups_per_chunk: int) -> List[List[int]]:
-    """Group indices of each experience so that rank r receives groups [r*G/dp, (r+1)*G/dp).
-
-    Returns dp * ceil((G/dp)/groups_per_chunk) chunks; OpenRLHF hands rank r the r-th run of
-    len/dp consecutive chunks, which are exactly its groups.
-    """
-    if n_groups % dp:
-        raise ValueError(
-            f"{n_groups} prompt groups cannot be split evenly over {dp} data-parallel ranks; "
-            "make --rollout.batch_size a multiple of the actor DP size (and do not let dynamic "
-            "filtering change the number of groups)"
-        )
-    per_rank = n_groups // dp
-    if per_rank == 0:
-        raise ValueError(f"{n_groups} prompt groups for {dp} data-parallel ranks: every rank needs one")
-    groups_per_chunk = max(1, min(groups_per_chunk, per_rank))
-    chunks_per_rank = math.ceil(per_rank / groups_per_chunk)
-    layout = []
+    out = []
     for r in range(dp):
-        first = r * per_rank
-        for c in range(chunks_per_rank):
-            lo = first + c * groups_per_chunk
-            hi = min(first + (c + 1) * groups_per_chunk, first + per_rank)
-            layout.append(list(range(lo, hi)))
-    return layout
+        items = [it for exp in experiences[r * per:(r + 1) * per] for it in split_experience_batch(exp)]
+        out.append(make_experience_batch(items))
+    return out
 
 
 class LPOExperienceMaker(RemoteExperienceMaker):
@@ -88,30 +78,46 @@ class LPOExperienceMaker(RemoteExperienceMaker):
     def split_rollout_samples(self, rollout_samples):
         if self.advantage_estimator != "lpo":
             return super().split_rollout_samples(rollout_samples)
-        K = self.args.rollout.n_samples_per_prompt
+        args = self.args
+        K = args.rollout.n_samples_per_prompt
         n = len(rollout_samples)
         if n % K:
             raise ValueError(
                 f"{n} rollout samples is not a multiple of --rollout.n_samples_per_prompt {K}; "
                 "LPO needs every prompt's K responses"
             )
-        n_groups = n // K
-        for i, sample in enumerate(rollout_samples):
-            sample.index = [i]
-            sample.info["lpo_gid"] = torch.tensor([i // K], dtype=torch.long)
-        for g in range(n_groups):
+        for g in range(n // K):
             prompts = {tuple(rollout_samples[g * K + k].prompts) for k in range(K)}
             if len(prompts) != 1:
                 raise ValueError(
                     f"rollout samples {g * K}..{g * K + K - 1} do not share one prompt; LPO expects each "
                     "prompt's K responses to be consecutive (as OpenRLHF's SamplesGenerator returns them)"
                 )
-        groups_per_chunk = max(1, self.args.rollout.micro_batch_size // K)
-        layout = group_dp_layout(n_groups, _effective_dp(self.args), groups_per_chunk)
+        dp = dp_size(args)
+        used, dropped = layout.ranked_groups(n // K, dp)
+        if used == 0:
+            raise ValueError(f"{n // K} prompt groups cannot give each of the {dp} data-parallel ranks one")
+        if dropped:
+            logger.warning(
+                f"LPO: partial rollout batch of {n // K} prompts for {dp} data-parallel ranks; training on "
+                f"{used} and dropping the last {dropped} (groups stay whole and equal per rank)"
+            )
+            rollout_samples = rollout_samples[: used * K]
+        for i, sample in enumerate(rollout_samples):
+            sample.index = [i]
+            sample.info["lpo_gid"] = torch.tensor([i // K], dtype=torch.long)
+        lengths = [int(s.total_length.reshape(-1)[0].item()) for s in rollout_samples]
+        dynamic = bool(args.train.dynamic_batch_enable)
+        ranks = layout.assign_groups([sum(lengths[g * K:(g + 1) * K]) for g in range(used)], dp, balance=dynamic)
+        per_rank = [[g * K + k for g in groups for k in range(K)] for groups in ranks]
+        if dynamic:
+            chunks = layout.forward_chunks(per_rank, lengths=lengths, budget=int(args.rollout.max_tokens_per_gpu))
+        else:
+            chunks = layout.forward_chunks(per_rank, micro=int(args.rollout.micro_batch_size))
         pad = self.tokenizer.pad_token_id
         return [
-            Experience.concat_experiences([rollout_samples[g * K + k] for g in chunk for k in range(K)], pad)
-            for chunk in layout
+            Experience.concat_experiences([rollout_samples[i] for i in chunk], pad)
+            for rank_chunks in chunks for chunk in rank_chunks
         ]
 
     # ------------------------------------------------------------------ advantages
@@ -120,7 +126,7 @@ class LPOExperienceMaker(RemoteExperienceMaker):
         est = self.advantage_estimator
         if est not in ("lpo", "maxrl"):
             experiences = super().compute_advantages_and_returns(experiences)
-            if _listwise_metrics(self.strategy.args):
+            if listwise_metrics_enabled(self.strategy.args):
                 _attach_targets(experiences, self.strategy.args)
             return experiences
         args = self.strategy.args
@@ -154,11 +160,23 @@ class LPOExperienceMaker(RemoteExperienceMaker):
                 exp.advantages = exp.returns.clone()
                 exp.info["return"] = shaped.sum(dim=-1)
                 exp.kl = None
-            if _listwise_metrics(args):
+            if listwise_metrics_enabled(args):
                 _attach_targets(experiences, args)
             return experiences
 
-        # ---- lpo: the Gibbs target of every group (Theorem 1, Eq. 8)
+        # ---- lpo: the Gibbs target of every group (Theorem 1, Eq. 8) from the sequence reward that
+        # OpenRLHF's per-token shaping sums to: clip(R) - kl_coef * sum_t KL_t (KL in the reward,
+        # --algo.kl.init_coef > 0 without --algo.kl.use_loss; with use_loss exp.kl is zero here).
+        beta = max(float(self.kl_ctl.value), 0.0)
+        for exp in experiences:
+            r = exp.rewards.double()  # targets are float64 from here on
+            if args.reward.clip_range:
+                r = r.clamp(min=args.reward.clip_range[0], max=args.reward.clip_range[1])
+            if beta > 0 and exp.kl is not None:
+                penalty = (exp.kl.to(r.dtype) * exp.action_mask.to(r.dtype)).sum(-1)
+                exp.info["lpo_kl_penalty"] = beta * penalty
+                r = r - beta * penalty
+            exp.rewards = r
         _attach_targets(experiences, args)
         for exp in experiences:
             signal = (exp.info["lpo_target"] - 1.0 / K).to(torch.float32)
@@ -169,16 +187,11 @@ class LPOExperienceMaker(RemoteExperienceMaker):
         return experiences
 
 
-def _listwise_metrics(args) -> bool:
-    from openrlhf_lpo.cli.flags import listwise_metrics_enabled
-
-    return listwise_metrics_enabled(args)
-
-
 @torch.no_grad()
 def _attach_targets(experiences: List[Experience], args) -> None:
     """Write LPO_INFO_KEYS into every experience: w* = softmax(R/tau + s_t) of its group (Eq. 8)
-    from ``exp.rewards`` (after length penalties) and ``--lpo.temperature``; s_t = 0."""
+    from ``exp.rewards`` (after length penalties) and ``--lpo.temperature``; s_t = delta, the
+    behaviour correction (offpolicy.py) for lpo, 0 for the metrics of PG estimators."""
     K = args.rollout.n_samples_per_prompt
     lengths = [len(exp.index) for exp in experiences]
     order = torch.tensor([i for exp in experiences for i in exp.index], dtype=torch.long)
@@ -192,6 +205,11 @@ def _attach_targets(experiences: List[Experience], args) -> None:
     rewards = rewards.view(-1, K)  # [G, K], prompt-major like the rollout
     tau = listwise.group_temperature(rewards, args.lpo.temperature)
     prev = torch.zeros_like(rewards)
+    correction = correction_from_args(args) if args.algo.advantage.estimator == "lpo" else None
+    if correction is not None:
+        delta = torch.cat([behaviour_log_ratio(exp.action_log_probs, exp.rollout_log_probs, exp.action_mask,
+                                               correction) for exp in experiences])
+        prev.view(-1)[order] = delta.to(prev.dtype)
     target = listwise.gibbs_target(rewards, tau, prev_log_ratio=prev)
     degenerate = listwise.degenerate_groups(rewards)
     tau_logged = torch.where(degenerate.unsqueeze(1), torch.full_like(tau, float("nan")), tau)

@@ -41,6 +41,14 @@ PATCH_POINTS: List[PatchPoint] = [
                "cli/train_ppo_ray.py imports it at module level and builds the actor RayActorGroup from it"),
     PatchPoint("ppo-trainer-class", "openrlhf.trainer.ppo_trainer", "PPOTrainer", "swap",
                "train() imports it lazily (sync mode) and calls PPOTrainer.remote(...)"),
+    PatchPoint("async-trainer-class", "openrlhf.trainer.ppo_trainer_async", "PPOTrainerAsync", "swap",
+               "train() imports it lazily (--train.async_enable) and calls PPOTrainer.remote(...)"),
+    PatchPoint("async-training-actor", "openrlhf.trainer.ppo_trainer_async", "TrainingActor", "scoped-swap",
+               "PPOTrainerAsync.__init__ looks it up at call time and starts TrainingActor.remote(...)"),
+    PatchPoint("balance-experiences", "openrlhf.trainer.ppo_trainer", "balance_experiences", "scoped-swap",
+               "BasePPOTrainer.train_step calls it under dynamic batching; lpo hands each rank its own groups"),
+    PatchPoint("entropy", "openrlhf.models.actor", "compute_entropy", "scoped-swap",
+               "Actor.forward calls it for return_entropy; with --actor.entropy_coef 0 it runs without a graph"),
     PatchPoint("actor-trainer-class", "openrlhf.trainer.ray.ppo_actor", "ActorPPOTrainer", "scoped-swap",
                "PolicyModelActor.init_model_from_pretrained looks it up at call time"),
     PatchPoint("experience-maker", "openrlhf.trainer.ppo_trainer", "RemoteExperienceMaker", "contract",
@@ -62,8 +70,12 @@ PATCH_POINTS: List[PatchPoint] = [
                "rollout_log_probs=, **loss_batch_info) and expects a 5-tuple"),
     PatchPoint("policy-loss", "openrlhf.models.loss", "PolicyLoss.forward", "contract",
                "LPOPolicyLoss mirrors its signature and return value"),
-    PatchPoint("window-normaliser", "openrlhf.utils.loss_utils", "iter_grad_accum_global_norm", "contract",
-               "gives each micro-batch of a gas-window the stock global normalisers (KL/entropy terms)"),
+    PatchPoint("loss-normaliser", "openrlhf.models.loss", "aggregate_loss", "contract",
+               "KL / entropy terms: masked sum / batch_num_tokens * dp_size; lpo passes each window's "
+               "global counts / gas (actor_trainer.LPOActorTrainer._loss_norm)"),
+    PatchPoint("dynamic-step-flags", "openrlhf.trainer.ppo_utils.replay_buffer",
+               "NaiveReplayBuffer.setup_dynamic_batch", "contract",
+               "training_step reads replay_buffer.dynamic_optimizer_step[step]; lpo fills it from its own plan"),
 ]
 
 _active: Dict[Tuple[str, str], Tuple[object, object]] = {}
@@ -79,11 +91,12 @@ def _resolve(point: PatchPoint):
 @contextlib.contextmanager
 def apply_patches():
     """Swap the stock Ray classes for the LPO ones (kind "swap"), restore them on exit."""
-    from openrlhf_lpo.openrlhf.ray_classes import RemoteLPOPolicyActor, RemoteLPOTrainer
+    from openrlhf_lpo.openrlhf.ray_classes import RemoteLPOPolicyActor, RemoteLPOTrainer, RemoteLPOTrainerAsync
 
     replacements = {
         ("openrlhf.trainer.ray.ppo_actor", "PolicyModelActor"): RemoteLPOPolicyActor,
         ("openrlhf.trainer.ppo_trainer", "PPOTrainer"): RemoteLPOTrainer,
+        ("openrlhf.trainer.ppo_trainer_async", "PPOTrainerAsync"): RemoteLPOTrainerAsync,
     }
     assert {(p.module, p.attribute) for p in PATCH_POINTS if p.kind == "swap"} == set(replacements)
     saved = []
@@ -151,8 +164,21 @@ def check_contracts() -> None:
         if _params(fn) != params:
             raise RuntimeError(f"patch point {name}: signature {_params(fn)} != {params}")
     src = inspect.getsource(ppo_actor.ActorPPOTrainer.training_step)
-    if "self.actor_loss_fn(" not in src:
-        raise RuntimeError("patch point training-step: training_step no longer calls self.actor_loss_fn")
+    for needle, why in (("self.actor_loss_fn(", "calls self.actor_loss_fn"),
+                        ("dynamic_optimizer_step[step]", "reads replay_buffer.dynamic_optimizer_step[step]"),
+                        ("**loss_batch_info", "passes loss_batch_info to the loss")):
+        if needle not in src:
+            raise RuntimeError(f"patch point training-step: training_step no longer {why}")
+    from openrlhf.models import actor as actor_mod
+    from openrlhf.trainer import ppo_trainer, ppo_trainer_async
+
+    for name, fn, needle in (("balance-experiences", ppo_trainer.BasePPOTrainer.train_step, "balance_experiences("),
+                             ("entropy", actor_mod.Actor.forward, "compute_entropy("),
+                             ("async-training-actor", getattr(ppo_trainer_async.PPOTrainerAsync, "__ray_actor_class__",
+                                                              ppo_trainer_async.PPOTrainerAsync).__init__,
+                              "TrainingActor.remote(")):
+        if needle not in inspect.getsource(fn):
+            raise RuntimeError(f"patch point {name}: {fn.__qualname__} no longer calls {needle[:-1]}")
     init_src = inspect.getsource(getattr(ppo_actor.PolicyModelActor, "__ray_actor_class__",
                                          ppo_actor.PolicyModelActor).init_model_from_pretrained)
     if "ActorPPOTrainer(" not in init_src:

@@ -3,10 +3,16 @@
 Public names (stable):
     LPOPolicyActor      subclass of the class behind ``@ray.remote PolicyModelActor``; builds
                         ``LPOActorTrainer`` instead of ``ActorPPOTrainer``
-    LPOTrainer          subclass of the class behind ``@ray.remote PPOTrainer``; uses
-                        ``LPOExperienceMaker`` instead of ``RemoteExperienceMaker``
+    LPOTrainer          subclass of the class behind ``@ray.remote PPOTrainer`` (sync training)
+    LPOTrainingActor    subclass of the async trainer's ``TrainingActor``
+    LPOTrainerAsync     subclass of ``PPOTrainerAsync``; starts ``LPOTrainingActor``
     RemoteLPOPolicyActor = ray.remote(num_gpus=1)(LPOPolicyActor)   (same options as stock)
-    RemoteLPOTrainer     = ray.remote(LPOTrainer)
+    RemoteLPOTrainer, RemoteLPOTrainingActor, RemoteLPOTrainerAsync
+
+Both trainers use ``LPOExperienceMaker`` instead of ``RemoteExperienceMaker`` and, for lpo, a
+``train_step`` that (1) skips a rollout batch with fewer prompt groups than data-parallel ranks
+(the end of an episode), with a warning, and (2) under dynamic batching hands each rank its own
+groups (``rank_experiences``) where the stock ``balance_experiences`` would scatter them.
 """
 
 from __future__ import annotations
@@ -16,12 +22,18 @@ from unittest import mock
 import ray
 
 from openrlhf.trainer import ppo_trainer as _ppo_trainer_mod
+from openrlhf.trainer import ppo_trainer_async as _async_mod
 from openrlhf.trainer.ray import ppo_actor as _ppo_actor_mod
+from openrlhf.utils.logging_utils import init_logger
 
 from openrlhf_lpo.openrlhf.actor_trainer import LPOActorTrainer
-from openrlhf_lpo.openrlhf.experience_maker import LPOExperienceMaker
+from openrlhf_lpo.openrlhf.config import dp_size
+from openrlhf_lpo.openrlhf.experience_maker import LPOExperienceMaker, rank_experiences
 
-__all__ = ["LPOPolicyActor", "LPOTrainer", "RemoteLPOPolicyActor", "RemoteLPOTrainer", "unwrap_ray_class"]
+__all__ = ["LPOPolicyActor", "LPOTrainer", "LPOTrainingActor", "LPOTrainerAsync", "RemoteLPOPolicyActor",
+           "RemoteLPOTrainer", "RemoteLPOTrainingActor", "RemoteLPOTrainerAsync", "unwrap_ray_class"]
+
+logger = init_logger(__name__)
 
 
 def unwrap_ray_class(cls):
@@ -31,6 +43,8 @@ def unwrap_ray_class(cls):
 
 _StockPolicyActor = unwrap_ray_class(_ppo_actor_mod.PolicyModelActor)
 _StockPPOTrainer = unwrap_ray_class(_ppo_trainer_mod.PPOTrainer)
+_StockTrainingActor = unwrap_ray_class(_async_mod.TrainingActor)
+_StockPPOTrainerAsync = unwrap_ray_class(_async_mod.PPOTrainerAsync)
 
 
 class LPOPolicyActor(_StockPolicyActor):
@@ -40,9 +54,10 @@ class LPOPolicyActor(_StockPolicyActor):
             return super().init_model_from_pretrained(*args, **kwargs)
 
 
-class LPOTrainer(_StockPPOTrainer):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+class _LPOTrainerMixin:
+    """What both trainers (sync and async) change: the experience maker and, for lpo, train_step."""
+
+    def _use_lpo_experience_maker(self):
         stock = self.experience_maker
         self.experience_maker = LPOExperienceMaker(
             stock.actor_model_group,
@@ -54,6 +69,42 @@ class LPOTrainer(_StockPPOTrainer):
             stock.tokenizer,
         )
 
+    def train_step(self, rollout_samples, global_step):
+        args = self.args
+        if args.algo.advantage.estimator != "lpo":
+            return super().train_step(rollout_samples, global_step)
+        K, dp = args.rollout.n_samples_per_prompt, dp_size(args)
+        n_groups = len(rollout_samples) // K
+        if n_groups < dp:
+            logger.warning(f"LPO: skipping a rollout batch of {n_groups} prompt groups: fewer than the {dp} "
+                           "data-parallel ranks (each rank needs whole groups)")
+            return {"lpo/skipped_groups": float(n_groups)}, global_step
+        with mock.patch.object(_ppo_trainer_mod, "balance_experiences", lambda exps, _args: rank_experiences(exps, dp)):
+            return super().train_step(rollout_samples, global_step)
+
+
+class LPOTrainer(_LPOTrainerMixin, _StockPPOTrainer):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._use_lpo_experience_maker()
+
+
+class LPOTrainingActor(_LPOTrainerMixin, _StockTrainingActor):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._use_lpo_experience_maker()
+
+
+RemoteLPOTrainingActor = ray.remote(LPOTrainingActor)
+
+
+class LPOTrainerAsync(_StockPPOTrainerAsync):
+    def __init__(self, *args, **kwargs):
+        # PPOTrainerAsync.__init__ looks TrainingActor up at call time: swap it for this call only.
+        with mock.patch.object(_async_mod, "TrainingActor", RemoteLPOTrainingActor):
+            super().__init__(*args, **kwargs)
+
 
 RemoteLPOPolicyActor = ray.remote(num_gpus=1)(LPOPolicyActor)
 RemoteLPOTrainer = ray.remote(LPOTrainer)
+RemoteLPOTrainerAsync = ray.remote(LPOTrainerAsync)

@@ -2,7 +2,7 @@
 
 Every rank runs the real LPOActorTrainer on its OpenRLHF chunk of the rollout batch; rank 0
 writes, per case, the max abs difference between the DP-averaged step gradient and the
-full-batch listwise gradient (float64) to OUT (json, written atomically).
+window-by-window reference (float64) to OUT (json, written atomically).
 """
 
 import json
@@ -19,17 +19,10 @@ def main():
     rank, world, port, model_dir, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=world, rank=rank)
-    from lpo_harness import gradient_matrix, max_abs, max_abs_diff
+    from lpo_harness import gradient_matrix
 
-    results, refs = gradient_matrix(model_dir, dp=world, rank=rank)
+    table = gradient_matrix(model_dir, dp=world, rank=rank)
     if rank == 0:
-        table = {}
-        for (packing, micro, div), r in results.items():
-            table[f"packing={int(packing)},micro={micro},div={div}"] = {
-                "err": max_abs_diff(r["grads"], refs[div]),
-                "scale": max_abs(refs[div]),
-                "two_pass": r["two_pass"],
-            }
         tmp = out + ".tmp"
         with open(tmp, "w") as f:
             json.dump(table, f, indent=1)

@@ -51,6 +51,7 @@ def tiny_model(root: str) -> str:
 
 def parse_args(model_dir, *, K=4, G=4, micro=4, train_batch=None, dp=1, estimator="lpo", packing=False,
                extra=()):
+    """lpo-train's parse of a small recipe (later ``extra`` flags override the defaults)."""
     argv = [
         "--actor.model_name_or_path", model_dir,
         "--actor.num_nodes", "1", "--actor.num_gpus_per_node", str(dp),
@@ -73,18 +74,29 @@ class CPUStrategy(DeepspeedStrategy):
         super().__init__(seed=args.train.seed, max_norm=0.0, micro_train_batch_size=args.train.micro_batch_size,
                          train_batch_size=args.train.batch_size, zero_stage=args.ds.zero_stage, args=args)
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
-        self.accumulated_gradient = max(1, self.train_batch_size // self.micro_train_batch_size // self.world_size)
+        # DeepSpeed's gas: train/(micro*world), or 1 under dynamic batching (the trainer steps itself)
+        self.accumulated_gradient = 1 if args.train.dynamic_batch_enable else max(
+            1, self.train_batch_size // self.micro_train_batch_size // self.world_size)
         self.ds_device_mesh = None
         self.micro_steps = 0
+        self.boundary = None  # DeepSpeed's set_gradient_accumulation_boundary (None: counter-managed)
         self.step_grads: List[List[torch.Tensor]] = []
         self._last_norm = 0.0
+
+    # the engine methods the LPO trainer calls on ``actor.model`` (attached by make_trainer)
+    def set_gradient_accumulation_boundary(self, is_boundary):
+        self.boundary = is_boundary
+
+    def gradient_accumulation_steps(self):
+        return self.accumulated_gradient
 
     def backward(self, loss, model, optimizer, **kwargs):
         (loss / self.accumulated_gradient).backward()
 
     def optimizer_step(self, optimizer, model, scheduler, name="model", **kwargs):
         self.micro_steps += 1
-        if self.micro_steps % self.accumulated_gradient:
+        at_boundary = self.boundary if self.boundary is not None else self.micro_steps % self.accumulated_gradient == 0
+        if not at_boundary:
             return
         params = [p for p in model.parameters() if p.requires_grad]
         for p in params:
@@ -172,8 +184,14 @@ class _Tok:
     pad_token_id = 0
 
 
-def make_experiences(args, strategy, actor, samples, noise=0.05, seed=1, maker_cls=LPOExperienceMaker):
-    """split_rollout_samples -> old log-probs from ``actor`` (+ noise, so s != 0) -> advantages."""
+def make_experiences(args, strategy, actor, samples, noise=0.0, seed=1, maker_cls=LPOExperienceMaker,
+                     behaviour_noise=0.0):
+    """split_rollout_samples -> old log-probs from ``actor`` -> advantages.
+
+    ``noise`` perturbs the old log-probs themselves (s != 0 at the start: only for metrics of PG
+    estimators, whose trainer never assumes the old log-probs are the actor's). ``behaviour_noise``
+    makes the rollout's behaviour log-probs (``rollout_log_probs`` = old + noise): the off-policy
+    data LPO corrects for with s_t (offpolicy.py)."""
     maker = maker_cls(None, None, None, None, FixedKLController(0.0), strategy, _Tok())
     exps = maker.split_rollout_samples(copy.deepcopy(samples))
     g = torch.Generator().manual_seed(seed)
@@ -182,6 +200,9 @@ def make_experiences(args, strategy, actor, samples, noise=0.05, seed=1, maker_c
             lp = actor(e.sequences, e.action_mask, attention_mask=e.attention_mask)
         if noise:
             lp = lp + noise * torch.randn(lp.shape, generator=g, dtype=lp.dtype) * e.action_mask
+        if behaviour_noise:
+            e.rollout_log_probs = (lp + behaviour_noise * torch.randn(lp.shape, generator=g, dtype=lp.dtype)) \
+                * e.action_mask
         e.action_log_probs = lp
         e.kl = torch.zeros_like(lp)
         e.values = None
@@ -192,6 +213,9 @@ def make_experiences(args, strategy, actor, samples, noise=0.05, seed=1, maker_c
 def make_trainer(cls, args, strategy, actor, lr=0.0):
     optim = torch.optim.SGD([p for p in actor.parameters() if p.requires_grad], lr=lr)
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda _: 1.0)
+    # the DeepSpeed engine's accumulation interface, as DeepSpeed implements it (see CPUStrategy)
+    actor.model.set_gradient_accumulation_boundary = strategy.set_gradient_accumulation_boundary
+    actor.model.gradient_accumulation_steps = strategy.gradient_accumulation_steps
     with cpu_cuda_queries(0):
         return cls(strategy, actor, None, optim, sched, micro_train_batch_size=args.train.micro_batch_size,
                    tokenizer=None, dataloader_pin_memory=False, eps_clip=args.actor.eps_clip, vllm_engines=None)
@@ -203,34 +227,15 @@ def rank_chunk(experiences, rank, dp):
     return experiences[rank * size:(rank + 1) * size]
 
 
-def run_lpo_step(args, actor, experiences, rank=0, dp=1):
+def run_lpo_step(args, actor, experiences, rank=0, dp=1, lr=0.0):
     """One ppo_train of the real LPOActorTrainer; returns (step gradients, status, trainer)."""
     strategy = CPUStrategy(args)
-    trainer = make_trainer(LPOActorTrainer, args, strategy, actor)
+    trainer = make_trainer(LPOActorTrainer, args, strategy, actor, lr=lr)
     for e in rank_chunk(experiences, rank, dp):
         trainer.replay_buffer.append(copy.deepcopy(e))
     with cpu_cuda_queries():
         status = trainer.ppo_train(0.0)
     return strategy.step_grads, status, trainer
-
-
-def full_batch_listwise_grads(args, model_dir, state_dict, experiences, divergence, projection="listwise"):
-    """Reference: one autograd call of the full-batch listwise loss (mean over all groups)."""
-    K = args.rollout.n_samples_per_prompt
-    actor = make_actor(model_dir, packing=False)
-    actor.model.load_state_dict(state_dict)
-    items = []
-    for e in experiences:
-        from openrlhf.trainer.ppo_utils.experience import remove_padding_in_sequences, split_experience_batch
-        items.extend(remove_padding_in_sequences(split_experience_batch(copy.deepcopy(e))))
-    items.sort(key=lambda it: int(it.info["lpo_gid"]))
-    batch = make_experience_batch(items)
-    lp = actor(batch.sequences, batch.action_mask, attention_mask=batch.attention_mask)
-    s = listwise.sequence_log_ratio(lp.double(), batch.action_log_probs.double(), batch.action_mask, args.actor.eps_clip_low_high)
-    target = torch.stack([torch.as_tensor(t) for t in batch.info["lpo_target"]]).double()
-    loss = listwise.listwise_loss(s.view(-1, K), target.view(-1, K), divergence, projection)
-    params = [p for p in actor.parameters() if p.requires_grad]
-    return list(torch.autograd.grad(loss, params)), float(loss.detach())
 
 
 def max_abs_diff(a, b):
@@ -241,45 +246,221 @@ def max_abs(a):
     return max(float(x.double().abs().max()) for x in a)
 
 
+# ----------------------------------------------------------------------------- independent reference
+
+
+def independent_target(rewards, temperature, delta):
+    """numpy float64, group by group: w* = softmax((R - mean)/tau + delta) (Eq. 8); flat groups give
+    softmax(delta). Written from the paper, not from openrlhf_lpo."""
+    import numpy as np
+
+    out = []
+    for r, d in zip(np.asarray(rewards, dtype=np.float64), np.asarray(delta, dtype=np.float64)):
+        if r.max() == r.min():
+            logits = d.copy()
+        else:
+            tau = {"std": lambda: r.std(ddof=1), "one": lambda: 1.0, "mean": lambda: r.mean()}[temperature]() \
+                if isinstance(temperature, str) else float(temperature)
+            logits = (r - r.mean()) / tau + d
+        e = np.exp(logits - logits.max())
+        out.append(e / e.sum())
+    return np.stack(out)
+
+
+def independent_delta(old, rollout, mask, mode, low, high):
+    """numpy float64 per sample: mean over response tokens of log pi_t - log mu, clipped to
+    [log low, log high] (clip) or restricted to the tokens inside the band (mask); also the kept-token mask."""
+    import numpy as np
+
+    ell = np.asarray(old, dtype=np.float64) - np.asarray(rollout, dtype=np.float64)
+    m = np.asarray(mask, dtype=bool)
+    if mode == "mask":
+        m = m & (ell >= math.log(low)) & (ell <= math.log(high))
+    else:
+        ell = np.clip(ell, math.log(low), math.log(high))
+    return float((ell * m).sum() / max(m.sum(), 1)), m
+
+
+def _divergence(div, w, log_p):
+    """Per-group divergence in plain torch (float64): fwd KL(w||P), rev KL(P||w), js."""
+    p = log_p.exp()
+    if div == "fwd":
+        return (w * (w.log() - log_p)).sum(-1)
+    if div == "rev":
+        return (p * (log_p - w.log())).sum(-1)
+    m = (p + w) / 2
+    return 0.5 * ((p * (log_p - m.log())).sum(-1) + (w * (w.log() - m.log())).sum(-1))
+
+
+def flat_items(experiences):
+    from openrlhf.trainer.ppo_utils.experience import remove_padding_in_sequences, split_experience_batch
+
+    items = []
+    for e in experiences:
+        items.extend(remove_padding_in_sequences(split_experience_batch(copy.deepcopy(e))))
+    return sorted(items, key=lambda it: int(it.info["lpo_gid"]))
+
+
+def reference_steps(model_dir, state_dict, experiences, windows, *, K, divergence="fwd", temperature="std",
+                    correction=None, eps=(0.2, 0.2), lr=0.0, projection="listwise"):
+    """Window by window at the updated parameters: the gradient of the listwise loss averaged over
+    each window's groups (one autograd call per window), then an SGD step of ``lr``. ``windows`` lists
+    the global group ids of each optimizer step in training order. Targets and s_t are computed here
+    independently (numpy) from the rewards and the behaviour log-probs. Returns the list of gradients."""
+    import numpy as np
+
+    actor = make_actor(model_dir, packing=False)
+    actor.model.load_state_dict(state_dict)
+    params = [p for p in actor.parameters() if p.requires_grad]
+    by_gid = {}
+    for it in flat_items(experiences):
+        by_gid.setdefault(int(it.info["lpo_gid"]), []).append(it)
+    consts = {}
+    for g, members in by_gid.items():
+        assert len(members) == K
+        deltas, keeps = [], []
+        for it in members:
+            mask = it.action_mask.numpy()
+            if correction is None:
+                deltas.append(0.0)
+                keeps.append(mask.astype(bool))
+            else:
+                d, m = independent_delta(it.action_log_probs.numpy(), it.rollout_log_probs.numpy(), mask, *correction)
+                deltas.append(d)
+                keeps.append(m)
+        rewards = np.array([[float(it.rewards) for it in members]])
+        w = independent_target(rewards, temperature, np.array([deltas]))[0]
+        consts[g] = (torch.tensor(w), torch.tensor(deltas), [torch.tensor(k) for k in keeps])
+    lo, hi = math.log(1 - eps[0]), math.log(1 + eps[1])
+    grads = []
+    for gids in windows:
+        gids = sorted(gids)
+        members = [it for g in gids for it in by_gid[g]]
+        batch = make_experience_batch(members)
+        lp = actor(batch.sequences, batch.action_mask, attention_mask=batch.attention_mask).double()
+        keep = torch.zeros_like(lp, dtype=torch.bool)
+        for j, (g, k) in enumerate((g, k) for g in gids for k in range(K)):
+            m = consts[g][2][k]
+            keep[j, :m.shape[0]] = m
+        ratio = (lp - batch.action_log_probs.double()).clamp(lo, hi)
+        s = (ratio * keep).sum(1) / keep.sum(1).clamp(min=1) + torch.cat([consts[g][1] for g in gids])
+        w = torch.stack([consts[g][0] for g in gids])
+        s_g = s.view(-1, K)
+        if projection == "pointwise":
+            loss = -(w * s_g).sum(-1).mean()
+        else:
+            loss = _divergence(divergence, w, torch.log_softmax(s_g, -1)).mean()
+        g = torch.autograd.grad(loss, params)
+        grads.append([x.detach().clone() for x in g])
+        with torch.no_grad():
+            for p, x in zip(params, g):
+                p -= lr * x
+    return grads
+
+
+def plan_group_windows(trainer, items, world=1):
+    """The global group ids of each optimizer window of the trainer's last plan (all ranks)."""
+    mine = [sorted({int(items[i].info["lpo_gid"]) for mb in w.micro_batches for i in mb})
+            for w in trainer.last_window_plan]
+    if world == 1:
+        return mine
+    gathered = [None] * world
+    dist.all_gather_object(gathered, mine)
+    return [sorted(set().union(*(r[w] for r in gathered))) for w in range(len(mine))]
+
+
 # ----------------------------------------------------------------------------- gradient matrix
 
 DIVERGENCE_CASES = ("fwd", "rev", "js")
 PACKING_CASES = (False, True)
+MATRIX_LR = 0.5  # large enough that later windows see s far from s_t (checked)
 
 
 def micro_cases(K):
     return (1, K // 2, K, 2 * K)
 
 
-def gradient_matrix(model_dir, dp=1, rank=0, K=4, G=4, seed=0):
-    """Run every (packing, micro, divergence) case of one optimizer step on this rank.
+def matrix_case_args(model_dir, K, G, micro, dp, packing, div, correction=None, temperature="std", epochs=2,
+                     budget=None):
+    """Two optimizer windows per rollout batch and two epochs: four steps per ppo_train. ``budget``:
+    dynamic batching with that many tokens per micro-batch (OpenRLHF then forces packing)."""
+    extra = ["--lpo.divergence", div, "--lpo.temperature", str(temperature), "--train.max_epochs", str(epochs)]
+    if budget is not None:
+        extra += ["--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", str(budget),
+                  "--rollout.max_tokens_per_gpu", str(budget)]
+    if correction is not None:
+        mode, low, high = correction
+        extra += ["--algo.advantage.is_correction_level", "token", "--algo.advantage.is_correction_mode", mode,
+                  "--algo.advantage.is_correction_threshold", str(low), str(high)]
+    return parse_args(model_dir, K=K, G=G, micro=micro, dp=dp, packing=packing, train_batch=G * K // 2,
+                      extra=extra)
 
-    Returns {case: {"grads": [...], "two_pass": float}} and, on rank 0, the references
-    {divergence: grads} of the full-batch listwise loss (one autograd call).
-    """
+
+def run_matrix_case(model_dir, state, actor, samples, *, K, G, micro, dp, rank, packing, div, correction=None,
+                    temperature="std", behaviour_noise=0.0, seed=1, budget=None, whole=None):
+    args = matrix_case_args(model_dir, K, G, micro, dp, packing, div, correction, temperature, budget=budget)
+    actor.model.load_state_dict(state)
+    exps = make_experiences(args, CPUStrategy(args), actor, samples, seed=seed, behaviour_noise=behaviour_noise)
+    actor.model.load_state_dict(state)
+    grads, status, trainer = run_lpo_step(args, actor, exps, rank=rank, dp=dp, lr=MATRIX_LR)
+    windows = plan_group_windows(trainer, trainer.replay_buffer.items, dp)
+    result = {"grads": grads, "status": status, "modes": [w.mode for w in trainer.last_window_plan]}
+    if rank == 0:
+        result["refs"] = reference_steps(model_dir, state, exps, windows, K=K, divergence=div,
+                                         temperature=temperature, correction=correction,
+                                         eps=args.actor.eps_clip_low_high, lr=MATRIX_LR)
+    return result
+
+
+def matrix_cases(K, dp):
+    """(name, kwargs) of the exactness matrix. dp 1: packing x micro (1, K/2, K, 2K) x divergence,
+    the off-policy corrections and the temperatures; dp 2 (two processes, so a subset): micro-batches
+    of at most the rank's window (K), fwd and js, one off-policy case per mode, one temperature."""
+    micros = micro_cases(K) if dp == 1 else (1, K // 2, K)
+    divs = DIVERGENCE_CASES if dp == 1 else ("fwd", "js")
+    cases = [(f"packing={int(p)},micro={m},div={d}", dict(packing=p, micro=m, div=d))
+             for p in PACKING_CASES for m in micros for d in divs]
+    off_micros, off_divs = ((K // 2, K), ("fwd", "rev")) if dp == 1 else ((K // 2,), ("rev",))
+    cases += [(f"offpolicy={mode},micro={m},div={d}", dict(packing=False, micro=m, div=d, behaviour_noise=0.3,
+                                                            correction=(mode, 0.5, 1.5)))
+              for mode in ("clip", "mask") for m in off_micros for d in off_divs]
+    temps = ("one", "mean", 0.7) if dp == 1 else ("mean",)
+    cases += [(f"temperature={t},micro={K // 2}", dict(packing=False, micro=K // 2, div="fwd", temperature=t))
+              for t in temps]
+    # dynamic batching (packing forced): a budget below a group's tokens splits groups (samples as
+    # items, c from s_t / a pre-pass); larger budgets keep whole groups (one pass)
+    budgets = ((16, False), (64, True), (1000, True)) if dp == 1 else ((16, False), (1000, True))
+    cases += [(f"dynamic={b},micro=1,div={d}", dict(packing=True, micro=1, div=d, budget=b, whole=w))
+              for b, w in budgets for d in (("fwd", "rev") if dp == 1 else ("fwd",))]
+    return cases
+
+
+def gradient_matrix(model_dir, dp=1, rank=0, K=4, G=4, seed=0):
+    """Every (packing, micro, divergence) case, plus off-policy corrections and temperatures.
+
+    Each case is one ppo_train of the real LPOActorTrainer with SGD (lr 0.5): two windows per
+    rollout batch, two epochs, so the steps after the first see updated parameters. Returns, on
+    rank 0, {case: {"err": max |step grad - reference| over steps, "scale", "modes"}}."""
     samples = make_rollout_samples(G, K, seed=seed)
     base = make_actor(model_dir, packing=False)
     state = {k: v.clone() for k, v in base.model.state_dict().items()}
     actors = {False: base, True: make_actor(model_dir, packing=True)}
-    results, refs = {}, {}
-    exps_by_div = {}
-    for div in DIVERGENCE_CASES:
-        args = parse_args(model_dir, K=K, G=G, micro=K, dp=dp, extra=["--lpo.divergence", div])
-        base.model.load_state_dict(state)
-        exps_by_div[div] = make_experiences(args, CPUStrategy(args), base, samples, seed=seed + 1)
+    cases = matrix_cases(K, dp)
+    table = {}
+    for name, kw in cases:
+        r = run_matrix_case(model_dir, state, actors[kw["packing"]], samples, K=K, G=G, dp=dp, rank=rank, **kw)
+        whole = kw.get("whole")
         if rank == 0:
-            refs[div], _ = full_batch_listwise_grads(args, model_dir, state, exps_by_div[div], div)
-    for packing in PACKING_CASES:
-        for micro in micro_cases(K):
-            for div in DIVERGENCE_CASES:
-                args = parse_args(model_dir, K=K, G=G, micro=micro, dp=dp, packing=packing,
-                                  extra=["--lpo.divergence", div])
-                actor = actors[packing]
-                actor.model.load_state_dict(state)
-                grads, status, _ = run_lpo_step(args, actor, exps_by_div[div], rank=rank, dp=dp)
-                assert len(grads) == 1, f"expected one optimizer step, got {len(grads)}"
-                results[(packing, micro, div)] = {"grads": grads[0], "two_pass": status["lpo/two_pass"]}
-    return results, refs
+            assert len(r["grads"]) == len(r["refs"]) == 4, (name, len(r["grads"]), len(r["refs"]))
+            table[name] = {
+                "err": max(max_abs_diff(a, b) for a, b in zip(r["grads"], r["refs"])),
+                "rel": max(max_abs_diff(a, b) / max_abs(b) for a, b in zip(r["grads"], r["refs"])),
+                "scale": min(max_abs(b) for b in r["refs"]),
+                "modes": r["modes"],
+                "whole": kw["micro"] % K == 0 if whole is None else whole,
+                "kl_moved": abs(r["status"]["lpo/kl_last"] - r["status"]["lpo/kl_start"]),
+            }
+    return table
 
 
 # ----------------------------------------------------------------------------- listwise metrics reference

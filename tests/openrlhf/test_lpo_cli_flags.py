@@ -77,9 +77,20 @@ BAD = [
      "--train.micro_batch_size"),
     (_with(rollout__batch_size="2", train__batch_size="16") + ["--algo.advantage.estimator", "lpo"],
      "whole optimizer steps per rollout batch"),
-    (BASE + ["--algo.advantage.estimator", "lpo", "--train.dynamic_batch_enable", "--ds.packing_samples"],
-     "--train.dynamic_batch_enable"),
-    (BASE + ["--algo.advantage.estimator", "lpo", "--train.async_enable"], "--train.async_enable"),
+    (BASE + ["--algo.advantage.estimator", "lpo", "--ds.ring_attn_size", "2"], "--ds.ring_attn_size > 1"),
+    (BASE + ["--algo.advantage.estimator", "lpo", "--ds.tensor_parallel_size", "2"],
+     "--ds.tensor_parallel_size > 1"),
+    (BASE + ["--algo.advantage.estimator", "lpo", "--algo.advantage.is_correction_level", "seq"],
+     "--algo.advantage.is_correction_level seq"),
+    (BASE + ["--algo.advantage.estimator", "lpo", "--algo.advantage.is_correction_level", "token",
+             "--algo.advantage.is_correction_gating", "tv"], "--algo.advantage.is_correction_gating tv"),
+    (BASE + ["--algo.advantage.estimator", "lpo", "--algo.advantage.is_correction_level", "token",
+             "--algo.advantage.is_correction_threshold", "2.0"], "--algo.advantage.is_correction_threshold"),
+    (BASE + ["--algo.advantage.estimator", "lpo", "--actor.eps_clip_low_high", "1.0", "0.2"],
+     "--actor.eps_clip_low_high"),
+    (BASE + ["--algo.advantage.estimator", "group_norm", "--lpo.force_two_pass"], "--lpo.force_two_pass"),
+    (BASE + ["--algo.advantage.estimator", "reinforce", "--lpo.end_kl"], "--lpo.end_kl"),
+    (BASE + ["--algo.advantage.estimator", "group_norm", "--lpo.temperature", "one"], "--lpo.temperature"),
     (BASE + ["--algo.advantage.estimator", "lpo", "--actor.policy_loss_type", "gspo"], "--actor.policy_loss_type"),
     (BASE + ["--algo.advantage.estimator", "lpo", "--actor.dual_clip", "3"], "--actor.dual_clip"),
     (BASE + ["--algo.advantage.estimator", "lpo", "--lpo.temperature", "-1"], "--lpo.temperature"),
@@ -117,14 +128,81 @@ def test_main_swaps_classes_only_around_train(monkeypatch):
         raise Stop
 
     stock_actor, stock_trainer = ppo_actor.PolicyModelActor, ppo_trainer.PPOTrainer
-    with mock.patch("ray.is_initialized", return_value=False), mock.patch("ray.init", fake_init):
+    no_check = mock.patch("openrlhf_lpo.cli.train_ppo_ray._check_cluster")  # tested on its own
+    with no_check, mock.patch("ray.is_initialized", return_value=False), mock.patch("ray.init", fake_init):
         with pytest.raises(Stop):
             main(BASE + ["--algo.advantage.estimator", "lpo"])
     from openrlhf_lpo.openrlhf.ray_classes import RemoteLPOPolicyActor, RemoteLPOTrainer
 
     assert seen == {"actor": RemoteLPOPolicyActor, "trainer": RemoteLPOTrainer}
     assert ppo_actor.PolicyModelActor is stock_actor and ppo_trainer.PPOTrainer is stock_trainer  # restored
-    with mock.patch("ray.is_initialized", return_value=False), mock.patch("ray.init", fake_init):
+    with no_check, mock.patch("ray.is_initialized", return_value=False), mock.patch("ray.init", fake_init):
         with pytest.raises(Stop):
             main(BASE + ["--algo.advantage.estimator", "group_norm"])
     assert seen == {"actor": stock_actor, "trainer": stock_trainer}
+
+
+def test_async_trainer_is_swapped_for_lpo(monkeypatch):
+    """--train.async_enable under lpo: the stock train() builds our PPOTrainerAsync subclass."""
+    monkeypatch.setenv("LPO_CPU_MODE", "0")
+    import openrlhf.trainer.ppo_trainer_async as async_mod
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_init(*a, **k):
+        seen["async"] = async_mod.PPOTrainerAsync
+        raise Stop
+
+    stock = async_mod.PPOTrainerAsync
+    with mock.patch("openrlhf_lpo.cli.train_ppo_ray._check_cluster"), \
+            mock.patch("ray.is_initialized", return_value=False), mock.patch("ray.init", fake_init):
+        with pytest.raises(Stop):
+            main(BASE + ["--algo.advantage.estimator", "lpo", "--train.async_enable",
+                         "--algo.advantage.is_correction_level", "token"])
+    from openrlhf_lpo.openrlhf.ray_classes import RemoteLPOTrainerAsync
+
+    assert seen["async"] is RemoteLPOTrainerAsync and async_mod.PPOTrainerAsync is stock
+
+
+def test_dry_run_prints_the_plan_and_starts_nothing(tmp_path, capsys):
+    import ray
+
+    data = tmp_path / "math.jsonl"
+    data.write_text("".join('{"prompt": "p", "label": "1"}\n' for _ in range(76 + 2 * 8)))
+    argv = _with(rollout__batch_size="8") + ["--algo.advantage.estimator", "lpo", "--data.prompt_dataset", str(data),
+                                             "--dry-run"]
+    main(argv)
+    out = capsys.readouterr().out
+    assert not ray.is_initialized()
+    assert "flags are valid" in out
+    assert "GPUs needed: 11" in out and "actor: 2" in out and "ref: 8" in out and "vLLM engines: 1" in out
+    # 92 prompts = 11 x 8 + 4: the last batch of 4 prompts gives each of the 2 ranks 2 groups
+    assert "92 prompts -> 12 rollout batches per episode" in out
+    assert "last batch of each episode: 4 prompts: 2 groups per rank" in out
+    assert "first window: c from s_t, no extra forward; 1 later window(s)" in out  # micro 2 < K: split groups
+
+    with pytest.raises(SystemExit) as exc:  # a missing data file is an error
+        main(argv[:-3] + ["--data.prompt_dataset", str(tmp_path / "missing.jsonl"), "--dry-run"])
+    assert exc.value.code == 2 and "missing.jsonl: no such file" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:  # invalid flags still fail
+        main(_with(train__batch_size="12", rollout__batch_size="6") + ["--algo.advantage.estimator", "lpo",
+                                                                        "--dry-run"])
+    assert exc.value.code == 2
+
+
+def test_cluster_check_names_gpus_needed_per_role():
+    from openrlhf_lpo.cli import plan
+
+    args = build_parser_and_parse(BASE + ["--algo.advantage.estimator", "lpo", "--algo.kl.init_coef", "0"])
+    assert plan.gpus_needed(args) == 3  # actor 2 + 1 engine
+    plan.check_cluster(args, {"GPU": 3.0})
+    with pytest.raises(plan.ClusterTooSmall, match=r"needs 3 GPUs \(actor 2, vLLM engines 1\) but the Ray "
+                                                   r"cluster has 2"):
+        plan.check_cluster(args, {"GPU": 2.0, "CPU": 64.0})
+    colocated = build_parser_and_parse(_with(vllm__num_engines="2") + [
+        "--algo.advantage.estimator", "lpo", "--train.colocate_all", "--algo.kl.init_coef", "0.01",
+        "--ref.num_gpus_per_node", "2"])
+    assert plan.gpus_needed(colocated) == 2  # actor, ref and the engines share one placement group

@@ -1,8 +1,14 @@
-"""One optimizer step of the real LPOActorTrainer == gradient of the full-batch listwise loss.
+"""Every optimizer step of the real LPOActorTrainer == the gradient of the listwise loss over its
+window's groups, at the parameters that step sees.
 
 float64 model parameters (OpenRLHF's Actor casts logits to float32; all LPO math runs in float64),
-K = 4 responses x 4 prompts (one group with equal rewards), micro-batch sizes 1, K/2, K, 2K,
-dp 1 (in process) and dp 2 (two gloo processes), packing on/off, divergences fwd/rev/js.
+K = 4 responses x 4 prompts (one group with equal rewards), two optimizer windows per rollout batch
+and two epochs with SGD (lr 0.5), so the later steps run at updated parameters and need c from a
+fresh no-grad pass. Micro-batch sizes 1, K/2, K, 2K; dp 1 (in process) and dp 2 (two gloo
+processes); packing on/off; divergences fwd/rev/js; off-policy data with the token clip and mask
+corrections; temperatures std/one/mean/0.7; dynamic batching with token budgets that split groups or
+keep them whole. The reference (lpo_harness.reference_steps) recomputes
+the targets and s_t in numpy from the rewards and behaviour log-probs, one autograd call per window.
 """
 
 import json
@@ -15,8 +21,11 @@ import pytest
 from conftest import HERE, free_port
 
 K = 4
-MICRO = (1, K // 2, K, 2 * K)
-TOL = 1e-12  # absolute, on gradients of size ~1e-1
+# OpenRLHF's Actor casts logits to float32, so log-probs recomputed in a batch of another composition
+# (the reference's one-call window vs the trainer's micro-batches) differ by ~1e-9: s moves by that
+# much and so does c. Measured: <= 1e-17 on-policy, <= ~3e-6 relative off-policy (per step, against
+# the step's largest gradient entry). A stale or misplaced coefficient shows up at >= 1e-2 relative.
+REL_TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -36,61 +45,57 @@ def dp2_results(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def dp1_results(tiny_model_dir, gloo_world1, dp2_results):
+def dp1_table(tiny_model_dir, gloo_world1, dp2_results):
     # dp2_results first: its two worker processes import while this process computes.
-    from lpo_harness import gradient_matrix, max_abs, max_abs_diff
+    from lpo_harness import gradient_matrix
 
-    results, refs = gradient_matrix(tiny_model_dir, dp=1, rank=0, K=K)
-    return {
-        f"packing={int(p)},micro={m},div={d}": {"err": max_abs_diff(r["grads"], refs[d]), "scale": max_abs(refs[d]),
-                                                "two_pass": r["two_pass"]}
-        for (p, m, d), r in results.items()
-    }
+    return gradient_matrix(tiny_model_dir, dp=1, rank=0, K=K)
 
 
 @pytest.fixture(scope="module")
 def dp2_table(dp2_results):
     procs, out = dp2_results
-    logs = []
     for p in procs:
         try:
-            stdout, _ = p.communicate(timeout=900)
+            stdout, _ = p.communicate(timeout=1200)
         except subprocess.TimeoutExpired:
             p.kill()
             stdout, _ = p.communicate()
-        logs.append(stdout[-3000:])
         assert p.returncode == 0, f"dp=2 worker failed:\n{stdout[-3000:]}"
     with open(out) as f:
         return json.load(f)
 
 
-CASES = [(p, m, d) for p in (0, 1) for m in MICRO for d in ("fwd", "rev", "js")]
+def _cases(dp):
+    from lpo_harness import matrix_cases
+
+    return [name for name, _ in matrix_cases(K, dp)]
 
 
-def _check(table, packing, micro, div):
-    row = table[f"packing={packing},micro={micro},div={div}"]
+def _check(table, name):
+    row = table[name]
     assert row["scale"] > 1e-3, "reference gradient is trivially small; the check would be vacuous"
-    assert row["err"] < TOL, f"max |grad - reference| = {row['err']:.3e} (scale {row['scale']:.3e})"
-    assert row["two_pass"] == float(micro % K != 0), "one pass iff micro-batches hold whole groups"
+    assert row["rel"] < REL_TOL, f"max |grad - reference| = {row['err']:.3e} ({row['rel']:.1e} relative)"
+    # windows per epoch: 2; the first window of a rollout batch needs no forward for c
+    expected = ["one_pass"] * 4 if row["whole"] else ["shortcut", "pre_pass", "pre_pass", "pre_pass"]
+    assert row["modes"] == expected
+    assert row["kl_moved"] > 1e-3, "the updates did not move P: later windows would not test fresh coefficients"
 
 
-@pytest.mark.parametrize("packing,micro,div", CASES)
-def test_step_gradient_equals_full_batch_listwise_dp1(dp1_results, packing, micro, div):
-    _check(dp1_results, packing, micro, div)
+@pytest.mark.parametrize("name", _cases(1))
+def test_every_step_gradient_equals_window_reference_dp1(dp1_table, name):
+    _check(dp1_table, name)
 
 
-@pytest.mark.parametrize("packing,micro,div", CASES)
-def test_step_gradient_equals_full_batch_listwise_dp2(dp2_table, packing, micro, div):
-    _check(dp2_table, packing, micro, div)
+@pytest.mark.parametrize("name", _cases(2))
+def test_every_step_gradient_equals_window_reference_dp2(dp2_table, name):
+    _check(dp2_table, name)
 
 
-def test_print_error_table(dp1_results, dp2_table, capsys):
+def test_print_error_table(dp1_table, dp2_table, capsys):
     with capsys.disabled():
-        worst = {}
-        for name, table in (("dp1", dp1_results), ("dp2", dp2_table)):
-            for key, row in table.items():
-                worst[f"{name},{key}"] = row["err"]
-        print("\nLPO gradient exactness, max abs error per case:")
-        for key, err in sorted(worst.items()):
-            print(f"  {key}: {err:.2e}")
-    assert max(worst.values()) < TOL
+        print("\nLPO gradient exactness (4 steps per case), max abs error per case:")
+        for tag, table in (("dp1", dp1_table), ("dp2", dp2_table)):
+            for key, row in sorted(table.items()):
+                print(f"  {tag},{key}: {row['err']:.2e} (relative {row['rel']:.1e})")
+    assert max(r["rel"] for t in (dp1_table, dp2_table) for r in t.values()) < REL_TOL

@@ -102,7 +102,7 @@ def test_prop1_on_policy_lpo_rev_equals_grpo(tiny_model_dir, gloo_world1):
 
     lpo_exps = make_experiences(lpo_args, CPUStrategy(lpo_args), actor, samples, noise=0.0)
     lpo_grads, status, _ = run_lpo_step(lpo_args, actor, lpo_exps)
-    assert status["lpo/two_pass"] == 1.0
+    assert status["lpo/shortcut_windows"] == 1.0  # micro-batches split groups: c from s_t
 
     actor.model.load_state_dict(state)
     grpo_exps = make_experiences(grpo_args, CPUStrategy(grpo_args), actor, samples, noise=0.0,
@@ -119,10 +119,14 @@ def test_prop1_on_policy_lpo_rev_equals_grpo(tiny_model_dir, gloo_world1):
     # GRPO divides by std + 1e-9, LPO by std: relative difference ~1e-9
     assert max_abs_diff(lpo_grads[0], strategy.step_grads[0]) < 1e-7 * scale
 
-    # off-policy (s != 0) the two differ: the check above is not vacuous
+    # off-policy (s_t != 0 from the behaviour log-probs) the two differ: the check above is not vacuous
+    off_args = parse_args(tiny_model_dir, micro=2, extra=["--lpo.divergence", "rev", "--lpo.temperature", "std",
+                                                          "--algo.advantage.is_correction_level", "token",
+                                                          "--algo.advantage.is_correction_mode", "clip"])
     actor.model.load_state_dict(state)
-    off = make_experiences(lpo_args, CPUStrategy(lpo_args), actor, samples, noise=0.3)
-    off_grads, _, _ = run_lpo_step(lpo_args, actor, off)
+    off = make_experiences(off_args, CPUStrategy(off_args), actor, samples, behaviour_noise=0.3)
+    actor.model.load_state_dict(state)
+    off_grads, _, _ = run_lpo_step(off_args, actor, off)
     assert max_abs_diff(off_grads[0], strategy.step_grads[0]) > 1e-3 * scale
 
 

@@ -104,8 +104,8 @@ def test_sampling_is_seeded_and_top_k_one_is_greedy(tiny_model_dir):
     a = HFBackend(tiny_model_dir, seed=3, dtype=torch.float32)
     b = HFBackend(tiny_model_dir, seed=3, dtype=torch.float32)
     a.stop_ids = b.stop_ids = set()
-    ta = [a.generate(IDS[:4], sp(max_tokens=12)).outputs[0].token_ids for _ in range(3)]
-    tb = [b.generate(IDS[:4], sp(max_tokens=12)).outputs[0].token_ids for _ in range(3)]
+    ta = [a.generate(IDS[:4], sp(max_tokens=12), seed).outputs[0].token_ids for seed in (1, 2, 3)]
+    tb = [b.generate(IDS[:4], sp(max_tokens=12), seed).outputs[0].token_ids for seed in (1, 2, 3)]
     assert ta == tb and len({tuple(t) for t in ta}) > 1
     greedy = a.generate(IDS[:4], sp(temperature=0.0, max_tokens=6)).outputs[0].token_ids
     assert a.generate(IDS[:4], sp(top_k=1, max_tokens=6)).outputs[0].token_ids == greedy
@@ -128,13 +128,13 @@ def test_batched_generation_equals_one_at_a_time(tiny_model_dir):
     each prompt generated alone, and sampled log-probs equal a full forward of the sequence."""
     eng = HFBackend(tiny_model_dir, seed=0, dtype=torch.float32)
     eng.stop_ids = set()
-    reqs = [(p, sp(temperature=0.0, max_tokens=m)) for p, m in zip(PROMPTS, (6, 9, 4, 7))]
+    reqs = [(p, sp(temperature=0.0, max_tokens=m), 0) for p, m in zip(PROMPTS, (6, 9, 4, 7))]
     batched = eng.generate_many(reqs)
-    for (p, params), out in zip(reqs, batched):
+    for (p, params, _), out in zip(reqs, batched):
         alone = eng.generate(p, params).outputs[0]
         assert out.outputs[0].token_ids == alone.token_ids and len(alone.token_ids) == params.max_tokens
         assert out.prompt_token_ids == p and out.outputs[0].finish_reason == "length"
-    sampled = eng.generate_many([(p, sp(max_tokens=6, logprobs=1)) for p in PROMPTS])
+    sampled = eng.generate_many([(p, sp(max_tokens=6, logprobs=1), i) for i, p in enumerate(PROMPTS)])
     for p, out in zip(PROMPTS, sampled):
         res = out.outputs[0]
         got = [d[t].logprob for d, t in zip(res.logprobs, res.token_ids)]
@@ -146,9 +146,9 @@ def test_batched_stop_and_min_tokens_per_request(tiny_model_dir):
     eng = HFBackend(tiny_model_dir, seed=0, dtype=torch.float32)
     firsts = [eng.generate(p, sp(temperature=0.0, max_tokens=1)).outputs[0].token_ids[0] for p in PROMPTS]
     eng.stop_ids = {firsts[0]}
-    outs = eng.generate_many([(PROMPTS[0], sp(temperature=0.0, max_tokens=5)),
-                              (PROMPTS[0], sp(temperature=0.0, max_tokens=5, min_tokens=3)),
-                              (PROMPTS[1], sp(temperature=0.0, max_tokens=5))])
+    outs = eng.generate_many([(PROMPTS[0], sp(temperature=0.0, max_tokens=5), 0),
+                              (PROMPTS[0], sp(temperature=0.0, max_tokens=5, min_tokens=3), 0),
+                              (PROMPTS[1], sp(temperature=0.0, max_tokens=5), 0)])
     assert outs[0].outputs[0].token_ids == [firsts[0]] and outs[0].outputs[0].finish_reason == "stop"
     assert firsts[0] not in outs[1].outputs[0].token_ids[:3]
     assert outs[2].outputs[0].token_ids == eng.generate(PROMPTS[1], sp(temperature=0.0, max_tokens=5)).outputs[0].token_ids
@@ -172,6 +172,59 @@ together = asyncio.run(main())
 alone = [eng.backend.generate(p, params).outputs[0].token_ids for p in prompts]
 print(json.dumps({"batches": eng.batch_sizes, "same": together == alone, "unfinished": eng.get_num_unfinished_requests()}))
 """
+
+
+SEED_PROBE = r"""
+import asyncio, json, sys
+from types import SimpleNamespace
+from openrlhf_lpo.engines.cpu_engine import CPURolloutEngine
+
+prompts = [[5, 17, 30], [8, 44, 9, 61, 12], [70, 33, 4]]
+K = 4
+params = SimpleNamespace(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=8, min_tokens=0, logprobs=None, seed=None)
+
+def engine():
+    eng = CPURolloutEngine(sys.argv[1], seed=7, backend=sys.argv[2])
+    if sys.argv[2] == "hf":
+        eng.backend.stop_ids = set()
+    return eng
+
+async def together(eng):  # every prompt's K samples arrive at once: one batch
+    outs = await asyncio.gather(*[eng.generate(p, params) for p in prompts for _ in range(K)])
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+async def one_by_one(eng):  # the same requests, each generated alone, prompts interleaved differently
+    outs = {}
+    for k in range(K):
+        for i in reversed(range(len(prompts))):
+            outs[(i, k)] = list((await eng.generate(prompts[i], params)).outputs[0].token_ids)
+    return [outs[(i, k)] for i in range(len(prompts)) for k in range(K)]
+
+a, b = engine(), engine()
+ta, tb = asyncio.run(together(a)), asyncio.run(one_by_one(b))
+other = CPURolloutEngine(sys.argv[1], seed=8, backend=sys.argv[2])
+if sys.argv[2] == "hf":
+    other.backend.stop_ids = set()
+tc = asyncio.run(together(other))
+print(json.dumps({"same": ta == tb, "batches_a": a.batch_sizes, "batches_b": len(b.batch_sizes),
+                  "distinct": len({tuple(t) for t in ta}), "other_seed_differs": tc != ta}))
+"""
+
+
+def test_same_seed_same_samples_whatever_the_batching(tiny_model_dir):
+    """Per-request seeds: K samples of 3 prompts generated in one batch, or one request at a time in
+    another order, are the same samples; another engine seed gives others."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", SEED_PROBE, tiny_model_dir, "hf"], capture_output=True, text=True,
+                         timeout=300, env=dict(os.environ, LPO_CPU_THREADS="1"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["batches_a"] == [12] and res["batches_b"] == 12  # really batched differently
+    assert res["same"] and res["distinct"] > 6 and res["other_seed_differs"]
 
 
 def test_engine_batches_concurrent_requests(tiny_model_dir):
@@ -200,7 +253,7 @@ hf = HFBackend(sys.argv[1])
 hf.stop_ids = set()
 prompts = [[5, 17, 30], [8, 44, 9, 61, 12], [70, 33, 4, 21]]
 sps = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (4, 6, 3)]
-outs = eng.generate_many(list(zip(prompts, sps)))
+outs = eng.generate_many([(p, s, 0) for p, s in zip(prompts, sps)])
 seq = prompts[1] + list(outs[1].outputs[0].token_ids)
 print(json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outs],
                   "ref": [hf.generate(p, s).outputs[0].token_ids for p, s in zip(prompts, sps)],

@@ -1,0 +1,195 @@
+"""The run plan of ``lpo-train``: GPUs per role, the shape of every rollout batch, and a cluster check.
+
+Public names (stable):
+    gpu_roles(args) -> list of (role, gpus, note): the placement groups OpenRLHF 0.11.2's ``train()``
+                       will ask Ray for (colocated roles share one group and count once)
+    gpus_needed(args) -> int
+    check_cluster(args, resources) -> None    raises ClusterTooSmall naming GPUs needed per role vs present
+    dataset_rows(args) -> (rows or None, note)
+    plan_lines(args) -> list of str           what ``lpo-train --dry-run`` prints
+    ClusterTooSmall
+
+``--dry-run`` validates every flag (the stock parser and validation, every flag group), prints the
+plan and exits 0 without starting Ray or loading a model; it needs no GPU, so a recipe's needs can be
+read on a laptop. A real launch runs ``check_cluster`` against ``ray.cluster_resources()`` before any
+actor is created, so a recipe that cannot fit fails at once instead of waiting forever for a
+placement group.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import List, Optional, Tuple
+
+from openrlhf_lpo.openrlhf.config import LPO_ESTIMATORS, dp_size
+
+__all__ = ["gpu_roles", "gpus_needed", "check_cluster", "dataset_rows", "plan_lines", "ClusterTooSmall"]
+
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".arrow")
+
+
+class ClusterTooSmall(RuntimeError):
+    """The Ray cluster has fewer GPUs than the recipe's placement groups need."""
+
+
+def gpu_roles(args) -> List[Tuple[str, int, str]]:
+    """(role, GPUs, note) per placement group, following ``openrlhf.cli.train_ppo_ray.train``."""
+    train = args.train
+    actor = args.actor.num_nodes * args.actor.num_gpus_per_node
+    engines = (args.vllm.num_engines or 0) * max(args.vllm.tensor_parallel_size, 1)
+    has_ref = args.algo.kl.init_coef > 0
+    has_critic = bool(getattr(args.critic, "model_name_or_path", None))
+    has_reward = not args.reward.remote_url
+    backend = getattr(args, "backend", "deepspeed")
+    roles = []
+    actor_note = f"{backend} actor, dp {dp_size(args)}" if backend == "deepspeed" else f"{backend} actor"
+    if train.colocate_all:
+        shared = ["actor"] + (["ref"] if has_ref else []) + (["critic"] if has_critic else []) + \
+                 (["reward"] if has_reward else [])
+        if not train.async_enable and engines:
+            shared.append("vLLM engines")
+        roles.append(("actor", actor, f"{actor_note}; shared with " + ", ".join(shared[1:]) if len(shared) > 1
+                      else actor_note))
+        if train.async_enable and engines:
+            roles.append(("vLLM engines", engines, f"{args.vllm.num_engines} x TP {args.vllm.tensor_parallel_size} "
+                          "(async: not colocated)"))
+        return roles
+    if train.colocate_actor_ref and has_ref:
+        roles.append(("actor", actor, f"{actor_note}; shared with ref"))
+    else:
+        roles.append(("actor", actor, actor_note))
+        if has_ref:
+            roles.append(("ref", args.ref.num_nodes * args.ref.num_gpus_per_node, "reference model (KL)"))
+    if engines:
+        roles.append(("vLLM engines", engines, f"{args.vllm.num_engines} x TP {args.vllm.tensor_parallel_size}"))
+    critic = args.critic.num_nodes * args.critic.num_gpus_per_node
+    reward = args.reward.num_nodes * args.reward.num_gpus_per_node
+    if has_critic and has_reward and train.colocate_critic_reward:
+        roles.append(("critic", critic, "shared with reward"))
+    else:
+        if has_critic:
+            roles.append(("critic", critic, "value model"))
+        if has_reward:
+            roles.append(("reward", reward, "reward model"))
+    return roles
+
+
+def gpus_needed(args) -> int:
+    return sum(g for _, g, _ in gpu_roles(args))
+
+
+def check_cluster(args, resources: dict) -> None:
+    """Raise ClusterTooSmall when ``resources`` (``ray.cluster_resources()``) has fewer GPUs than needed."""
+    need = gpus_needed(args)
+    have = float(resources.get("GPU", 0.0))
+    if have + 1e-9 < need:
+        roles = ", ".join(f"{role} {g}" for role, g, _ in gpu_roles(args))
+        raise ClusterTooSmall(
+            f"this recipe needs {need} GPUs ({roles}) but the Ray cluster has {have:g}; add nodes or shrink "
+            "--actor.num_nodes/--actor.num_gpus_per_node, --vllm.num_engines/--vllm.tensor_parallel_size "
+            "(or colocate with --train.colocate_all). `lpo-train ... --dry-run` prints the plan."
+        )
+
+
+def dataset_rows(args) -> Tuple[Optional[int], str]:
+    """Rows the prompt dataset will give (capped by --data.max_samples), read from local files only."""
+    specs = [p.strip() for p in str(args.data.prompt_dataset or "").split(",") if p.strip()]
+    if not specs:
+        return None, "no --data.prompt_dataset"
+    total = 0
+    for spec in specs:
+        path = spec.split("@")[0]
+        if os.path.isfile(path):
+            total += _count_rows(path)
+        elif os.path.isdir(path):
+            try:
+                from datasets import load_from_disk
+
+                ds = load_from_disk(path)
+                total += len(ds[args.data.prompt_split] if hasattr(ds, "keys") else ds)
+            except Exception as e:  # noqa: BLE001  (an unreadable folder: say so, plan without it)
+                return None, f"{path}: {type(e).__name__}: {e}"
+        elif path.endswith(DATA_SUFFIXES):
+            raise FileNotFoundError(
+                f"--data.prompt_dataset {path}: no such file (prepare it, e.g. python -m openrlhf_lpo.data.prepare)"
+            )
+        else:
+            return None, f"{spec} is not a local path (a hub dataset): its size is known only at run time"
+    cap = args.data.max_samples
+    return (min(total, cap) if cap else total), "local files"
+
+
+def _count_rows(path: str) -> int:
+    if path.endswith(".jsonl"):
+        with open(path, "rb") as f:
+            return sum(1 for line in f if line.strip())
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(path).metadata.num_rows
+    from datasets import load_dataset
+
+    kind = {".json": "json", ".csv": "csv", ".arrow": "arrow"}[os.path.splitext(path)[1]]
+    return len(load_dataset(kind, data_files=path, split="train"))
+
+
+def _batch_shape(args, groups: int) -> str:
+    """Windows and passes of one rollout batch of ``groups`` prompts (lpo)."""
+    K, dp = args.rollout.n_samples_per_prompt, dp_size(args)
+    used = groups - groups % dp
+    if used == 0:
+        return f"{groups} prompts < {dp} ranks: skipped"
+    per_rank = used // dp
+    per_window = max(args.train.batch_size // (dp * K), 1)
+    windows = math.ceil(per_rank / per_window)
+    epochs = args.train.max_epochs
+    if args.lpo.projection == "pointwise":
+        passes = "pointwise (no extra pass)"
+    elif args.train.dynamic_batch_enable:
+        fits = K * args.data.max_len <= args.train.max_tokens_per_gpu
+        passes = ("one pass while each group's tokens fit --train.max_tokens_per_gpu" if fits else
+                  "groups may exceed --train.max_tokens_per_gpu: first window from s_t, later windows a no-grad pre-pass")
+    elif args.train.micro_batch_size % K == 0 and not args.lpo.force_two_pass:
+        passes = "one pass in every window (micro-batches hold whole groups)"
+    else:
+        later = windows * epochs - 1
+        passes = "micro-batches split groups; first window: c from s_t, no extra forward"
+        passes += f"; {later} later window(s): one no-grad pre-pass each" if later else ""
+        if args.lpo.force_two_pass:
+            passes = "a no-grad pre-pass in every window (--lpo.force_two_pass)"
+    dropped = f", {groups - used} dropped to keep ranks equal" if groups != used else ""
+    return (f"{per_rank} groups per rank{dropped}; {windows} optimizer window(s) x {epochs} epoch(s) = "
+            f"{windows * epochs} step(s); {passes}")
+
+
+def plan_lines(args) -> List[str]:
+    est = args.algo.advantage.estimator
+    K, dp = args.rollout.n_samples_per_prompt, dp_size(args)
+    B = args.rollout.batch_size
+    lines = [f"estimator {est}" + (f" (divergence {args.lpo.divergence}, temperature {args.lpo.temperature}, "
+                                  f"projection {args.lpo.projection})" if est in LPO_ESTIMATORS else ""),
+             f"GPUs needed: {gpus_needed(args)}"]
+    lines += [f"  {role}: {g} ({note})" for role, g, note in gpu_roles(args)]
+    lines.append(f"rollout batch: {B} prompts x K={K} = {B * K} samples; train batch {args.train.batch_size} samples "
+                 f"(micro {args.train.micro_batch_size}); data-parallel ranks {dp}")
+    if est in LPO_ESTIMATORS:
+        lines.append(f"  old-log-prob forward chunks: {args.rollout.micro_batch_size} sample(s)"
+                     + (f" / {args.rollout.max_tokens_per_gpu} tokens (dynamic)" if args.train.dynamic_batch_enable else ""))
+        lines.append(f"  full batch: {_batch_shape(args, B)}")
+    rows, note = dataset_rows(args)
+    if rows is None:
+        lines.append(f"dataset: size unknown ({note})")
+        return lines
+    full, last = divmod(rows, B)
+    steps = full + (1 if last else 0)
+    lines.append(f"dataset: {rows} prompts -> {steps} rollout batches per episode x {args.train.num_episodes} episode(s)"
+                 + (" (dynamic filtering may consume more prompts per batch)" if args.algo.dynamic_filtering_enable else ""))
+    if last:
+        if est in LPO_ESTIMATORS:
+            lines.append(f"  last batch of each episode: {last} prompts: {_batch_shape(args, last)}")
+        else:
+            lines.append(f"  last batch of each episode: {last} prompts (stock OpenRLHF trains on what it gets)")
+    else:
+        lines.append("  no partial batch")
+    return lines
