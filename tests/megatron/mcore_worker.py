@@ -198,7 +198,7 @@ def run_model(arch, tied, layouts, extra_checks):
 def check_resume(actor, cfg, hf_sd, tp, pp, distopt, mbs, full, spec):
     """save after step 1 -> step 2; fresh actor + load -> step 2; compare weights and metrics."""
     ckpt = os.path.join(OUT, f"ckpt_tp{tp}pp{pp}")
-    actor.save_checkpoint(ckpt, {"iteration": 1})
+    actor.save_checkpoint(ckpt, client_state={"iteration": 1})
     local = dp_slice(full, actor)
     m2 = actor.train_step(local, spec)
     w2 = dict(actor.export_hf_weights())
@@ -222,7 +222,7 @@ def check_resume(actor, cfg, hf_sd, tp, pp, distopt, mbs, full, spec):
 def wrong_qkv(cfg, hf_sd, batch, ref_lp, mask):
     """Negative control: a naive [q; k; v] concatenation must be caught by the HF comparison."""
     good = convert.fuse_qkv
-    convert.fuse_qkv = lambda q, k, v, c: torch.cat([q, k, v], 0)
+    convert.fuse_qkv = lambda q, k, v, c, tp=1: torch.cat([q, k, v], 0)
     try:
         actor = MegatronActor(cfg, MegatronActorConfig(tp=1, pp=1, micro_batch_size=4), hf_weights=hf_sd.__getitem__)
         return masked_maxdiff(actor.log_probs(batch), ref_lp, mask)
@@ -282,14 +282,14 @@ def check_policy_actor():
         return NS(
             megatron=NS(tp=2, pp=1, vpp=1, params_dtype="fp32", distributed_optimizer=False),
             actor=NS(adam=NS(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0), max_norm=1.0,
-                     eps_clip=0.2, eps_clip_low_high=(0.2, 0.2)),
+                     eps_clip=0.2, eps_clip_low_high=(0.2, 0.2), gradient_checkpointing_enable=False),
             train=NS(micro_batch_size=2, batch_size=8, max_epochs=1),
             rollout=NS(temperature=1.0, n_samples_per_prompt=K),
             algo=NS(advantage=NS(estimator="lpo")),
             lpo=NS(divergence="fwd", projection="listwise", force_two_pass=False, end_kl=True),
             ckpt=NS(path=os.path.join(OUT, "policy_ckpt"), load_enable=load, save_hf=True,
-                    output_dir=os.path.join(OUT, "policy_final")),
-            vllm=NS(sync_backend="gloo"), seed=42,
+                    output_dir=os.path.join(OUT, "policy_final"), max_num=3, max_mem=float("inf")),
+            vllm=NS(sync_backend="gloo", sync_with_ray=False, enable_prefix_caching=False), seed=42,
         )
 
     cls = plain_class()
