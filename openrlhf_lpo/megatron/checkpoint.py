@@ -380,10 +380,15 @@ def load(actor, root: str, tag: Optional[str] = None) -> dict:
                     dst.copy_(part.reshape(dst.shape).to(dst.dtype))
     _set_step(actor.optimizer, int(meta["optimizer_step"]))
     actor.step = int(meta["step"])
-    try:
-        client = torch.load(os.path.join(path, "client_state.pt"), map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - the unpickler names what it refused
-        raise ValueError(f"{path}/client_state.pt holds objects other than tensors and plain containers "
-                         f"(refused without unpickling them): {e}") from None
+    client = load_client_state(os.path.join(path, "client_state.pt"))
     dist.barrier()
     return client
+
+
+def load_client_state(path: str):
+    """``torch.load(weights_only=True)``: tensors and plain containers only, never arbitrary objects."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - the restricted unpickler names what it refused
+        raise ValueError(f"{path} holds objects other than tensors and plain containers "
+                         f"(refused without unpickling them): {str(e).splitlines()[0]}") from None
