@@ -1,9 +1,11 @@
 """End to end on CPU: ``lpo-train --backend megatron --megatron.tp 2`` (OpenRLHF 0.11.2 on Ray,
 CPU mode, CPU rollout engine), two iterations with checkpoints, then a resumed run.
 
-Checks: both iterations finish; the weights reach the rollout engine after every step (the
-engine's log-probs of a probe sequence equal the Megatron actor's, logged by the sync);
-the policy checkpoint and the HF export exist; the resumed run starts from the checkpoint.
+Checks: the placement check against the (CPU-mode) Ray cluster passes; both iterations finish
+with activation recompute; the weights reach the rollout engine after every step (the engine's
+log-probs of a probe sequence equal the Megatron actor's, logged by the sync); the policy
+checkpoint (``global_step2``, older ones pruned by ``--ckpt.max_num 1``) and the HF export exist;
+the resumed run starts from the checkpoint.
 """
 
 import json
@@ -46,7 +48,8 @@ def e2e(tmp_path_factory):
         "--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "2", "--rollout.micro_batch_size", "4",
         "--rollout.max_new_tokens", "4", "--rollout.temperature", "1.0",
         "--train.batch_size", "8", "--train.micro_batch_size", "4", "--train.max_epochs", "1",
-        "--actor.adam.lr", "1e-2", "--actor.lr_scheduler", "constant", "--actor.max_norm", "1.0",
+        "--actor.adam.lr", "1e-2", "--actor.lr_scheduler", "constant", "--actor.lr_warmup_ratio", "0",
+        "--actor.max_norm", "1.0", "--actor.gradient_checkpointing_enable", "--ckpt.max_num", "1",
         "--actor.entropy_coef", "0", "--ds.attn_implementation", "sdpa", "--logger.logging_steps", "1",
         "--ckpt.path", str(w / "ckpt"), "--ckpt.output_dir", str(w / "final"), "--ckpt.save_steps", "1",
         "--ckpt.save_hf", "--algo.advantage.estimator", "lpo", "--lpo.end_kl",
@@ -75,7 +78,9 @@ def test_two_iterations_and_weight_sync(e2e):
     groups = [float(x) for x in re.findall(r"'lpo/groups': ([0-9.e+-]+)", e2e["log1"])]
     assert len(end_kl) == 2 and all(v >= 0 for v in end_kl) and groups == [4.0, 4.0]  # reduced over DP
     ck = e2e["w"] / "ckpt"
-    assert (ck / "_actor" / "latest").exists()
+    assert (ck / "_actor" / "latest").read_text() == "global_step2"
+    assert sorted(p.name for p in (ck / "_actor").glob("global_step*")) == ["global_step2"]  # --ckpt.max_num 1
+    assert (ck / "_actor" / "global_step2" / "meta.json").exists()
     assert (ck / "global_step2_hf" / "model.safetensors.index.json").exists()
 
 
