@@ -286,7 +286,8 @@ class MegatronActor:
     # ------------------------------------------------------------------------------ API
     @torch.no_grad()
     def log_probs(self, batch: Dict[str, torch.Tensor], with_entropy: bool = False):
-        """Action log-probs ``[B,A]`` (and entropy ``[B,A]``) on every rank of this replica."""
+        """Action log-probs ``[B,A]`` (0 where ``action_mask`` is 0; and entropy ``[B,A]``) on every
+        rank of this replica."""
         self.model.eval()
         batch = self._to_device(batch)
         B, A = batch["action_mask"].shape
@@ -303,6 +304,8 @@ class MegatronActor:
             if with_entropy:
                 ent = torch.cat([o["ent"] for o in outs])
         logp = self._broadcast_from_last_stage(logp, (B, A), torch.float32)
+        mask = batch["action_mask"].to(device=logp.device, dtype=logp.dtype)
+        logp = logp * mask  # OpenRLHF's contract: 0 outside the action mask
         if with_entropy:
             ent = self._broadcast_from_last_stage(ent, (B, A), torch.float32)
             return logp, ent

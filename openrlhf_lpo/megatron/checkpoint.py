@@ -5,13 +5,14 @@ Directory ``root`` (OpenRLHF's ``ckpt.path/_actor``)::
     global_stepN/
         meta.json                     format, step, optimizer step, layout written in, model dims
         client_state.pt               trainer state (read back with ``torch.load(weights_only=True)``)
-        stagePP.json                  tensor name -> file, for the tensors pipeline stage PP wrote
-        stagePP-NNNNN.safetensors     "param/<name>", "exp_avg/<name>", "exp_avg_sq/<name>"
+        stagePP-tpTT.json             tensor name -> file, for the tensors TP rank TT of stage PP wrote
+        stagePP-tpTT-NNNNN.safetensors  "param/<name>", "exp_avg/<name>", "exp_avg_sq/<name>"
     latest                            "global_stepN"; replaced atomically once the directory is whole
 
 Tensors are stored **un-sharded** under megatron's global names (fused QKV group-interleaved,
 ``linear_fc1 = [gate; up]``, global layer indices) in fp32: the optimizer's main parameters and Adam
-moments, gathered over the data-parallel ranks of the distributed optimizer and over TP. Loading
+moments, gathered over the data-parallel ranks of the distributed optimizer and over TP; the TP
+ranks of the first DP replica take turns writing them (tensor i by TP rank i % tp). Loading
 reads through :func:`convert.read_split` only the rows/columns a rank owns in the *current*
 layout, so a checkpoint written at TP2 resumes at TP1, PP2 at TP2, with or without the
 distributed optimizer (tests/megatron: TP2 -> TP1 and PP2 -> TP2 continue the uninterrupted run).
@@ -212,8 +213,10 @@ def save(actor, root: str, tag: str, client_state: dict, max_num: Optional[int] 
     states = _main_states(actor.optimizer, [p for _, _, p in params])
     opt_step = _optimizer_step(actor.optimizer)
     keys = ("param",) + (STATE_KEYS if opt_step > 0 else ())
-    writer = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+    tp_rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    first_replica = ps.get_data_parallel_rank() == 0
     stage = ps.get_pipeline_model_parallel_rank()
+    prefix = f"stage{stage:02d}-tp{tp_rank:02d}"
     te = convert.uses_te_names(actor.model)
     weight_map: Dict[str, str] = {}
     buf: Dict[str, torch.Tensor] = {}
@@ -223,24 +226,24 @@ def save(actor, root: str, tag: str, client_state: dict, max_num: Optional[int] 
         if not buf:
             return
         size[1] += 1
-        fname = f"stage{stage:02d}-{size[1]:05d}.safetensors"
+        fname = f"{prefix}-{size[1]:05d}.safetensors"
         save_file(buf, os.path.join(partial, fname), metadata={"format": FORMAT})
         weight_map.update({k: fname for k in buf})
         buf.clear()
         size[0] = 0
 
-    for _, g, p in params:
+    for i, (_, g, p) in enumerate(params):
         rule = convert.rule_for(g, actor.hf_config, te)
         for key in keys:
-            full = _gather_full(actor, states[id(p)], key, p, rule)
-            if writer:
+            full = _gather_full(actor, states[id(p)], key, p, rule)  # every TP rank holds the full tensor
+            if first_replica and i % tp == tp_rank:
                 buf[_ckpt_name(key, g)] = full.detach().to("cpu").contiguous()
                 size[0] += full.numel() * 4
                 if size[0] >= _MAX_FILE_BYTES:
                     flush()
-    if writer:
+    if first_replica:
         flush()
-        with open(os.path.join(partial, f"stage{stage:02d}.json"), "w") as f:
+        with open(os.path.join(partial, f"{prefix}.json"), "w") as f:
             json.dump({"weight_map": weight_map}, f)
     dist.barrier()
     if rank == 0:
@@ -256,7 +259,8 @@ def save(actor, root: str, tag: str, client_state: dict, max_num: Optional[int] 
                        "distributed_optimizer": bool(actor.cfg.use_distributed_optimizer),
                        "params_dtype": actor.cfg.params_dtype},
             "model": {k: _get(actor.hf_config, k) for k in _MODEL_DIMS},
-            "stages": [f"stage{s:02d}.json" for s in range(ps.get_pipeline_model_parallel_world_size())],
+            "stages": [f"stage{s:02d}-tp{t:02d}.json" for s in range(ps.get_pipeline_model_parallel_world_size())
+                       for t in range(ps.get_tensor_model_parallel_world_size())],
         }
         with open(os.path.join(partial, "meta.json"), "w") as f:
             json.dump(meta, f, indent=1)

@@ -418,8 +418,8 @@ def export_hf_weights(model, cfg, dtype: Optional[torch.dtype] = None) -> Iterat
     """Yield ``(hf_name, full_tensor)`` for the whole model, one tensor at a time, on every rank
     of the model-parallel group (collective: every TP and PP rank must iterate it fully).
 
-    Per tensor: all-gather over TP on the owning stage, broadcast over PP from that stage,
-    un-fuse QKV and gate/up. Peak extra memory: one full (fused) tensor.
+    Per tensor: cast to ``dtype`` (if given), all-gather over TP on the owning stage, broadcast
+    over PP from that stage, un-fuse QKV and gate/up. Peak extra memory: one full (fused) tensor.
     """
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -443,7 +443,7 @@ def export_hf_weights(model, cfg, dtype: Optional[torch.dtype] = None) -> Iterat
             full_shape[0] *= tp
         elif rule.split == ROW:
             full_shape[1] *= tp
-        meta.append((local, g, tuple(full_shape), t.dtype))
+        meta.append((local, g, tuple(full_shape), dtype or t.dtype))
     if pp > 1:
         gathered: List = [None] * pp
         dist.all_gather_object(gathered, meta, group=pp_group)
@@ -454,6 +454,8 @@ def export_hf_weights(model, cfg, dtype: Optional[torch.dtype] = None) -> Iterat
             rule = rule_for(g, cfg, te)
             if owner == pp_rank:
                 shard = mine[local].detach()
+                if dtype is not None:  # cast before the gather: half the traffic for bf16 engines
+                    shard = shard.to(dtype)
                 if tp > 1 and rule.split != REP:
                     parts = [torch.empty_like(shard) for _ in range(tp)]
                     dist.all_gather(parts, shard.contiguous(), group=tp_group)
@@ -466,7 +468,7 @@ def export_hf_weights(model, cfg, dtype: Optional[torch.dtype] = None) -> Iterat
                 full = full.contiguous()
                 dist.broadcast(full, src=dist.get_global_rank(pp_group, owner), group=pp_group)
             for name, tensor in _unfuse(rule, full, cfg):
-                yield name, (tensor.to(dtype) if dtype is not None else tensor)
+                yield name, tensor
 
 
 def save_hf_checkpoint(

@@ -464,6 +464,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         except Exception as e:  # noqa: BLE001
             row("weight_sync_vllm", "FAIL", f"vLLM did not start: {type(e).__name__}: {str(e)[:160]}")
             traceback.print_exc()
+    torch.set_float32_matmul_precision("highest")  # fp32 comparisons without TF32, whatever vLLM set
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29555")
     os.environ.setdefault("RANK", "0")
