@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import sys
 
 from openrlhf_lpo.cli.flags import FlagError, FlagGroup, register_flag_group
 
@@ -154,12 +155,14 @@ def check_cluster(args: argparse.Namespace) -> None:
     if started:  # the cluster upstream's ray.init() will join (RAY_ADDRESS / a running one / a local one)
         ray.init(logging_level="ERROR")
     try:
-        check_ray_cluster(args)
+        placed = check_ray_cluster(args)
     except PlacementError as e:
         raise SystemExit(f"lpo-train --backend megatron: {e}") from None
     finally:
         if started:
             ray.shutdown()
+    used = "; ".join(f"node {i}: " + ", ".join(f"{r} x{g}" for r, g in blocks) for i, blocks in enumerate(placed) if blocks)
+    print(f"[megatron] placement on the Ray cluster fits: {used}", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager

@@ -70,6 +70,7 @@ def test_two_iterations_and_weight_sync(e2e):
     assert e2e["rc1"] == 0, e2e["log1"][-5000:]
     assert _steps(e2e["log1"]) == [1, 2]
     assert "MegatronPolicyModelActor" in e2e["log1"]
+    assert "[megatron] placement on the Ray cluster fits: node 0: Megatron actor TP group x2, vLLM engine x1" in e2e["log1"]
     syncs = [r for r in e2e["parity1"] if r.get("backend") == "megatron"]
     assert len(syncs) == 2 and all(r["max_abs_diff"] < 1e-4 and r["num_tensors"] > 0 for r in syncs)
     grad_norms = [float(x) for x in re.findall(r"'actor_grad_norm': ([0-9.e+-]+)", e2e["log1"])]

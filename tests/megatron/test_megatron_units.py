@@ -278,3 +278,18 @@ def test_cpu_mode_patches_megatron_on_import():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {"active": True}
+
+
+def test_lpo_train_checks_the_placement_before_any_actor(monkeypatch, capsys):
+    """The --backend megatron flag group's start-up check reads ray.nodes() / ray.cluster_resources()."""
+    import ray
+
+    from openrlhf_lpo.megatron import flags
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"GPU": 8.0, "CPU": 64.0})
+    monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True, "Resources": {"GPU": 8.0}}])
+    flags.check_cluster(_args(tp=2, gpn=4, engines=4))
+    assert "placement on the Ray cluster fits: node 0: Megatron actor TP group x2" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match=r"needs 16 GPUs .* nodes have \[8\] GPUs"):
+        flags.check_cluster(_args(tp=4, gpn=8, engines=4, vtp=2))
