@@ -172,10 +172,10 @@ def start_vllm(assets, cpu: bool):
     import vllm
 
     kw = dict(model=assets["model"], dtype=str(engine_dtype(cpu)).replace("torch.", ""), enforce_eager=True,
-              max_model_len=1024, seed=0, enable_prefix_caching=True, trust_remote_code=True)
+              max_model_len=1024, seed=0, enable_prefix_caching=True, trust_remote_code=True,
+              distributed_executor_backend="uni")  # in this process: apply_model runs our loader directly
     if cpu:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        kw["distributed_executor_backend"] = "uni"
     else:
         kw["gpu_memory_utilization"] = 0.25
     return vllm.LLM(**kw)
