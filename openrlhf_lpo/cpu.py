@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.util
-import json
 import os
 import sys
 import time
@@ -229,7 +228,15 @@ def _patch_vllm_engine(module) -> None:
     module.RolloutRayActor = CPURolloutActorClass()
 
 
+def _patch_megatron_core(module) -> None:
+    # megatron-core's hard-coded accelerator calls (the CPU side patches megatron, not the reverse)
+    from openrlhf_lpo.cpu_megatron import apply
+
+    apply()
+
+
 PATCHES: Dict[str, Callable] = {
+    "megatron.core": _patch_megatron_core,
     "openrlhf.utils.utils": _patch_dtype_helper,
     "openrlhf.utils.deepspeed.deepspeed": _patch_deepspeed_strategy,
     "deepspeed.comm.torch": _patch_deepspeed_comm,
@@ -366,13 +373,8 @@ def adjust_args(args) -> List[str]:
 # ----------------------------------------------------------------------------- weight sync
 
 
-PROBE_TEXT = "Using the numbers [3, 5, 7], make 22: <answer> 3 * 5 + 7 </answer>"
-
-
-def probe_sequence(tokenizer, length: int = 48) -> List[int]:
-    """A fixed token sequence on which the actor and the engines must agree after a sync."""
-    ids = tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]
-    return list(ids)[:length]
+# the parity check lives in a neutral module (the Megatron actor uses it too)
+from openrlhf_lpo.parity import PROBE_TEXT, check_engine_parity, probe_sequence  # noqa: E402,F401
 
 
 def _actor_log_probs(actor, ids: List[int]):
@@ -388,32 +390,6 @@ def _actor_log_probs(actor, ids: List[int]):
     if was_training:
         actor.train()
     return out[0].double()
-
-
-def check_engine_parity(engines, ids: List[int], actor_log_probs, temperature: float, **record) -> float:
-    """After a weight sync: every engine's log-probs of the probe sequence ``ids`` must equal the
-    actor's (max |diff| <= ``LPO_CPU_PARITY_TOL``, default 1e-4; a failure raises). The result
-    is appended as one JSON line to ``LPO_CPU_PARITY_LOG`` when set. Returns the max |diff|."""
-    import ray
-    import torch
-
-    engine_lps = ray.get([engine.log_probs_of.remote(ids, temperature) for engine in engines])
-    tol = float(os.environ.get("LPO_CPU_PARITY_TOL", "1e-4"))
-    diffs = [float((torch.tensor(lp, dtype=torch.float64) - actor_log_probs).abs().max()) for lp in engine_lps]
-    log_path = os.environ.get("LPO_CPU_PARITY_LOG")
-    if log_path:
-        entry = {"time": time.time(), "max_abs_diff": max(diffs), "per_engine": diffs, "tol": tol,
-                 "num_tokens": len(ids) - 1, **record, "probe_ids": ids,
-                 "actor_log_probs": actor_log_probs.tolist(), "engine_log_probs": engine_lps[0]}
-        with open(log_path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(entry) + "\n")
-    if max(diffs) > tol:
-        raise RuntimeError(
-            f"CPU rollout engine log-probs differ from the actor's after the weight sync: max |diff| "
-            f"{max(diffs):.3g} > LPO_CPU_PARITY_TOL={tol:g} (engine {os.environ.get('LPO_CPU_ENGINE', 'hf')}, "
-            f"{record.get('backend', 'deepspeed')} actor)"
-        )
-    return max(diffs)
 
 
 def cpu_broadcast_to_engines(self) -> None:

@@ -7,11 +7,13 @@ the optimizers and gradient clipping. On a machine without an accelerator every 
 fails although the arithmetic itself runs fine on CPU with gloo.
 
 :func:`apply` redirects those calls to the CPU for the current process. It does nothing when an
-accelerator is present (``torch.cuda.is_available()``), so it can be called unconditionally by
-the CPU mode (Ray workers spawned with ``--backend megatron`` on a CPU-only cluster) and by the
-tests. Product code under ``openrlhf_lpo/megatron`` never depends on it and stays
-device-agnostic; this file is the one place (by the project rule for modules whose name contains
-"cpu") that names the accelerator.
+accelerator is present (``torch.cuda.is_available()``). The dependency points one way, from the
+CPU side to megatron: the CPU mode (:mod:`openrlhf_lpo.cpu`) registers :func:`apply` in its import
+hook for ``megatron.core``, so every Ray worker of a CPU run that imports megatron gets it, and
+``python -m openrlhf_lpo.cpu_megatron MODULE [ARGS]`` runs any module (a torchrun worker, the
+smoke run, ``openrlhf_lpo.megatron.gpu_check --cpu``) with it applied. Product code under
+``openrlhf_lpo/megatron`` never imports this module and stays device-agnostic; this file is the
+one place (by the project rule for modules whose name contains "cpu") that names the accelerator.
 
 What is redirected (process-wide, irreversible, idempotent):
 
@@ -203,3 +205,22 @@ def _patch_megatron() -> None:
 
     mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
     mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+
+
+def main(argv=None) -> int:
+    """``python -m openrlhf_lpo.cpu_megatron MODULE [ARGS...]``: run a module with :func:`apply` active."""
+    import runpy
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: python -m openrlhf_lpo.cpu_megatron MODULE [ARGS...]")
+        return 0 if argv else 2
+    apply()
+    sys.argv = [argv[0]] + argv[1:]
+    runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

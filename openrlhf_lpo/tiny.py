@@ -1,4 +1,4 @@
-"""Tiny random Qwen3/Qwen2 causal LMs with a character-level tokenizer, built offline.
+"""Tiny random Qwen3/Qwen2/Llama/Mistral causal LMs with a character-level tokenizer, built offline.
 
 Used by tests, the CPU demo and benchmarks: no model hub is needed. The tokenizer is a
 BPE model without merges (one token per character) with a Qwen-style chat template, so
@@ -32,7 +32,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
-ARCHS = ("qwen3", "qwen2")
+ARCHS = ("qwen3", "qwen2", "llama", "mistral")
 
 
 def build_tokenizer(out_dir: str | os.PathLike):
@@ -73,9 +73,14 @@ def tiny_config(
     max_position_embeddings: int = 1024,
     pad_token_id: int = 0,
     eos_token_id: int = 2,
+    rope_scaling: dict | None = None,
+    sliding_window: int | None = None,
 ):
-    """A transformers config for a tiny Qwen3 (QK-norm) or Qwen2 (QKV bias) model."""
-    from transformers import Qwen2Config, Qwen3Config
+    """A transformers config for a tiny Qwen3 (QK-norm), Qwen2 (QKV bias), Llama or Mistral model.
+
+    ``rope_scaling`` (Llama, e.g. Llama 3.1's ``{"rope_type": "llama3", ...}``) and
+    ``sliding_window`` (Mistral) are passed through for those architectures."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     if arch not in ARCHS:
         raise ValueError(f"arch={arch!r} is not supported; choose one of {ARCHS}")
@@ -99,6 +104,12 @@ def tiny_config(
     )
     if arch == "qwen3":
         return Qwen3Config(head_dim=head_dim, **common)
+    if arch == "llama":
+        if rope_scaling is not None:
+            common["rope_scaling"] = dict(rope_scaling, rope_theta=common["rope_theta"])
+        return LlamaConfig(head_dim=head_dim, attention_bias=False, mlp_bias=False, **common)
+    if arch == "mistral":
+        return MistralConfig(head_dim=head_dim, sliding_window=sliding_window, **common)
     if hidden_size != num_heads * head_dim:
         raise ValueError(
             f"qwen2 needs hidden_size == num_heads * head_dim ({hidden_size} != {num_heads}*{head_dim})"

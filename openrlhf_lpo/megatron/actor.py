@@ -4,25 +4,30 @@ One instance lives in every rank of a ``torch.distributed`` world of ``tp * pp *
 Each data-parallel replica receives its own batch (whole prompt groups, prompt-major: the K
 responses of a prompt are consecutive); every TP/PP rank of a replica receives the same batch.
 
-Batch layout (OpenRLHF's non-packed format): ``sequences [B,S]`` (prompt left-padded, response
-right-padded), ``attention_mask [B,S]``, ``action_mask [B,A]`` for the last ``A`` tokens.
-Token log-probs are those of ``sequences[:, S-A:]`` given everything before, exactly
-OpenRLHF's ``Actor.forward(...)[:, -A:]``.
+Batch layout (OpenRLHF's): ``sequences [B,S]`` whose real tokens (``attention_mask [B,S]``) form
+one contiguous run per row, ``action_mask [B,A]`` for the last ``A`` columns. Token log-probs are
+those of ``sequences[:, S-A:]`` given everything before, exactly OpenRLHF's
+``Actor.forward(...)[:, -A:]``.
+
+Every micro-batch runs as **one packed row without padding** (:mod:`.packing`: THD layout with
+``cu_seqlens``/``PackedSeqParams``; the attention never builds an ``S x S`` mask or score matrix,
+see :mod:`.attention`). A sequence's log-probs therefore do not depend on how it was padded or
+with which others it was batched: the old-log-prob pass and the training pass see the same numbers.
 
 * :meth:`MegatronActor.log_probs` — forward-only pass with Megatron's schedule; the last stage
-  takes ``-vocab_parallel_cross_entropy`` of the vocab-sharded logits (no full-logit gather)
-  and broadcasts the ``[B,A]`` result over the pipeline group.
+  takes ``-vocab_parallel_cross_entropy`` of the vocab-sharded logits of the action positions only
+  (no full-logit gather) and broadcasts the ``[B,A]`` result over the pipeline group.
 * :meth:`MegatronActor.train_step` — one optimizer step over the batch: forward/backward
   schedule (1F1B under PP), loss from ``losses.POLICY_LOSSES`` on the last stage,
   ``finalize_model_grads`` (DP reduce, tied-embedding and q/k-norm grads), Megatron optimizer
   with gradient clipping. ``listwise_surrogate`` runs a no-grad coefficient pass first.
-* :meth:`save_checkpoint` / :meth:`load_checkpoint` — per-rank model + optimizer state,
-  written atomically; resume requires the same layout (use the HF export to change layouts).
+  ``recompute=True`` (``--actor.gradient_checkpointing_enable``) recomputes every layer.
+* :meth:`save_checkpoint` / :meth:`load_checkpoint` — :mod:`.checkpoint`: layout-free
+  ``global_stepN`` directories (safetensors + JSON), resumable in another TP/PP layout.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Dict, Iterator, List, Optional, Tuple
@@ -32,9 +37,11 @@ import torch.distributed as dist
 
 from openrlhf_lpo import listwise
 from openrlhf_lpo.megatron import convert
+from openrlhf_lpo.megatron.device import group_device
 from openrlhf_lpo.megatron.layout import validate_layout
 from openrlhf_lpo.megatron.losses import LossSpec, get_policy_loss
-from openrlhf_lpo.megatron.model import _get, build_gpt_model, transformer_config_from_hf
+from openrlhf_lpo.megatron.model import attention_span, build_gpt_model, transformer_config_from_hf
+from openrlhf_lpo.megatron.packing import PackedMicroBatch, pack_micro_batch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -55,12 +62,16 @@ class MegatronActorConfig:
     temperature: float = 1.0
     seed: int = 42
     use_te: Optional[bool] = None
+    recompute: bool = False  # --actor.gradient_checkpointing_enable: full recompute of every layer
+    timeout_minutes: int = 60  # NCCL/gloo timeout of megatron's process groups (OpenRLHF: 60)
     extra: dict = field(default_factory=dict)
 
 
-def initialize_parallel(tp: int, pp: int, hf_config=None, vpp: int = 1) -> None:
+def initialize_parallel(tp: int, pp: int, hf_config=None, vpp: int = 1, timeout_minutes: int = 60) -> None:
     """Validate the layout and (re)initialise megatron's parallel state on the current world."""
     from megatron.core import parallel_state as ps
+
+    from openrlhf_lpo.megatron.cluster import check_tp_groups_within_nodes
 
     if not dist.is_initialized():
         raise ValueError("torch.distributed must be initialised before building the Megatron actor")
@@ -71,10 +82,12 @@ def initialize_parallel(tp: int, pp: int, hf_config=None, vpp: int = 1) -> None:
         if ps.get_tensor_model_parallel_world_size() == tp and ps.get_pipeline_model_parallel_world_size() == pp:
             return
         ps.destroy_model_parallel()
+    check_tp_groups_within_nodes(tp)
     # DP outermost: the tp*pp ranks of one model replica are consecutive (OpenRLHF's Ray actor
     # groups hand consecutive actors the same chunk of experiences)
     ps.initialize_model_parallel(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, order="tp-cp-ep-pp-dp"
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, order="tp-cp-ep-pp-dp",
+        distributed_timeout_minutes=int(timeout_minutes),
     )
 
 
@@ -82,14 +95,6 @@ def _seed(seed: int) -> None:
     from openrlhf_lpo.megatron.device import seed_model_parallel
 
     seed_model_parallel(seed)
-
-
-def padded_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """[B,S] 0/1 key validity -> [B,1,S,S] bool, True = masked (causal or padded key)."""
-    S = attention_mask.shape[1]
-    causal = torch.ones(S, S, dtype=torch.bool, device=attention_mask.device).triu(1)
-    pad = ~attention_mask.bool()
-    return (causal.unsqueeze(0) | pad[:, None, :]).unsqueeze(1)
 
 
 def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
@@ -110,7 +115,8 @@ def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
 
 
 class MegatronActor:
-    """Megatron-core policy for one rank. ``hf_weights``: an HF checkpoint dir or a getter."""
+    """Megatron-core policy for one rank. ``hf_weights``: an HF checkpoint dir, a mapping or
+    getter of HF tensors, or a :class:`convert.TensorReader` (None: megatron's random init)."""
 
     def __init__(self, hf_config, cfg: MegatronActorConfig, hf_weights=None):
         from megatron.core import parallel_state as ps
@@ -124,16 +130,21 @@ class MegatronActor:
             raise ValueError(f"--megatron.params_dtype {cfg.params_dtype!r}: choose one of {sorted(DTYPES)}")
         if cfg.micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {cfg.micro_batch_size}")
-        initialize_parallel(cfg.tp, cfg.pp, hf_config, cfg.vpp)
+        initialize_parallel(cfg.tp, cfg.pp, hf_config, cfg.vpp, cfg.timeout_minutes)
         _seed(cfg.seed)
         dtype = DTYPES[cfg.params_dtype]
-        self.tconfig = transformer_config_from_hf(hf_config, cfg.tp, cfg.pp, params_dtype=dtype)
+        self.tconfig = transformer_config_from_hf(hf_config, cfg.tp, cfg.pp, params_dtype=dtype,
+                                                  recompute=cfg.recompute)
+        self.attention_span = attention_span(hf_config)
         model = build_gpt_model(hf_config, config=self.tconfig, use_te=cfg.use_te)
         self.uses_te = convert.uses_te_names(model)
+        self.weights_read = 0  # elements of HF tensors this rank read (its stage, its TP slices)
         if hf_weights is not None:
-            getter = convert.hf_tensor_getter(hf_weights) if isinstance(hf_weights, str) else hf_weights
-            convert.load_hf_weights(model, getter, hf_config)
-        if dtype != torch.float32:
+            reader = convert.as_reader(hf_weights)
+            convert.load_hf_weights(model, reader, hf_config)
+            self.weights_read = reader.elements_read
+        self.half = dtype != torch.float32
+        if self.half:
             from megatron.core.transformer.module import Float16Module
 
             model = Float16Module(self.tconfig, model)
@@ -179,32 +190,53 @@ class MegatronActor:
     def is_last_stage(self) -> bool:
         return self.ps.is_pipeline_last_stage()
 
-    def _micro_batches(self, batch: Dict[str, torch.Tensor], mbs: int) -> List[Dict[str, torch.Tensor]]:
+    def _micro_batches(self, batch: Dict[str, torch.Tensor], mbs: int) -> List[Dict]:
+        """Split into micro-batches of ``mbs`` rows and pack each into one THD row."""
         B = batch["sequences"].shape[0]
         if B % mbs:
             raise ValueError(f"batch of {B} sequences is not divisible by micro_batch_size={mbs}")
-        return [{k: v[i : i + mbs] for k, v in batch.items()} for i in range(0, B, mbs)]
+        A = batch["action_mask"].shape[1]
+        out = []
+        for i in range(0, B, mbs):
+            mb = {k: v[i : i + mbs] for k, v in batch.items()}
+            mb["packed"] = pack_micro_batch(mb["sequences"], mb["attention_mask"], A)
+            self._check_span(mb["packed"])
+            out.append(mb)
+        return out
+
+    def _check_span(self, packed: PackedMicroBatch) -> None:
+        span = self.attention_span
+        if span is not None and max(packed.seq_lens) > span:
+            raise ValueError(
+                f"a sequence of {max(packed.seq_lens)} tokens exceeds the model's sliding window of {span} "
+                "(sliding_window in the HF config): --backend megatron computes full causal attention, exact "
+                "only up to the window; lower --data.max_len or use the DeepSpeed backend"
+            )
 
     def _token_log_probs(self, output: torch.Tensor, mb, with_entropy: bool):
-        """Last stage: [b,S,V/tp] logits -> action log-probs [b,A] (and entropy) of mb."""
+        """Last stage: packed logits [1,T,V/tp] -> action log-probs [b,A] (and entropy) of mb."""
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-        seq = mb["sequences"]
-        S, A = seq.shape[1], mb["action_mask"].shape[1]
-        logits = output[:, S - A - 1 : S - 1, :].float()
+        pk: PackedMicroBatch = mb["packed"]
+        valid = pk.action_valid
+        # the action rows only, as a fresh tensor: the CE kernel may shift it in place
+        logits = output[0, pk.action_index[valid]].float()
         if self.cfg.temperature != 1.0:
             logits = logits / self.cfg.temperature
-        ent = vocab_parallel_entropy(logits) if with_entropy else None
-        labels = seq[:, S - A :]
-        # the CE kernel shifts its (fp32) input in place: hand it a private contiguous copy
-        logp = -vocab_parallel_cross_entropy(logits.clone().contiguous(), labels.contiguous())
+        ent_rows = vocab_parallel_entropy(logits) if with_entropy else None
+        lp_rows = -vocab_parallel_cross_entropy(logits.contiguous(), pk.action_tokens[valid].contiguous())
+        logp = torch.zeros(valid.shape, dtype=lp_rows.dtype, device=lp_rows.device)
+        logp = logp.masked_scatter(valid, lp_rows)
+        ent = None
+        if with_entropy:
+            ent = torch.zeros(valid.shape, dtype=ent_rows.dtype, device=ent_rows.device).masked_scatter(valid, ent_rows)
         return logp, ent
 
     def _forward_step(self, data_iterator, model, loss_fn):
         mb = next(data_iterator)
-        am = mb["attention_mask"]
-        pos = (am.long().cumsum(-1) - 1).clamp(min=0)
-        out = model(mb["sequences"], pos, attention_mask=padded_attention_mask(am))
+        pk: PackedMicroBatch = mb["packed"]
+        kwargs = {"fp32_output": False} if self.half else {}  # logits stay bf16; action rows upcast
+        out = model(pk.tokens, pk.position_ids, None, packed_seq_params=pk.packed_seq_params(), **kwargs)
         return out, partial(loss_fn, mb)
 
     def _run(self, batch, loss_fn, forward_only: bool, mbs: int):
@@ -217,8 +249,10 @@ class MegatronActor:
             data_iterator=iter(mbatches),
             model=[self.model],
             num_microbatches=len(mbatches),
-            seq_length=batch["sequences"].shape[1],
-            micro_batch_size=mbs,
+            # one packed row per micro-batch; with PP the stages exchange each row's length
+            # (variable_seq_lengths in the config), so this is only an upper bound
+            seq_length=max(m["packed"].num_tokens for m in mbatches),
+            micro_batch_size=1,
             forward_only=forward_only,
         )
 
@@ -227,44 +261,40 @@ class MegatronActor:
             return t
         group = self.ps.get_pipeline_model_parallel_group()
         if t is None:
-            t = torch.empty(shape, dtype=dtype, device=self.device)
-        t = t.contiguous()
+            t = torch.empty(shape, dtype=dtype, device=group_device(group))
+        t = t.to(group_device(group)).contiguous()
         dist.broadcast(t, src=self.ps.get_pipeline_model_parallel_last_rank(), group=group)
         return t
 
     def _reduce_stats(self, vals: Dict[str, float]) -> Dict[str, float]:
         """Sum stats of the last stage over DP, then share over PP."""
-        keys = sorted(vals) if vals else []
-        dev = self.device
-        n = self._broadcast_from_last_stage(
-            torch.tensor([len(keys)], dtype=torch.float64, device=dev) if self.is_last_stage else None,
-            (1,),
-            torch.float64,
-        )
-        if not self.is_last_stage:
-            keys = None
-        obj = [keys]
+        keys = sorted(vals) if vals else None
         if self.ps.get_pipeline_model_parallel_world_size() > 1:
+            obj = [keys if self.is_last_stage else None]
             dist.broadcast_object_list(
                 obj, src=self.ps.get_pipeline_model_parallel_last_rank(), group=self.ps.get_pipeline_model_parallel_group()
             )
-        keys = obj[0]
-        t = torch.tensor([vals[k] for k in keys], dtype=torch.float64, device=dev) if self.is_last_stage else None
-        t = self._broadcast_from_last_stage(t, (int(n.item()),), torch.float64)
-        dist.all_reduce(t, group=self.ps.get_data_parallel_group())
+            keys = obj[0]
+        keys = keys or []
+        t = torch.tensor([vals[k] for k in keys], dtype=torch.float64) if self.is_last_stage else None
+        t = self._broadcast_from_last_stage(t, (len(keys),), torch.float64)
+        dp_group = self.ps.get_data_parallel_group()
+        t = t.to(group_device(dp_group))
+        dist.all_reduce(t, group=dp_group)
         return {k: float(v) for k, v in zip(keys, t.tolist())}
 
     # ------------------------------------------------------------------------------ API
     @torch.no_grad()
     def log_probs(self, batch: Dict[str, torch.Tensor], with_entropy: bool = False):
-        """Action log-probs ``[B,A]`` (and entropy ``[B,A]``) on every rank of this replica."""
+        """Action log-probs ``[B,A]`` (0 where ``action_mask`` is 0; and entropy ``[B,A]``) on every
+        rank of this replica."""
         self.model.eval()
         batch = self._to_device(batch)
         B, A = batch["action_mask"].shape
 
         def loss_fn(mb, output):
             logp, ent = self._token_log_probs(output, mb, with_entropy)
-            return torch.zeros(()), {"logp": logp, "ent": ent}
+            return torch.zeros((), device=logp.device), {"logp": logp, "ent": ent}
 
         mbs = min(self.cfg.micro_batch_size, B)
         outs = self._run(batch, loss_fn, forward_only=True, mbs=mbs)
@@ -274,6 +304,8 @@ class MegatronActor:
             if with_entropy:
                 ent = torch.cat([o["ent"] for o in outs])
         logp = self._broadcast_from_last_stage(logp, (B, A), torch.float32)
+        mask = batch["action_mask"].to(device=logp.device, dtype=logp.dtype)
+        logp = logp * mask  # OpenRLHF's contract: 0 outside the action mask
         if with_entropy:
             ent = self._broadcast_from_last_stage(ent, (B, A), torch.float32)
             return logp, ent
@@ -302,7 +334,7 @@ class MegatronActor:
             stats["entropy_sum"] = float((ent * mask).sum())
             stats["tokens"] = float(mask.sum())
             stats["responses"] = float(logp.shape[0])
-            return total, count, stats
+            return total, count.to(logp.device), stats
 
         outs = self._run(batch, loss_fn, forward_only=False, mbs=self.cfg.micro_batch_size)
         ok, grad_norm, _ = self.optimizer.step()
@@ -318,6 +350,8 @@ class MegatronActor:
         if "loss_sum" in tot:
             denom = tot.get("loss_count", tot["responses"])
             metrics["policy_loss"] = tot["loss_sum"] / max(denom, 1.0)
+        if "clip_sum" in tot:
+            metrics["ppo_clip_ratio"] = tot["clip_sum"] / max(tot.get("tokens", 1.0), 1.0)
         return metrics
 
     def surrogate_coefficients(self, batch, spec: LossSpec) -> torch.Tensor:
@@ -338,60 +372,15 @@ class MegatronActor:
     def save_hf(self, out_dir: str, dtype: Optional[torch.dtype] = None):
         return convert.save_hf_checkpoint(self.model, self.hf_config, out_dir, dtype)
 
-    def _rank_file(self, ckpt_dir: str) -> str:
-        ps = self.ps
-        return os.path.join(
-            ckpt_dir,
-            f"mp_tp{ps.get_tensor_model_parallel_rank():02d}_pp{ps.get_pipeline_model_parallel_rank():02d}"
-            f"_dp{ps.get_data_parallel_rank():03d}.pt",
-        )
+    def save_checkpoint(self, root: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
+                        max_num: Optional[int] = None, max_mem_gb: Optional[float] = None) -> str:
+        """``root/<tag>`` (default ``global_step<step>``), ``latest`` written last; see :mod:`.checkpoint`."""
+        from openrlhf_lpo.megatron import checkpoint
 
-    def _inner_optimizers(self):
-        return [o.optimizer for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer])]
+        return checkpoint.save(self, root, tag or f"global_step{self.step}", client_state or {}, max_num, max_mem_gb)
 
-    def save_checkpoint(self, ckpt_dir: str, client_state: Optional[dict] = None) -> None:
-        """Per-rank model + optimizer state (atomic); ``latest`` written last by rank 0."""
-        os.makedirs(ckpt_dir, exist_ok=True)
-        inner = self._inner_optimizers()
-        state = {
-            "model": convert.unwrap(self.model).state_dict(),
-            "optim": [o.state_dict() for o in inner],
-            "main_params": [[p.detach().clone() for g in o.param_groups for p in g["params"]] for o in inner],
-            "step": self.step,
-            "layout": (self.cfg.tp, self.cfg.pp, dist.get_world_size()),
-            "client_state": client_state or {},
-        }
-        path = self._rank_file(ckpt_dir)
-        torch.save(state, path + ".tmp")
-        os.replace(path + ".tmp", path)
-        dist.barrier()
-        if dist.get_rank() == 0:
-            with open(os.path.join(ckpt_dir, "latest.tmp"), "w") as f:
-                f.write(str(self.step))
-            os.replace(os.path.join(ckpt_dir, "latest.tmp"), os.path.join(ckpt_dir, "latest"))
-        dist.barrier()
+    def load_checkpoint(self, root: str, tag: Optional[str] = None) -> dict:
+        """Restore the latest (or ``tag``) checkpoint under ``root`` into this layout; returns client_state."""
+        from openrlhf_lpo.megatron import checkpoint
 
-    def load_checkpoint(self, ckpt_dir: str) -> dict:
-        """Restore what :meth:`save_checkpoint` wrote (same TP/PP/world size); returns client_state."""
-        if not os.path.exists(os.path.join(ckpt_dir, "latest")):
-            raise ValueError(f"no complete Megatron checkpoint in {ckpt_dir!r} (missing 'latest')")
-        state = torch.load(self._rank_file(ckpt_dir), map_location="cpu", weights_only=False)
-        layout = (self.cfg.tp, self.cfg.pp, dist.get_world_size())
-        if tuple(state["layout"]) != layout:
-            raise ValueError(
-                f"checkpoint layout (tp, pp, world)={tuple(state['layout'])} differs from the current {layout}; "
-                "resume with the same layout or start from the exported HF weights"
-            )
-        convert.unwrap(self.model).load_state_dict(state["model"], strict=False)
-        with torch.no_grad():
-            for o, sd, mains in zip(self._inner_optimizers(), state["optim"], state["main_params"]):
-                params = [p for g in o.param_groups for p in g["params"]]
-                for p, v in zip(params, mains):
-                    p.copy_(v)
-                o.load_state_dict(sd)
-        # main params -> model params for mixed precision (a no-op copy for fp32)
-        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            if hasattr(opt, "_copy_main_params_to_model_params"):
-                opt._copy_main_params_to_model_params()
-        self.step = state["step"]
-        return state["client_state"]
+        return checkpoint.load(self, root, tag)

@@ -1,4 +1,4 @@
-"""HF <-> megatron-core weight conversion for Qwen2 / Qwen3, any TP x PP, one tensor at a time.
+"""HF <-> megatron-core weight conversion (Qwen2/Qwen3/Llama/Mistral), any TP x PP, one tensor at a time.
 
 Layout facts (checked by tests/megatron against HF logits and by bit-exact round trips):
 
@@ -19,8 +19,10 @@ Layout facts (checked by tests/megatron against HF logits and by bit-exact round
 
 Entry points:
 
-* :func:`hf_to_mcore_local` – the local shard dict of one (tp_rank, pp_rank), reading HF tensors
-  lazily through a getter (one HF tensor at a time; e.g. a safetensors ``safe_open``).
+* :func:`hf_to_mcore_local` – the local shard dict of one (tp_rank, pp_rank), reading through a
+  :class:`TensorReader` only the HF tensors of the rank's pipeline stage and, of each, only the
+  rows/columns of its TP shard (``safe_open(...).get_slice``: a 14B model at TP8 x PP1 reads ~1/8
+  of the checkpoint per rank, not all of it).
 * :func:`load_hf_weights` – copy HF weights into a built (possibly DDP-wrapped) model stage.
 * :func:`export_hf_weights` – generator over ``(hf_name, full_tensor)`` for the whole model,
   collective over the model-parallel group: TP all-gather, PP broadcast, QKV / gate-up un-fusing.
@@ -38,7 +40,7 @@ from typing import Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 
-from openrlhf_lpo.megatron.model import _get, head_dim, num_kv_heads
+from openrlhf_lpo.megatron.model import _get, arch_spec, head_dim, num_kv_heads
 
 # TP split kinds
 COL, ROW, REP, GATE_UP = "col", "row", "rep", "gate_up"
@@ -68,9 +70,13 @@ def _dims(cfg):
     return _get(cfg, "num_attention_heads"), num_kv_heads(cfg), head_dim(cfg)
 
 
-def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg) -> torch.Tensor:
-    """HF q/k/v (weights ``[n*hd, hidden]`` or biases ``[n*hd]``) -> group-interleaved fused QKV."""
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg, tp: int = 1) -> torch.Tensor:
+    """HF q/k/v (weights ``[n*hd, hidden]`` or biases ``[n*hd]``) -> group-interleaved fused QKV.
+
+    With ``tp > 1`` the inputs are one TP rank's row chunks (its ``heads/tp`` query heads and
+    ``groups/tp`` KV heads) and the result is that rank's shard of the fused tensor."""
     nh, ng, hd = _dims(cfg)
+    nh, ng = nh // tp, ng // tp
     tail = q.shape[1:]
     qg = q.reshape(ng, (nh // ng) * hd, *tail)
     kg = k.reshape(ng, hd, *tail)
@@ -110,11 +116,11 @@ def layer_rules(cfg, te_names: bool = False) -> Dict[str, Rule]:
         "mlp.linear_fc1.weight": Rule((p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"), "gate_up", GATE_UP),
         "mlp.linear_fc2.weight": Rule((p + "mlp.down_proj.weight",), "copy", ROW),
     }
-    mt = _get(cfg, "model_type")
-    if mt == "qwen3":
+    arch = arch_spec(cfg)
+    if arch.qk_layernorm:
         rules["self_attention.q_layernorm.weight"] = Rule((p + "self_attn.q_norm.weight",), "copy", REP)
         rules["self_attention.k_layernorm.weight"] = Rule((p + "self_attn.k_norm.weight",), "copy", REP)
-    if mt == "qwen2":
+    if arch.qkv_bias:
         rules["self_attention.linear_qkv.bias"] = Rule(
             (p + "self_attn.q_proj.bias", p + "self_attn.k_proj.bias", p + "self_attn.v_proj.bias"), "qkv", COL
         )
@@ -166,31 +172,120 @@ def local_to_global(name: str, layer_offset: int) -> str:
     return f"decoder.layers.{int(m.group(1)) + layer_offset}.{m.group(2)}"
 
 
-def _fuse(rule: Rule, tensors: List[torch.Tensor], cfg) -> torch.Tensor:
+class TensorReader:
+    """Read whole tensors or row/column ranges of named tensors, counting what it reads.
+
+    ``source``: an HF checkpoint directory (safetensors, sharded or not; slices are read with
+    ``safe_open(...).get_slice`` so only the requested bytes leave the file), a mapping
+    ``name -> tensor``, or a getter ``name -> tensor`` (whole tensors, sliced in memory).
+    ``elements_read`` counts the elements returned (tests check a rank reads only its share).
+    ``weight_map`` (tensor name -> file under ``source``) replaces the HF index lookup.
+    """
+
+    def __init__(self, source, weight_map: Optional[Dict[str, str]] = None):
+        self.elements_read = 0
+        self._files: Dict[str, str] = {}
+        self._handles: Dict[str, object] = {}
+        self._path = None
+        self._get = None
+        if isinstance(source, (str, os.PathLike)):
+            self._path = str(source)
+            self._files = dict(weight_map) if weight_map is not None else _safetensors_index(self._path)
+        elif isinstance(source, Mapping):
+            self._get = source.__getitem__
+        elif callable(source):
+            self._get = source
+        else:
+            raise TypeError(f"cannot read tensors from {type(source).__name__}")
+
+    def _slice(self, name: str):
+        if name not in self._files:
+            raise KeyError(f"{name!r} not found in HF checkpoint {self._path!r}")
+        fn = self._files[name]
+        if fn not in self._handles:
+            from safetensors import safe_open
+
+            self._handles[fn] = safe_open(os.path.join(self._path, fn), "pt")
+        return self._handles[fn].get_slice(name)
+
+    def shape(self, name: str) -> Tuple[int, ...]:
+        if self._get is not None:
+            return tuple(self._get(name).shape)
+        return tuple(self._slice(name).get_shape())
+
+    def read(self, name: str, dim: Optional[int] = None, start: int = 0, stop: Optional[int] = None) -> torch.Tensor:
+        """The tensor, or its ``[start:stop]`` range along ``dim`` (0 or 1)."""
+        if self._get is not None:
+            t = self._get(name)
+            if dim is not None:
+                t = t.narrow(dim, start, (stop if stop is not None else t.shape[dim]) - start)
+            t = t.contiguous()
+        else:
+            sl = self._slice(name)
+            if dim is None:
+                t = sl[:]
+            elif dim == 0:
+                t = sl[start:stop]
+            elif dim == 1:
+                t = sl[:, start:stop]
+            else:
+                raise ValueError(f"dim must be 0 or 1, got {dim}")
+        self.elements_read += t.numel()
+        return t
+
+
+def _safetensors_index(path: str) -> Dict[str, str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            return json.load(f)["weight_map"]
+    single = os.path.join(path, "model.safetensors")
+    if not os.path.exists(single):
+        raise ValueError(f"no model.safetensors(.index.json) under {path!r}")
+    from safetensors import safe_open
+
+    with safe_open(single, "pt") as f:
+        return {k: "model.safetensors" for k in f.keys()}
+
+
+def as_reader(source) -> TensorReader:
+    return source if isinstance(source, TensorReader) else TensorReader(source)
+
+
+def read_split(reader: TensorReader, name: str, split: str, tp: int, tp_rank: int) -> torch.Tensor:
+    """Rank ``tp_rank``'s shard of one stored tensor: rows (``col``), columns (``row``), the
+    whole tensor (``rep``), or for a fused ``[gate; up]`` the rank's rows of each half."""
+    if split == REP or tp == 1:
+        return reader.read(name)
+    shape = reader.shape(name)
+    if split == COL:
+        n = shape[0] // tp
+        return reader.read(name, 0, tp_rank * n, (tp_rank + 1) * n)
+    if split == ROW:
+        n = shape[1] // tp
+        return reader.read(name, 1, tp_rank * n, (tp_rank + 1) * n)
+    if split == GATE_UP:
+        half = shape[0] // 2
+        n = half // tp
+        return torch.cat([reader.read(name, 0, tp_rank * n, (tp_rank + 1) * n),
+                          reader.read(name, 0, half + tp_rank * n, half + (tp_rank + 1) * n)], 0)
+    raise ValueError(split)
+
+
+def _read_hf_shard(reader: TensorReader, rule: Rule, cfg, tp: int, tp_rank: int) -> torch.Tensor:
+    """Rank's shard of one megatron tensor, reading only the HF rows/columns it needs."""
     if rule.fuse == "copy":
-        return tensors[0]
-    if rule.fuse == "qkv":
-        return fuse_qkv(*tensors, cfg)
+        return read_split(reader, rule.hf_names[0], rule.split, tp, tp_rank)
+    parts = [read_split(reader, h, COL, tp, tp_rank) for h in rule.hf_names]
+    if rule.fuse == "qkv":  # each rank's q heads and kv heads are contiguous row chunks
+        return fuse_qkv(*parts, cfg, tp=tp)
     if rule.fuse == "gate_up":
-        return torch.cat(tensors, dim=0)
+        return torch.cat(parts, 0)
     raise ValueError(rule.fuse)
 
 
-def _shard(rule: Rule, full_parts: List[torch.Tensor], fused: torch.Tensor, tp: int, tp_rank: int) -> torch.Tensor:
-    if rule.split == REP or tp == 1:
-        return fused
-    if rule.split == COL:
-        return torch.chunk(fused, tp, dim=0)[tp_rank]
-    if rule.split == ROW:
-        return torch.chunk(fused, tp, dim=1)[tp_rank]
-    if rule.split == GATE_UP:
-        gate, up = full_parts
-        return torch.cat([torch.chunk(gate, tp, 0)[tp_rank], torch.chunk(up, tp, 0)[tp_rank]], 0)
-    raise ValueError(rule.split)
-
-
 def hf_to_mcore_local(
-    get_hf: Callable[[str], torch.Tensor],
+    source,
     cfg,
     tp: int,
     tp_rank: int,
@@ -201,16 +296,15 @@ def hf_to_mcore_local(
 ) -> Iterator[Tuple[str, torch.Tensor]]:
     """Yield ``(local_megatron_name, shard)`` for one (tp_rank, pp_rank), one tensor at a time.
 
-    ``get_hf(name)`` returns the full HF tensor (called lazily, so a safetensors reader keeps at
-    most one fused tensor in memory).
+    ``source``: a :class:`TensorReader` or what it accepts (checkpoint dir, mapping, getter).
+    Only the stage's HF tensors are touched, and of each only this rank's rows/columns.
     """
+    reader = as_reader(source)
     L = _get(cfg, "num_hidden_layers")
     offset = pp_rank * (L // pp)
     for local in names if names is not None else expected_local_names(cfg, tp, pp, pp_rank, te_names):
         rule = rule_for(local_to_global(local, offset), cfg, te_names)
-        parts = [get_hf(h) for h in rule.hf_names]
-        fused = _fuse(rule, parts, cfg)
-        yield local, _shard(rule, parts, fused, tp, tp_rank).contiguous()
+        yield local, _read_hf_shard(reader, rule, cfg, tp, tp_rank).contiguous()
 
 
 def hf_to_mcore_shards(hf_sd: Mapping[str, torch.Tensor], cfg, tp: int, pp: int, te_names: bool = False):
@@ -295,10 +389,11 @@ def local_tensors(model) -> Dict[str, torch.Tensor]:
     return out
 
 
-def load_hf_weights(model, get_hf: Callable[[str], torch.Tensor], cfg) -> int:
+def load_hf_weights(model, source, cfg) -> int:
     """Copy HF weights into the current rank's model stage; returns the number of tensors set.
 
-    Raises ``ValueError`` when a shape does not match (e.g. a config/checkpoint mismatch).
+    ``source``: checkpoint dir, mapping, getter or :class:`TensorReader` (only this rank's
+    slices are read). Raises ``ValueError`` when a shape does not match (config/checkpoint mismatch).
     """
     from megatron.core import parallel_state as ps
 
@@ -308,7 +403,7 @@ def load_hf_weights(model, get_hf: Callable[[str], torch.Tensor], cfg) -> int:
     te = uses_te_names(model)
     n = 0
     with torch.no_grad():
-        for name, shard in hf_to_mcore_local(get_hf, cfg, tp, tp_rank, pp, pp_rank, te, names=list(target)):
+        for name, shard in hf_to_mcore_local(source, cfg, tp, tp_rank, pp, pp_rank, te, names=list(target)):
             dst = target[name]
             if tuple(dst.shape) != tuple(shard.shape):
                 raise ValueError(
@@ -323,8 +418,8 @@ def export_hf_weights(model, cfg, dtype: Optional[torch.dtype] = None) -> Iterat
     """Yield ``(hf_name, full_tensor)`` for the whole model, one tensor at a time, on every rank
     of the model-parallel group (collective: every TP and PP rank must iterate it fully).
 
-    Per tensor: all-gather over TP on the owning stage, broadcast over PP from that stage,
-    un-fuse QKV and gate/up. Peak extra memory: one full (fused) tensor.
+    Per tensor: cast to ``dtype`` (if given), all-gather over TP on the owning stage, broadcast
+    over PP from that stage, un-fuse QKV and gate/up. Peak extra memory: one full (fused) tensor.
     """
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -348,7 +443,7 @@ def export_hf_weights(model, cfg, dtype: Optional[torch.dtype] = None) -> Iterat
             full_shape[0] *= tp
         elif rule.split == ROW:
             full_shape[1] *= tp
-        meta.append((local, g, tuple(full_shape), t.dtype))
+        meta.append((local, g, tuple(full_shape), dtype or t.dtype))
     if pp > 1:
         gathered: List = [None] * pp
         dist.all_gather_object(gathered, meta, group=pp_group)
@@ -359,6 +454,8 @@ def export_hf_weights(model, cfg, dtype: Optional[torch.dtype] = None) -> Iterat
             rule = rule_for(g, cfg, te)
             if owner == pp_rank:
                 shard = mine[local].detach()
+                if dtype is not None:  # cast before the gather: half the traffic for bf16 engines
+                    shard = shard.to(dtype)
                 if tp > 1 and rule.split != REP:
                     parts = [torch.empty_like(shard) for _ in range(tp)]
                     dist.all_gather(parts, shard.contiguous(), group=tp_group)
@@ -371,7 +468,7 @@ def export_hf_weights(model, cfg, dtype: Optional[torch.dtype] = None) -> Iterat
                 full = full.contiguous()
                 dist.broadcast(full, src=dist.get_global_rank(pp_group, owner), group=pp_group)
             for name, tensor in _unfuse(rule, full, cfg):
-                yield name, (tensor.to(dtype) if dtype is not None else tensor)
+                yield name, tensor
 
 
 def save_hf_checkpoint(
@@ -432,27 +529,5 @@ def save_hf_checkpoint(
 
 
 def hf_tensor_getter(path: str) -> Callable[[str], torch.Tensor]:
-    """Lazy getter over an HF checkpoint directory (safetensors, sharded or not)."""
-    from safetensors import safe_open
-
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            wmap = json.load(f)["weight_map"]
-    else:
-        single = os.path.join(path, "model.safetensors")
-        if not os.path.exists(single):
-            raise ValueError(f"no model.safetensors(.index.json) under {path!r}")
-        with safe_open(single, "pt") as f:
-            wmap = {k: "model.safetensors" for k in f.keys()}
-    handles = {}
-
-    def get(name: str) -> torch.Tensor:
-        if name not in wmap:
-            raise KeyError(f"{name!r} not found in HF checkpoint {path!r}")
-        fn = wmap[name]
-        if fn not in handles:
-            handles[fn] = safe_open(os.path.join(path, fn), "pt")
-        return handles[fn].get_tensor(name)
-
-    return get
+    """Lazy whole-tensor getter over an HF checkpoint directory (safetensors, sharded or not)."""
+    return TensorReader(path).read

@@ -2,7 +2,14 @@
 
 Flags: ``--backend {deepspeed,megatron}`` (default deepspeed), ``--megatron.tp N``,
 ``--megatron.pp M``, ``--megatron.vpp V`` (1 only for now), ``--megatron.params_dtype
-{bf16,fp32}``, ``--megatron.distributed_optimizer``.
+{bf16,fp32}``, ``--megatron.distributed_optimizer``, ``--megatron.timeout_minutes`` (process
+groups' NCCL/gloo timeout, default 60 as OpenRLHF's DeepSpeed strategy).
+
+Stock flags the Megatron actor honours: ``--actor.gradient_checkpointing_enable`` (full layer
+recompute), ``--actor.eps_clip_low_high``, ``--vllm.sync_with_ray``, ``--vllm.enable_prefix_caching``,
+``--ckpt.max_num`` / ``--ckpt.max_mem``. Refused with a message instead of ignored: see ``_validate``.
+Before any actor starts, the layout is placed on the running Ray cluster
+(:func:`openrlhf_lpo.megatron.cluster.check_ray_cluster`).
 
 With ``--backend megatron`` the policy actor group is built from
 :mod:`openrlhf_lpo.megatron.ray_actor` instead of OpenRLHF's DeepSpeed ``PolicyModelActor``
@@ -14,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import sys
 
 from openrlhf_lpo.cli.flags import FlagError, FlagGroup, register_flag_group
 
@@ -32,6 +40,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--megatron.params_dtype", type=str, choices=("bf16", "fp32"), default="bf16")
     g.add_argument("--megatron.distributed_optimizer", action="store_true", default=False,
                    help="shard optimizer state over data-parallel ranks")
+    g.add_argument("--megatron.timeout_minutes", type=int, default=60,
+                   help="timeout of the Megatron actor's process groups (NCCL/gloo), minutes")
 
 
 def _validate(args: argparse.Namespace) -> None:
@@ -40,8 +50,22 @@ def _validate(args: argparse.Namespace) -> None:
     from openrlhf_lpo.megatron.layout import validate_layout
     from openrlhf_lpo.megatron.model import SUPPORTED_MODEL_TYPES
 
+    from openrlhf_lpo.megatron.ray_actor import refuse_unsupported
+
     m = args.megatron
     world = args.actor.num_nodes * args.actor.num_gpus_per_node
+    try:
+        refuse_unsupported(args)
+    except ValueError as e:
+        raise FlagError(str(e)) from None
+    if m.timeout_minutes < 1:
+        raise FlagError(f"--megatron.timeout_minutes must be >= 1, got {m.timeout_minutes}")
+    gpn = args.actor.num_gpus_per_node
+    if m.tp > gpn or gpn % m.tp:
+        raise FlagError(
+            f"--megatron.tp {m.tp} must divide --actor.num_gpus_per_node {gpn}: tensor-parallel groups stay "
+            "inside one node"
+        )
     hf_config = None
     try:
         from transformers import AutoConfig
@@ -70,6 +94,10 @@ def _validate(args: argparse.Namespace) -> None:
         (args.algo.kl.use_loss, "--algo.kl.use_loss"),
         (bool(args.actor.entropy_coef), "--actor.entropy_coef != 0"),
         (args.actor.aux_loss_coef > 0, "--actor.aux_loss_coef"),
+        (args.actor.lr_scheduler != "constant" or args.actor.lr_warmup_ratio > 0,
+         f"--actor.lr_scheduler {args.actor.lr_scheduler} / --actor.lr_warmup_ratio {args.actor.lr_warmup_ratio} "
+         "(the Megatron actor keeps --actor.adam.lr constant: pass --actor.lr_scheduler constant "
+         "--actor.lr_warmup_ratio 0)"),
     ]
     for bad, flag in unsupported:
         if bad:
@@ -117,10 +145,37 @@ def use_megatron_policy(args: argparse.Namespace):
         launcher.RayActorGroup.__init__ = original
 
 
+def check_cluster(args: argparse.Namespace) -> None:
+    """Place the layout on the Ray cluster lpo-train will use, before any actor starts."""
+    import ray
+
+    from openrlhf_lpo.megatron.cluster import PlacementError, check_ray_cluster
+
+    started = not ray.is_initialized()
+    if started:  # the cluster upstream's ray.init() will join (RAY_ADDRESS / a running one / a local one)
+        ray.init(logging_level="ERROR")
+    try:
+        placed = check_ray_cluster(args)
+    except PlacementError as e:
+        raise SystemExit(f"lpo-train --backend megatron: {e}") from None
+    finally:
+        if started:
+            ray.shutdown()
+    used = "; ".join(f"node {i}: " + ", ".join(f"{r} x{g}" for r, g in blocks) for i, blocks in enumerate(placed) if blocks)
+    print(f"[megatron] placement on the Ray cluster fits: {used}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _megatron_run(args: argparse.Namespace):
+    check_cluster(args)
+    with use_megatron_policy(args) as remote:
+        yield remote
+
+
 def _before_train(args: argparse.Namespace):
     if getattr(args, "backend", "deepspeed") != "megatron":
         return None
-    return use_megatron_policy(args)
+    return _megatron_run(args)
 
 
 register_flag_group(

@@ -10,6 +10,11 @@ Listwise losses count **responses** and multiply the per-group loss by K: the su
 D_g divided by the number of groups G equals ``sum_g K*D_g / (G*K)``, i.e. the LPO objective
 (mean over prompts, Eq. 10/11) whatever the grouping of micro-batches.
 
+Off-policy LPO composes without change: the target carried by each sample is
+w* = softmax(R/tau + s_t) (Eq. 8, s_t = the start-of-update policy against the behaviour policy,
+``info["lpo_prev_log_ratio"]``) and s is measured against the same behaviour (old) log-probs, so
+at the start of an update s = s_t and a group with equal rewards already has P = w*.
+
 Registry ``POLICY_LOSSES``: name -> fn(log_probs[b,A], mb: dict, spec: LossSpec) -> (sum, count, stats).
 """
 
@@ -34,6 +39,8 @@ class LossSpec:
       micro-batches; c from a no-grad pass at the same parameters).
     * ``pg``: PPO-clip token surrogate with per-response advantages (GRPO, Dr.GRPO, MaxRL via
       ``listwise.pg_advantages``), aggregated as the mean over responses of the token mean.
+
+    ``clip_eps``: one epsilon or ``(low, high)`` (``--actor.eps_clip_low_high``, clip-higher).
     """
 
     name: str = "listwise"
@@ -58,6 +65,14 @@ def get_policy_loss(name: str):
     if name not in POLICY_LOSSES:
         raise ValueError(f"unknown policy loss {name!r}; registered: {sorted(POLICY_LOSSES)}")
     return POLICY_LOSSES[name]
+
+
+def clip_bounds(clip_eps) -> Tuple[float, float]:
+    """(low, high) from one epsilon or a pair."""
+    if isinstance(clip_eps, (tuple, list)):
+        lo, hi = clip_eps
+        return float(lo), float(hi)
+    return float(clip_eps), float(clip_eps)
 
 
 def _count(n: int) -> torch.Tensor:
@@ -89,18 +104,23 @@ def _listwise_surrogate(log_probs, mb, spec: LossSpec):
 
 @register_policy_loss("pg")
 def _pg(log_probs, mb, spec: LossSpec):
-    """PPO-clip surrogate -min(r A, clip(r) A) per token, mean over tokens then over responses
-    (OpenRLHF's ``seq-mean-token-mean``; A per response [b] or per token [b, A])."""
+    """PPO-clip surrogate -min(r A, clip(r, 1-eps_low, 1+eps_high) A) per token, mean over tokens
+    then over responses (OpenRLHF's ``seq-mean-token-mean``; A per response [b] or per token [b, A])."""
     mask = mb["action_mask"].to(log_probs.dtype)
     ratio = torch.exp((log_probs - mb["old_log_probs"]).clamp(-20.0, 20.0))
     adv = mb["advantages"].to(log_probs.dtype)
     if adv.dim() == 1:  # one advantage per response, else OpenRLHF's per-token [b, A]
         adv = adv.unsqueeze(-1)
-    surr = -torch.minimum(ratio * adv, ratio.clamp(1 - spec.clip_eps, 1 + spec.clip_eps) * adv)
+    lo, hi = clip_bounds(spec.clip_eps)
+    clipped = ratio.clamp(1 - lo, 1 + hi)
+    surr = -torch.minimum(ratio * adv, clipped * adv)
+    stats = {"clip_sum": float((((ratio < 1 - lo) | (ratio > 1 + hi)).to(mask.dtype) * mask).sum())}
     if spec.loss_agg_mode == "token-mean":
         total = (surr * mask).sum()
-        return total, _count(int(mask.sum())), {"loss_sum": total.detach(), "loss_count": float(mask.sum())}
+        stats.update(loss_sum=total.detach(), loss_count=float(mask.sum()))
+        return total, _count(int(mask.sum())), stats
     if spec.loss_agg_mode != "seq-mean-token-mean":
         raise ValueError(f"--actor.loss_agg_mode {spec.loss_agg_mode!r}: use token-mean or seq-mean-token-mean")
     per_seq = (surr * mask).sum(-1) / mask.sum(-1).clamp(min=1)
-    return per_seq.sum(), _count(log_probs.shape[0]), {"loss_sum": per_seq.detach().sum()}
+    stats["loss_sum"] = per_seq.detach().sum()
+    return per_seq.sum(), _count(log_probs.shape[0]), stats

@@ -1,25 +1,58 @@
-"""megatron-core GPTModel for HF Qwen2 / Qwen3 configs.
+"""megatron-core GPTModel for HF Qwen2 / Qwen3 / Llama / Mistral configs.
 
-``transformer_config_from_hf`` maps an HF ``Qwen2Config``/``Qwen3Config`` (object or dict) onto a
-megatron-core ``TransformerConfig``: grouped-query attention (``num_query_groups``), per-head
-q/k RMSNorm for Qwen3 (``qk_layernorm``), SwiGLU (``gated_linear_unit`` + SiLU), RMSNorm, RoPE
-(non-interleaved, matching HF ``rotate_half``), Qwen2's q/k/v bias (``add_qkv_bias``), and an
-explicit ``kv_channels = head_dim`` (Qwen3's head_dim differs from hidden/heads).
+``transformer_config_from_hf`` maps an HF config (object or dict) of a registered architecture
+(``ARCHITECTURES``) onto a megatron-core ``TransformerConfig``: grouped-query attention
+(``num_query_groups``), per-head q/k RMSNorm for Qwen3 (``qk_layernorm``), SwiGLU
+(``gated_linear_unit`` + SiLU), RMSNorm, RoPE (non-interleaved, matching HF ``rotate_half``; Llama
+3.x frequency scaling), Qwen2's q/k/v bias (``add_qkv_bias``), and an explicit
+``kv_channels = head_dim`` (Qwen3's head_dim differs from hidden/heads). ``recompute=True`` maps
+``--actor.gradient_checkpointing_enable`` onto megatron's full-layer recompute; with pipeline
+parallelism the config allows a different packed length per micro-batch.
 
 ``layer_spec`` picks the Transformer Engine spec when TE is importable and an accelerator is
-present, the local (pure megatron-core) spec otherwise. The two specs name the pre-attention
-and pre-MLP norms differently; :mod:`openrlhf_lpo.megatron.convert` handles both.
+present, the local (pure megatron-core) spec with the packed-sequence attention of
+:mod:`openrlhf_lpo.megatron.attention` otherwise. The two specs name the pre-attention and pre-MLP
+norms differently; :mod:`openrlhf_lpo.megatron.convert` handles both.
 """
 
 from __future__ import annotations
 
 import importlib.util
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
 
 import torch
 import torch.nn.functional as F
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3")
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """What distinguishes a supported HF architecture in the Megatron model and the converter."""
+
+    qk_layernorm: bool = False  # per-head RMSNorm on q and k (Qwen3)
+    qkv_bias: bool = False  # bias on q/k/v projections only (Qwen2)
+
+
+ARCHITECTURES: Dict[str, ArchSpec] = {}
+
+
+def register_architecture(model_type: str, spec: ArchSpec) -> ArchSpec:
+    if model_type in ARCHITECTURES:
+        raise ValueError(f"architecture {model_type!r} is already registered")
+    ARCHITECTURES[model_type] = spec
+    return spec
+
+
+register_architecture("qwen2", ArchSpec(qkv_bias=True))  # also DeepSeek-R1-Distill-Qwen
+register_architecture("qwen3", ArchSpec(qk_layernorm=True))
+register_architecture("llama", ArchSpec())  # Llama 2 / 3.x
+register_architecture("mistral", ArchSpec())
+
+SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
+
+# Llama 3.x RoPE scaling as megatron-core implements it (RotaryEmbedding._apply_scaling): only
+# the factor is a parameter there, the other three are fixed to these values.
+_LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
 def _get(cfg, name, default=None):
@@ -30,26 +63,59 @@ def _get(cfg, name, default=None):
 
 def model_type(hf_config) -> str:
     mt = _get(hf_config, "model_type")
-    if mt not in SUPPORTED_MODEL_TYPES:
+    if mt not in ARCHITECTURES:
         raise ValueError(
             f"model_type={mt!r} is not supported by --backend megatron; supported: {SUPPORTED_MODEL_TYPES}"
         )
     return mt
 
 
+def arch_spec(hf_config) -> ArchSpec:
+    return ARCHITECTURES[model_type(hf_config)]
+
+
+def _rope_params(hf_config) -> dict:
+    params = dict(_get(hf_config, "rope_scaling") or {})
+    params.update(_get(hf_config, "rope_parameters") or {})
+    return params
+
+
 def rope_theta(hf_config) -> float:
     """RoPE base from ``rope_theta`` (transformers 4) or ``rope_parameters`` (transformers 5)."""
-    params = _get(hf_config, "rope_parameters") or {}
-    scaling = _get(hf_config, "rope_scaling") or {}
-    rope_type = params.get("rope_type", params.get("type")) or scaling.get("rope_type", scaling.get("type"))
-    if rope_type not in (None, "default"):
-        raise ValueError(
-            f"rope type {rope_type!r} in the HF config is not supported by --backend megatron (only default RoPE)"
-        )
-    theta = params.get("rope_theta", _get(hf_config, "rope_theta"))
+    theta = _rope_params(hf_config).get("rope_theta", _get(hf_config, "rope_theta"))
     if theta is None:
         raise ValueError("HF config has neither rope_theta nor rope_parameters['rope_theta']")
     return float(theta)
+
+
+def rope_scaling(hf_config) -> Optional[float]:
+    """None for default RoPE, the factor for Llama 3.x scaling; anything else raises."""
+    params = _rope_params(hf_config)
+    rope_type = params.get("rope_type", params.get("type"))
+    if rope_type in (None, "default"):
+        return None
+    if rope_type == "llama3":
+        for key, want in _LLAMA3_FIXED.items():
+            if float(params.get(key, want)) != want:
+                raise ValueError(
+                    f"rope_parameters[{key!r}]={params.get(key)} in the HF config: --backend megatron implements "
+                    f"Llama 3 RoPE scaling with {key}={want} only (megatron-core's RotaryEmbedding)"
+                )
+        return float(params["factor"])
+    raise ValueError(
+        f"rope type {rope_type!r} in the HF config is not supported by --backend megatron (default or llama3 only)"
+    )
+
+
+def attention_span(hf_config) -> Optional[int]:
+    """Tokens a position may attend back to when the model uses a sliding window, else None.
+
+    Sequences up to this length are computed exactly by full causal attention; the actor refuses
+    longer ones (sliding-window attention is not implemented)."""
+    window = _get(hf_config, "sliding_window")
+    if model_type(hf_config) in ("qwen2", "qwen3") and not _get(hf_config, "use_sliding_window", False):
+        return None
+    return int(window) if window else None
 
 
 def head_dim(hf_config) -> int:
@@ -74,17 +140,23 @@ def transformer_config_from_hf(
     pp: int = 1,
     params_dtype: torch.dtype = torch.float32,
     use_cpu_initialization: Optional[bool] = None,
+    recompute: bool = False,
     **overrides: Any,
 ):
-    """Build a megatron-core ``TransformerConfig`` equivalent to a Qwen2/Qwen3 HF config."""
+    """Build a megatron-core ``TransformerConfig`` equivalent to a registered HF config.
+
+    ``recompute``: ``--actor.gradient_checkpointing_enable`` -> full recompute of every layer
+    (granularity ``full``, method ``uniform``, 1 layer per checkpoint): only each layer's input
+    is kept for the backward pass."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    mt = model_type(hf_config)
-    if _get(hf_config, "use_sliding_window", False):
-        raise ValueError("use_sliding_window=True in the HF config is not supported by --backend megatron")
+    arch = arch_spec(hf_config)
     act = _get(hf_config, "hidden_act", "silu")
     if act != "silu":
-        raise ValueError(f"hidden_act={act!r} is not supported (Qwen2/Qwen3 use silu)")
+        raise ValueError(f"hidden_act={act!r} is not supported (SwiGLU models use silu)")
+    for flag in ("attention_bias", "mlp_bias"):
+        if _get(hf_config, flag, False) and not (flag == "attention_bias" and arch.qkv_bias):
+            raise ValueError(f"{flag}=True in the HF config is not supported by --backend megatron")
     if use_cpu_initialization is None:
         from openrlhf_lpo.megatron.device import accelerator_available
 
@@ -101,8 +173,8 @@ def transformer_config_from_hf(
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=(mt == "qwen2"),
-        qk_layernorm=(mt == "qwen3"),
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_layernorm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=float(_get(hf_config, "initializer_range", 0.02)),
@@ -124,20 +196,31 @@ def transformer_config_from_hf(
         calculate_per_token_loss=True,
         deallocate_pipeline_outputs=False,
     )
+    if recompute:
+        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if pp > 1:
+        # every micro-batch is one packed row of its own length: the pipeline exchanges shapes
+        # first (0.16.1 accepts that only with the alltoall dispatcher, unused by dense models)
+        kwargs.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
 
 def layer_spec(hf_config, use_te: Optional[bool] = None):
-    """Layer spec by availability: Transformer Engine on an accelerator, local spec otherwise."""
+    """Layer spec by availability: Transformer Engine on an accelerator (its attention takes
+    packed sequences), else the local spec with :class:`PackedDotProductAttention`."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
-    qk_norm = model_type(hf_config) == "qwen3"
+    from openrlhf_lpo.megatron.attention import PackedDotProductAttention
+
+    qk_norm = arch_spec(hf_config).qk_layernorm
     if use_te is None:
         use_te = te_available()
     if use_te:
         return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
-    return specs.get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm")
+    spec = specs.get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
+    return spec
 
 
 def build_gpt_model(
@@ -176,5 +259,7 @@ def build_gpt_model(
         position_embedding_type="rope",
         rotary_base=rope_theta(hf_config),
         rotary_percent=1.0,
+        rope_scaling=rope_scaling(hf_config) is not None,
+        rope_scaling_factor=rope_scaling(hf_config) or 8.0,
         vp_stage=vp_stage,
     )

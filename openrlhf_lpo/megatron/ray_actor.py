@@ -12,6 +12,13 @@ one model replica are consecutive Ray actors; with ``duplicate_actors = tp*pp`` 
 ``RayActorGroup`` every replica receives one chunk of experiences, as OpenRLHF's chunking
 expects (see :func:`openrlhf_lpo.megatron.flags`).
 
+Weights to vLLM (``broadcast_to_vllm``): the HF-named stream of :func:`convert.export_hf_weights`
+in the engines' dtype (OpenRLHF 0.11.2 builds its vLLM engines in bfloat16 and asserts the dtype of
+every tensor it receives), over OpenRLHF's model-update group (NCCL, or Ray collectives with
+``--vllm.sync_with_ray``), then the engines' prefix caches are reset as upstream does. Engines that
+take state dicts (the CPU rollout engines) get one dict through Ray and a parity check.
+``--train.colocate_all`` is refused (it needs a CUDA-IPC path: NCCL rejects two ranks on one GPU).
+
 Training (``fit``): the rank's experiences are merged into one padded batch, split into
 optimizer windows of ``train.batch_size / dp`` responses made of whole prompt groups
 (group-level shuffle, seeded), and each window is one :meth:`MegatronActor.train_step`.
@@ -28,6 +35,10 @@ from typing import Dict, List, Optional
 import torch
 
 from openrlhf_lpo.megatron.losses import LossSpec
+
+# OpenRLHF 0.11.2's create_vllm_engines builds every engine with dtype="bfloat16" and its worker
+# asserts that each synced tensor has that dtype (tests/megatron check this contract upstream)
+VLLM_ENGINE_DTYPE = torch.bfloat16
 
 _BaseModelActor = None
 
@@ -70,7 +81,7 @@ def merge_experiences(experiences) -> Dict[str, torch.Tensor]:
             adv[:, :a] = e.advantages.cpu().float()
             extra.setdefault("advantages", []).append(adv)
         info = getattr(e, "info", None) or {}
-        for key in ("lpo_target", "lpo_gid"):
+        for key in ("lpo_target", "lpo_gid", "lpo_prev_log_ratio"):
             if key in info and info[key] is not None:
                 v = info[key]
                 v = torch.as_tensor(v) if not isinstance(v, torch.Tensor) else v
@@ -79,6 +90,8 @@ def merge_experiences(experiences) -> Dict[str, torch.Tensor]:
     batch.update({k: torch.cat(v) for k, v in extra.items()})
     if "lpo_target" in batch:
         batch["target"] = batch.pop("lpo_target").float()
+    if "lpo_prev_log_ratio" in batch:  # s_t, already inside w* = softmax(R/tau + s_t); kept for metrics
+        batch["prev_log_ratio"] = batch.pop("lpo_prev_log_ratio").double()
     return batch
 
 
@@ -120,7 +133,7 @@ def loss_spec_from_args(args, micro_batch_size: int) -> LossSpec:
             projection=getattr(lpo, "projection", "listwise"),
             clip_eps=(lo, hi) if lo != hi else lo,
         )
-    return LossSpec(name="pg", group_size=K, clip_eps=lo,
+    return LossSpec(name="pg", group_size=K, clip_eps=(lo, hi),
                     loss_agg_mode=getattr(args.actor, "loss_agg_mode", "seq-mean-token-mean"))
 
 
@@ -149,39 +162,63 @@ def megatron_config_from_args(args):
         micro_batch_size=args.train.micro_batch_size,
         temperature=args.rollout.temperature,
         seed=_seed_of(args),
+        recompute=bool(getattr(args.actor, "gradient_checkpointing_enable", False)),
+        timeout_minutes=int(getattr(m, "timeout_minutes", 60)),
     )
+
+
+def refuse_unsupported(args) -> None:
+    """Raise ``ValueError`` naming a flag the Megatron actor cannot honour (checked again at start-up)."""
+    if getattr(getattr(args, "train", None), "colocate_all", False):
+        raise ValueError(
+            "--train.colocate_all is not supported with --backend megatron: syncing weights into vLLM engines on "
+            "the actor's own GPUs needs a CUDA-IPC path (NCCL rejects two ranks on one GPU); give the engines "
+            "GPUs of their own"
+        )
+    level = getattr(getattr(getattr(args, "algo", None), "advantage", None), "is_correction_level", "off")
+    if level not in (None, "off"):
+        raise ValueError(
+            f"--algo.advantage.is_correction_level {level}: importance-sampling correction of the rollout/train "
+            "mismatch is not implemented by --backend megatron (it would be ignored); use 'off' or the DeepSpeed backend"
+        )
 
 
 class MegatronPolicyActor:
     """Mixin body; :func:`remote_class` binds it onto OpenRLHF's ``BaseModelActor``."""
 
     def init_model_from_pretrained(self, strategy, pretrain, max_steps=None, vllm_engines=None):
+        from datetime import timedelta
+
         import torch.distributed as dist
         from transformers import AutoConfig, AutoTokenizer
 
-        from openrlhf_lpo import cpu_megatron
         from openrlhf_lpo.megatron.actor import MegatronActor
+        from openrlhf_lpo.megatron.device import default_backend, set_local_device
+        from openrlhf_lpo.megatron.hub import resolve_pretrained
 
-        cpu_megatron.apply()  # no-op when an accelerator is present
         self.strategy = strategy
         args = self.args = strategy.args
+        refuse_unsupported(args)
         self.vllm_engines = vllm_engines
         self.max_steps = max_steps
-        from openrlhf_lpo.megatron.device import default_backend, set_local_device
-
+        cfg = megatron_config_from_args(args)
         set_local_device(int(os.environ.get("LOCAL_RANK", "0")))
         if not dist.is_initialized():
-            dist.init_process_group(default_backend())
-        self.hf_config = AutoConfig.from_pretrained(pretrain)
-        self.tokenizer = AutoTokenizer.from_pretrained(pretrain)
-        self.pretrain = pretrain
-        self.actor = MegatronActor(self.hf_config, megatron_config_from_args(args), hf_weights=pretrain)
+            dist.init_process_group(default_backend(), timeout=timedelta(minutes=cfg.timeout_minutes))
+        local = resolve_pretrained(pretrain)
+        self.hf_config = AutoConfig.from_pretrained(local)
+        self.tokenizer = AutoTokenizer.from_pretrained(local)
+        self.pretrain = local
+        self.actor = MegatronActor(self.hf_config, cfg, hf_weights=local)
         self.buffer = []
         self.generator = torch.Generator().manual_seed(_seed_of(args))
         self.checkpoint_states = {}
-        ckpt = os.path.join(args.ckpt.path, CKPT_SUBDIR)
-        if args.ckpt.load_enable and os.path.exists(os.path.join(ckpt, "latest")):
-            self.checkpoint_states = self.actor.load_checkpoint(ckpt)
+        root = os.path.join(args.ckpt.path, CKPT_SUBDIR)
+        if args.ckpt.load_enable and os.path.exists(os.path.join(root, "latest")):
+            state = self.actor.load_checkpoint(root)
+            self.checkpoint_states = state.get("client_states", {})
+            if "window_rng" in state:
+                self.generator.set_state(state["window_rng"])
         self._model_update_group = None
         if vllm_engines and not self._engines_take_state_dicts() and dist.get_rank() == 0:
             from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
@@ -239,6 +276,7 @@ class MegatronPolicyActor:
         """--lpo.end_kl: KL(w*||P) of the rank's rollout batch before and after this update,
         P = softmax(s) at the current parameters (one no-grad forward), reduced over DP."""
         from openrlhf_lpo import listwise
+        from openrlhf_lpo.megatron.device import group_device
         from openrlhf_lpo.metrics import listwise_update_metrics
 
         if "target" not in batch or "lpo_gid" not in batch:
@@ -248,9 +286,11 @@ class MegatronPolicyActor:
         lp = self.actor.log_probs({k: batch[k] for k in ("sequences", "attention_mask", "action_mask")})
         s_end = listwise.sequence_log_ratio(lp.double().cpu(), batch["old_log_probs"].double(), batch["action_mask"],
                                             tuple(args.actor.eps_clip_low_high))
-        s_start = torch.zeros_like(s_end)  # on-policy: old log-probs are the pre-update actor's
+        # s_t: the start-of-update policy against the behaviour policy (0 on-policy), as in w*
+        s_start = batch.get("prev_log_ratio", torch.zeros_like(s_end)).double()
+        group = self.actor.ps.get_data_parallel_group()
         return listwise_update_metrics(batch["lpo_gid"].long(), s_start, s_end, batch["target"].double(),
-                                       args.rollout.n_samples_per_prompt, group=self.actor.ps.get_data_parallel_group())
+                                       args.rollout.n_samples_per_prompt, group=group, device=group_device(group))
 
     # --------------------------------------------------------------------- weights
     def _engines_take_state_dicts(self) -> bool:
@@ -262,35 +302,50 @@ class MegatronPolicyActor:
         import torch.distributed as dist
 
         rank = dist.get_rank()
-        if self._engines_take_state_dicts():  # CPU rollout engines: one state dict via Ray
+        first_replica = self.actor.ps.get_data_parallel_rank() == 0  # the export is collective per replica
+        if self._engines_take_state_dicts():  # CPU rollout engines: one state dict via Ray, actor dtype
             state = {}
-            for name, t in self.actor.export_hf_weights():
-                if rank == 0:
-                    state[name] = t.detach().clone()
+            if first_replica:
+                for name, t in self.actor.export_hf_weights():
+                    if rank == 0:
+                        state[name] = t.detach().cpu().clone()
             if rank == 0:
                 ref = ray.put(state)
                 ray.get([e.update_weights.remote(ref) for e in self.vllm_engines])
             self._check_engine_parity(len(state) if rank == 0 else 0)
-        else:
-            items = list(self.actor.hf_config.to_dict().keys())  # noqa: F841 (keeps config alive)
-            names = []
-            for name, t in self.actor.export_hf_weights():
-                names.append(name)
-                if rank == 0 and self.vllm_engines:
-                    refs = [
-                        e.update_weight.remote(name, dtype=t.dtype, shape=t.shape, empty_cache=False)
-                        for e in self.vllm_engines
-                    ]
-                    self._model_update_group.broadcast(t.contiguous(), src=0)
-                    ray.get(refs)
+        elif first_replica:
+            self._stream_to_vllm(rank)
         dist.barrier()
+
+    def _stream_to_vllm(self, rank: int) -> None:
+        """One tensor at a time, in the engines' dtype, over OpenRLHF's model-update group."""
+        import ray
+
+        args = self.args
+        use_ray = bool(getattr(args.vllm, "sync_with_ray", False))
+        engines = self.vllm_engines or []
+        for name, t in self.actor.export_hf_weights(VLLM_ENGINE_DTYPE):
+            if rank != 0 or not engines:
+                continue
+            t = t.contiguous()
+            refs = [e.update_weight.remote(name, dtype=t.dtype, shape=t.shape, empty_cache=False) for e in engines]
+            if use_ray:
+                import ray.util.collective as collective
+
+                collective.broadcast(t, 0, group_name=self._model_update_group)
+            else:
+                self._model_update_group.broadcast(t, src=0)
+            ray.get(refs)
+        if rank == 0 and engines and getattr(args.vllm, "enable_prefix_caching", False):
+            # cached KV blocks were computed with the old weights
+            ray.get([e.reset_prefix_cache.remote() for e in engines])
 
     def _check_engine_parity(self, num_tensors: int) -> None:
         """After a state-dict sync: engines' log-probs of a fixed probe sequence must equal the
         actor's (max |diff| <= LPO_CPU_PARITY_TOL, default 1e-4); appended to LPO_CPU_PARITY_LOG."""
         import torch.distributed as dist
 
-        from openrlhf_lpo.cpu import check_engine_parity, probe_sequence
+        from openrlhf_lpo.parity import check_engine_parity, probe_sequence
 
         ids = probe_sequence(self.tokenizer)
         seq = torch.tensor([ids], dtype=torch.long)
@@ -304,8 +359,13 @@ class MegatronPolicyActor:
 
     # --------------------------------------------------------------------- checkpoints
     def save_checkpoint(self, tag, client_states=None, metric_value=None, metric_key=None):
+        """``ckpt.path/_actor/<tag>`` (OpenRLHF passes ``global_step<N>``); ``--ckpt.max_num`` /
+        ``--ckpt.max_mem`` prune the oldest; ``--ckpt.save_hf`` also writes ``<tag>_hf``."""
         args = self.args
-        self.actor.save_checkpoint(os.path.join(args.ckpt.path, CKPT_SUBDIR), client_states or {})
+        state = {"client_states": client_states or {}, "window_rng": self.generator.get_state()}
+        self.actor.save_checkpoint(os.path.join(args.ckpt.path, CKPT_SUBDIR), tag, state,
+                                   max_num=getattr(args.ckpt, "max_num", None),
+                                   max_mem_gb=getattr(args.ckpt, "max_mem", None))
         if getattr(args.ckpt, "save_hf", False):
             self._save_hf(os.path.join(args.ckpt.path, f"{tag}_hf"))
 

@@ -41,4 +41,4 @@ def test_qwen2_untied_and_bad_arch(tmp_path):
     assert model.config.model_type == "qwen2" and not model.config.tie_word_embeddings
     assert model.model.layers[0].self_attn.q_proj.bias is not None
     with pytest.raises(ValueError, match="arch"):
-        build_tiny_model(tmp_path / "x", arch="llama")
+        build_tiny_model(tmp_path / "x", arch="gpt2")

@@ -6,15 +6,18 @@ The references are independent of megatron: the HF model in float64 (per-sequenc
 for log-probs, and plain torch autograd + clip_grad_norm_ + AdamW for the training step.
 """
 
+import copy
 import json
 import math
 import os
 import sys
 import time
 import traceback
+from types import SimpleNamespace as NS
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 torch.set_num_threads(1)
 RANK, WORLD, PORT, OUT = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
@@ -39,12 +42,20 @@ results = {"rank": RANK, "checks": {}}
 T0 = time.time()
 
 
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+ARCH_KWARGS = {  # Llama 3.1's RoPE scaling; Mistral with a sliding window longer than the test sequences
+    "llama": dict(rope_scaling=LLAMA3_ROPE, max_position_embeddings=16384),
+    "mistral": dict(sliding_window=64),
+}
+
+
 def make_hf(arch, tied):
     from transformers import AutoModelForCausalLM
 
     cfg = tiny_config(
         arch, vocab_size=128, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,
-        intermediate_size=128, tie_word_embeddings=tied,
+        intermediate_size=128, tie_word_embeddings=tied, **ARCH_KWARGS.get(arch, {}),
     )
     torch.manual_seed(1234)
     hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager").eval()
@@ -109,7 +120,8 @@ def reference_step(hf, batch, extra, spec):
         mask = batch["action_mask"].double()
         ratio = torch.exp(logp - extra["old_log_probs"].double())
         adv = extra["advantages"].double().unsqueeze(-1)
-        surr = -torch.minimum(ratio * adv, ratio.clamp(1 - spec.clip_eps, 1 + spec.clip_eps) * adv)
+        lo, hi = spec.clip_eps if isinstance(spec.clip_eps, tuple) else (spec.clip_eps, spec.clip_eps)
+        surr = -torch.minimum(ratio * adv, ratio.clamp(1 - lo, 1 + hi) * adv)
         loss = ((surr * mask).sum(-1) / mask.sum(-1)).mean()
     else:
         s = listwise.sequence_log_ratio(logp, extra["old_log_probs"].double(), batch["action_mask"], spec.clip_eps)
@@ -148,15 +160,23 @@ def run_model(arch, tied, layouts, extra_checks):
     target = listwise.gibbs_target(rewards, listwise.group_temperature(rewards, "std")).reshape(-1).float()
     advantages = listwise.pg_advantages(rewards, "grpo").reshape(-1).float()
     extra = {"old_log_probs": old, "target": target, "advantages": advantages}
+    # ratios in (1.2, 1.28): the symmetric clip cuts them, clip-higher (eps_high 0.28) does not
+    extra_far = dict(extra, old_log_probs=(ref_lp - 0.215 + 0.02 * torch.randn(ref_lp.shape, dtype=torch.float64)).float())
     hf_sd = {k: v.detach().clone() for k, v in hf.state_dict().items()}
     refs = {}
     for tp, pp, distopt, spec_name, mbs in layouts:
-        # "listwise", "listwise_surrogate", "pg", or "listwise@<projection>@<divergence>"
+        # "listwise", "listwise_surrogate", "pg", "pg_hi" (eps 0.2 / 0.28), or "listwise@<projection>@<divergence>"
         name_, proj, div = (spec_name.split("@") + ["listwise", "fwd"])[:3] if "@" in spec_name else (spec_name, "listwise", "fwd")
-        spec = LossSpec(name=name_, group_size=K, divergence=div, projection=proj)
-        ref_key = "pg" if spec_name == "pg" else f"listwise@{proj}@{div}"  # the surrogate: listwise gradient
+        ex = extra
+        if spec_name == "pg_hi":
+            name_, ex = "pg", extra_far
+        spec = LossSpec(name=name_, group_size=K, divergence=div, projection=proj,
+                        clip_eps=(0.2, 0.28) if spec_name == "pg_hi" else 0.2)
+        ref_key = spec_name if spec_name.startswith("pg") else f"listwise@{proj}@{div}"  # surrogate: listwise gradient
         if ref_key not in refs:
-            refs[ref_key] = reference_step(hf, batch, extra, spec)
+            refs[ref_key] = reference_step(hf, batch, ex, spec)
+        if spec_name == "pg_hi" and "pg_sym_far" not in refs:  # sensitivity: the symmetric clip differs
+            refs["pg_sym_far"] = reference_step(hf, batch, ex, LossSpec(name="pg", group_size=K, clip_eps=0.2))
         ref_norm, ref_sd, _ = refs[ref_key]
         t = time.time()
         actor = MegatronActor(
@@ -178,10 +198,13 @@ def run_model(arch, tied, layouts, extra_checks):
         rec["export_bitexact"] = all(torch.equal(exported[k], hf_sd[k]) for k in exported) and (
             set(exported) == set(hf_sd) - ({"lm_head.weight"} if tied else set())
         )
-        local = dp_slice({**batch, **extra}, actor)
+        local = dp_slice({**batch, **ex}, actor)
         m = actor.train_step(local, spec)
         rec["grad_norm"] = m["grad_norm"]
         rec["grad_norm_ref"] = ref_norm
+        if spec_name == "pg_hi":
+            rec["grad_norm_sym_ref"] = refs["pg_sym_far"][0]
+            rec["clip_ratio"] = m.get("ppo_clip_ratio")
         rec["entropy"] = m["entropy"]
         after = dict(actor.export_hf_weights())
         rec["weights_vs_ref"] = state_maxdiff(after, ref_sd, tied)
@@ -193,12 +216,18 @@ def run_model(arch, tied, layouts, extra_checks):
         del actor
     if "wrong_qkv" in extra_checks:
         results["checks"][f"{name}/wrong_qkv"] = {"logp_vs_hf": wrong_qkv(cfg, hf_sd, batch, ref_lp, mask)}
+    if "wrong_rope" in extra_checks:  # negative control: Llama 3 RoPE scaling left out
+        plain = copy.deepcopy(cfg)
+        plain.rope_parameters = {"rope_type": "default", "rope_theta": cfg.rope_parameters["rope_theta"]}
+        actor = MegatronActor(plain, MegatronActorConfig(tp=1, pp=1, micro_batch_size=4), hf_weights=hf_sd)
+        results["checks"][f"{name}/wrong_rope"] = {"logp_vs_hf": masked_maxdiff(actor.log_probs(batch), ref_lp, mask)}
+        del actor
 
 
 def check_resume(actor, cfg, hf_sd, tp, pp, distopt, mbs, full, spec):
     """save after step 1 -> step 2; fresh actor + load -> step 2; compare weights and metrics."""
     ckpt = os.path.join(OUT, f"ckpt_tp{tp}pp{pp}")
-    actor.save_checkpoint(ckpt, {"iteration": 1})
+    actor.save_checkpoint(ckpt, client_state={"iteration": 1})
     local = dp_slice(full, actor)
     m2 = actor.train_step(local, spec)
     w2 = dict(actor.export_hf_weights())
@@ -222,7 +251,7 @@ def check_resume(actor, cfg, hf_sd, tp, pp, distopt, mbs, full, spec):
 def wrong_qkv(cfg, hf_sd, batch, ref_lp, mask):
     """Negative control: a naive [q; k; v] concatenation must be caught by the HF comparison."""
     good = convert.fuse_qkv
-    convert.fuse_qkv = lambda q, k, v, c: torch.cat([q, k, v], 0)
+    convert.fuse_qkv = lambda q, k, v, c, tp=1: torch.cat([q, k, v], 0)
     try:
         actor = MegatronActor(cfg, MegatronActorConfig(tp=1, pp=1, micro_batch_size=4), hf_weights=hf_sd.__getitem__)
         return masked_maxdiff(actor.log_probs(batch), ref_lp, mask)
@@ -282,14 +311,14 @@ def check_policy_actor():
         return NS(
             megatron=NS(tp=2, pp=1, vpp=1, params_dtype="fp32", distributed_optimizer=False),
             actor=NS(adam=NS(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0), max_norm=1.0,
-                     eps_clip=0.2, eps_clip_low_high=(0.2, 0.2)),
+                     eps_clip=0.2, eps_clip_low_high=(0.2, 0.2), gradient_checkpointing_enable=False),
             train=NS(micro_batch_size=2, batch_size=8, max_epochs=1),
             rollout=NS(temperature=1.0, n_samples_per_prompt=K),
             algo=NS(advantage=NS(estimator="lpo")),
             lpo=NS(divergence="fwd", projection="listwise", force_two_pass=False, end_kl=True),
             ckpt=NS(path=os.path.join(OUT, "policy_ckpt"), load_enable=load, save_hf=True,
-                    output_dir=os.path.join(OUT, "policy_final")),
-            vllm=NS(sync_backend="gloo"), seed=42,
+                    output_dir=os.path.join(OUT, "policy_final"), max_num=3, max_mem=float("inf")),
+            vllm=NS(sync_backend="gloo", sync_with_ray=False, enable_prefix_caching=False), seed=42,
         )
 
     cls = plain_class()
@@ -301,6 +330,7 @@ def check_policy_actor():
         batch[k] = batch[k] % 64  # tiny tokenizer vocabulary
     target = listwise.gibbs_target(rewards, listwise.group_temperature(rewards, "std")).reshape(-1).float()
     gid = torch.arange(G).repeat_interleave(K)
+    prev = 0.03 * torch.arange(G * K, dtype=torch.float64).remainder(3)  # s_t, rides along for kl_start
     dp, r = pa.actor.ps.get_data_parallel_world_size(), pa.actor.ps.get_data_parallel_rank()
     n = batch["sequences"].shape[0] // dp
     sl = slice(r * n, (r + 1) * n)
@@ -314,7 +344,7 @@ def check_policy_actor():
             idx = slice(sl.start + j, sl.start + j + 2)
             exp = NS(sequences=batch["sequences"][idx], attention_mask=batch["attention_mask"][idx],
                      action_mask=batch["action_mask"][idx], advantages=None,
-                     info={"lpo_target": target[idx], "lpo_gid": gid[idx]})
+                     info={"lpo_target": target[idx], "lpo_gid": gid[idx], "lpo_prev_log_ratio": prev[idx]})
             exp.action_log_probs = actor_obj.forward(exp.sequences, exp.action_mask, exp.attention_mask) + 0.01
             actor_obj.append(exp)
         status = actor_obj.fit()
@@ -341,7 +371,8 @@ def check_policy_actor():
             return float(torch.where(w > 0, w * (w.log() - p.log()), torch.zeros_like(w)).sum(1).mean())
 
         rec["end_kl"] = [st1["lpo/kl_end"], ref_kl(new_lp)]
-        rec["start_kl"] = [st1["lpo/kl_start"], float(math.log(K) + torch.where(w > 0, w * w.log(), 0 * w).sum(1).mean())]
+        logp_t = torch.log_softmax(prev.view(G, K), 1)
+        rec["start_kl"] = [st1["lpo/kl_start"], float(torch.where(w > 0, w * (w.log() - logp_t), 0 * w).sum(1).mean())]
         rec["end_groups"] = st1["lpo/groups"]
     pa.save_checkpoint("global_step1", {"episode": 1})
     saved = dict(pa.actor.export_hf_weights())
@@ -386,10 +417,388 @@ def check_policy_actor():
             engine.hf.float()
         rec["pg_end_kl"] = [st3["lpo/kl_end"], ref_kl(pg_lp)]
         rec["pg_moved"] = abs(st3["lpo/kl_end"] - st3["lpo/kl_start"])
+    rec.update(check_vllm_stream(pa3))
     results["checks"]["policy_actor"] = rec
 
 
+class _FakeUpdateGroup:
+    """Stands in for OpenRLHF's model-update group (vLLM's PyNccl communicator) on rank 0."""
+
+    def __init__(self):
+        self.sent = []
+
+    def broadcast(self, t, src=0, stream=None):
+        self.sent.append((t.dtype, tuple(t.shape), t.detach().clone()))
+
+
+def check_vllm_stream(pa):
+    """broadcast_to_vllm towards vLLM engines (no state-dict method): every tensor in the engines'
+    bf16, one update_weight per tensor, prefix caches reset after the last one, and the Ray
+    collective path with --vllm.sync_with_ray."""
+    import ray.util.collective as collective
+
+    from openrlhf_lpo.megatron.ray_actor import VLLM_ENGINE_DTYPE
+
+    events = []
+    engine = NS(update_weight=_Remote(lambda name, dtype, shape, empty_cache=False: events.append(("w", name, dtype))),
+                reset_prefix_cache=_Remote(lambda: events.append(("reset",))))
+    group = _FakeUpdateGroup()
+    saved = (pa.vllm_engines, pa._model_update_group, pa.args.vllm)
+    pa.vllm_engines, pa._model_update_group = [engine], group
+    pa.args.vllm = NS(sync_backend="nccl", sync_with_ray=False, enable_prefix_caching=True)
+    expect = {k: v.to(VLLM_ENGINE_DTYPE) for k, v in pa.actor.export_hf_weights()}
+    pa.broadcast_to_vllm()
+    out = {}
+    if RANK == 0:
+        out["vllm_names_ok"] = [e[1] for e in events if e[0] == "w"] == list(expect)
+        out["vllm_dtypes"] = sorted({str(e[2]) for e in events if e[0] == "w"} | {str(d) for d, _, _ in group.sent})
+        out["vllm_values_ok"] = all(torch.equal(t, expect[n]) for (_, _, t), n in zip(group.sent, expect))
+        out["vllm_reset_last"] = events[-1] == ("reset",) and sum(e[0] == "reset" for e in events) == 1
+    # --vllm.sync_with_ray: the same stream through ray.util.collective
+    ray_sent = []
+    orig = collective.broadcast
+    collective.broadcast = lambda t, src, group_name=None: ray_sent.append((t.dtype, group_name))
+    pa.args.vllm = NS(sync_backend="nccl", sync_with_ray=True, enable_prefix_caching=False)
+    pa._model_update_group = "openrlhf"
+    events.clear()
+    try:
+        pa.broadcast_to_vllm()
+    finally:
+        collective.broadcast = orig
+    if RANK == 0:
+        out["ray_sync_count"] = [len(ray_sent), len(expect)]
+        out["ray_sync_ok"] = all(d == VLLM_ENGINE_DTYPE and g == "openrlhf" for d, g in ray_sent)
+        out["ray_sync_no_reset"] = ("reset",) not in events
+    pa.vllm_engines, pa._model_update_group, pa.args.vllm = saved
+    return out
+
+
+# ----------------------------------------------------------------------------- new checks (issue 16)
+
+
+def _seq_rows(lp, batch):
+    """Per row: the log-probs of its real tokens 1..L-1 (A = S-1 layouts)."""
+    out = []
+    am = batch["attention_mask"]
+    for i in range(am.shape[0]):
+        f = int(am[i].int().argmax())
+        L = int(am[i].sum())
+        out.append(lp[i, f : f + L - 1].double())
+    return out
+
+
+def _batch_of(rows, left=0):
+    """Rows of real tokens, each left-padded by ``left`` and right-padded to the widest; A = S-1."""
+    S = max(len(r) for r in rows) + left
+    seq = torch.zeros(len(rows), S, dtype=torch.long)
+    am = torch.zeros_like(seq)
+    for i, r in enumerate(rows):
+        seq[i, left : left + len(r)] = r
+        am[i, left : left + len(r)] = 1
+    act = torch.zeros(len(rows), S - 1, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        act[i, left : left + len(r) - 1] = True
+    return {"sequences": seq, "attention_mask": am, "action_mask": act}
+
+
+def check_packing():
+    """The same sequence alone, left-padded by 300 and packed with others gives the same log-probs
+    (vs HF float64 too) in TP1 / TP2 / PP2; each rank reads only its slices of the checkpoint."""
+    cfg, hf = make_hf("qwen3", True)
+    model_dir = os.path.join(OUT, "packing_model")
+    if RANK == 0:
+        hf.save_pretrained(model_dir, safe_serialization=True)
+    dist.barrier()
+    g = torch.Generator().manual_seed(11)
+    rows = [torch.randint(3, 128, (n,), generator=g) for n in (13, 7, 21, 10)]
+    with torch.no_grad():
+        hfd = hf.double()
+        ref = [torch.log_softmax(hfd(r[None]).logits[0], -1)[:-1].gather(-1, r[1:, None])[:, 0] for r in rows]
+        hf.float()
+    total = sum(v.numel() for k, v in hf.state_dict().items() if k != "lm_head.weight")
+    rec = {"hf_numel": total}
+    for tp, pp in ((1, 1), (2, 1), (1, 2)):
+        actor = MegatronActor(cfg, MegatronActorConfig(tp=tp, pp=pp, micro_batch_size=4), hf_weights=model_dir)
+        local = sum(p.numel() for p in convert.unwrap(actor.model).parameters())
+        with torch.no_grad():
+            packed = _seq_rows(actor.log_probs(_batch_of(rows)), _batch_of(rows))
+            alone = [_seq_rows(actor.log_probs(_batch_of([r])), _batch_of([r]))[0] for r in rows]
+            left = [_seq_rows(actor.log_probs(_batch_of([r], left=300)), _batch_of([r], left=300))[0] for r in rows]
+        d = lambda xs, ys: max(float((x - y).abs().max()) for x, y in zip(xs, ys))  # noqa: E731
+        rec[f"tp{tp}pp{pp}"] = {
+            "packed_vs_alone": d(packed, alone), "left300_vs_alone": d(left, alone),
+            "packed_vs_hf": d(packed, ref), "left300_vs_hf": d(left, ref),
+            "weights_read": actor.weights_read, "local_numel": local,
+        }
+        del actor
+    results["checks"]["packing"] = rec
+
+
+class _BigTensorMonitor(TorchDispatchMode):
+    """Records every op output with two dimensions >= S (an S x S score or mask)."""
+
+    def __init__(self, S):
+        super().__init__()
+        self.S, self.hits, self.max_numel = S, [], 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor):
+                self.max_numel = max(self.max_numel, t.numel())
+                if sum(d >= self.S for d in t.shape) >= 2:
+                    self.hits.append((str(func), tuple(t.shape)))
+        return out
+
+
+def check_no_sxs():
+    """A 4096-token sequence through log_probs and train_step allocates no S x S tensor; the
+    stock local attention with a padding mask (the old path) does, at 1024 tokens."""
+    S = 4096
+    cfg = tiny_config("qwen3", vocab_size=128, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                      head_dim=16, intermediate_size=128)
+    actor = MegatronActor(cfg, MegatronActorConfig(tp=1, pp=1, micro_batch_size=1, recompute=True))
+    g = torch.Generator().manual_seed(5)
+    batch = _batch_of([torch.randint(3, 128, (S,), generator=g)])
+    mon = _BigTensorMonitor(S)
+    with mon:
+        lp = actor.log_probs(batch)
+        data = dict(batch, old_log_probs=lp.detach(), advantages=torch.ones(1))
+        actor.train_step(data, LossSpec(name="pg", group_size=1))
+    rec = {"hits": mon.hits[:5], "max_numel": mon.max_numel, "S": S}
+    del actor
+    if RANK == 0:  # negative control: megatron's own local attention with an explicit [1,1,s,s] mask
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        from openrlhf_lpo.megatron.model import transformer_config_from_hf
+
+        s = 1024
+        stock = GPTModel(transformer_config_from_hf(cfg), get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm"),
+                         vocab_size=128, max_sequence_length=s, position_embedding_type="rope", rotary_base=1e6)
+        toks = torch.randint(3, 128, (1, s), generator=g)
+        mask = torch.ones(s, s, dtype=torch.bool).triu(1)[None, None]
+        ctl = _BigTensorMonitor(s)
+        with torch.no_grad(), ctl:
+            stock(toks, torch.arange(s)[None], mask)
+        rec["control_hits"] = len(ctl.hits)
+    results["checks"]["no_sxs"] = rec
+
+
+def check_recompute():
+    """--actor.gradient_checkpointing_enable: megatron's full recompute runs each layer's forward
+    twice per step and leaves the update unchanged (TP2)."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    cfg, hf = make_hf("qwen3", True)
+    hf_sd = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    batch, rewards = make_batch()
+    with torch.no_grad():
+        old = hf_logp(hf.double(), batch).float()
+        hf.float()
+    target = listwise.gibbs_target(rewards, listwise.group_temperature(rewards, "std")).reshape(-1).float()
+    calls = [0]
+    orig = TransformerLayer.forward
+
+    def counting(self, *a, **k):
+        calls[0] += 1
+        return orig(self, *a, **k)
+
+    TransformerLayer.forward = counting
+    rec = {}
+    try:
+        for recompute in (False, True):
+            actor = MegatronActor(cfg, MegatronActorConfig(tp=2, micro_batch_size=2, lr=LR, adam_eps=EPS, clip_grad=CLIP,
+                                                           recompute=recompute), hf_weights=hf_sd)
+            calls[0] = 0
+            m = actor.train_step(dp_slice(dict(batch, old_log_probs=old, target=target), actor),
+                                 LossSpec(name="listwise", group_size=K))
+            rec[f"recompute={recompute}"] = {
+                "layer_calls": calls[0], "grad_norm": m["grad_norm"],
+                "granularity": actor.tconfig.recompute_granularity,
+                "weights": {k: v.tolist() for k, v in list(actor.export_hf_weights())[:3]},
+            }
+            del actor
+    finally:
+        TransformerLayer.forward = orig
+    a, b = rec["recompute=False"], rec["recompute=True"]
+    rec["weights_diff"] = max(float((torch.tensor(a["weights"][k]) - torch.tensor(b["weights"][k])).abs().max())
+                              for k in a["weights"])
+    for v in (a, b):
+        v.pop("weights")
+    results["checks"]["recompute"] = rec
+
+
+def check_offpolicy():
+    """Off-policy LPO target s_t (w* = softmax(R/tau + s_t), s against the behaviour log-probs):
+    equal rewards and s_t = s at the start give a zero gradient; dropping s_t does not; with
+    informative rewards the step equals the float64 brute force (TP2 x DP2)."""
+    cfg, hf = make_hf("qwen3", True)
+    hf_sd = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    batch, rewards = make_batch()
+    mask = batch["action_mask"]
+    mk = lambda: MegatronActor(cfg, MegatronActorConfig(tp=2, micro_batch_size=2, lr=LR, adam_eps=EPS,  # noqa: E731
+                                                        clip_grad=CLIP), hf_weights=hf_sd)
+    actor = mk()
+    lp0 = actor.log_probs(batch).double()
+    torch.manual_seed(3)
+    behaviour = (lp0 + 0.1 * torch.randn(lp0.shape, dtype=torch.float64) * mask).float()  # an older policy
+    s_t = listwise.sequence_log_ratio(lp0, behaviour.double(), mask, 0.2).view(G, K)
+    spec = LossSpec(name="listwise", group_size=K)
+    ones = torch.ones(G, K)
+    tau = listwise.group_temperature(rewards, "std")
+    rec = {"s_t_abs_max": float(s_t.abs().max())}
+    w_eq = listwise.gibbs_target(ones, listwise.group_temperature(ones, "std"), prev_log_ratio=s_t).reshape(-1).float()
+    m = actor.train_step(dp_slice(dict(batch, old_log_probs=behaviour, target=w_eq), actor), spec)
+    rec["equal_rewards_grad_norm"] = m["grad_norm"]
+    w_on = listwise.gibbs_target(ones, listwise.group_temperature(ones, "std")).reshape(-1).float()
+    m = actor.train_step(dp_slice(dict(batch, old_log_probs=behaviour, target=w_on), actor), spec)
+    rec["without_s_t_grad_norm"] = m["grad_norm"]
+    del actor
+    target = listwise.gibbs_target(rewards, tau, prev_log_ratio=s_t).reshape(-1).float()
+    extra = {"old_log_probs": behaviour, "target": target}
+    ref_norm, ref_sd, _ = reference_step(hf, batch, extra, spec)
+    actor = mk()
+    m = actor.train_step(dp_slice(dict(batch, **extra), actor), spec)
+    rec["grad_norm"], rec["grad_norm_ref"] = m["grad_norm"], ref_norm
+    rec["weights_vs_ref"] = state_maxdiff(dict(actor.export_hf_weights()), ref_sd, True)
+    del actor
+    results["checks"]["offpolicy"] = rec
+
+
+def check_reshard():
+    """Checkpoints resume in another layout: TP2 -> TP1, PP2 (distributed optimizer) -> TP2,
+    TP1 -> PP2 (tied output layer); --ckpt.max_num pruning; a crash mid-save keeps 'latest'."""
+    from openrlhf_lpo.megatron import checkpoint
+
+    cfg, hf = make_hf("qwen3", True)
+    hf_sd = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    batch, rewards = make_batch()
+    with torch.no_grad():
+        ref_lp = hf_logp(hf.double(), batch)
+        hf.float()
+    torch.manual_seed(99)
+    full = dict(batch, old_log_probs=(ref_lp + 0.05 * torch.randn(ref_lp.shape, dtype=torch.float64)).float(),
+                target=listwise.gibbs_target(rewards, listwise.group_temperature(rewards, "std")).reshape(-1).float())
+    spec = LossSpec(name="listwise", group_size=K)
+
+    def mk(tp, pp, distopt=False, weights=None):
+        return MegatronActor(cfg, MegatronActorConfig(tp=tp, pp=pp, micro_batch_size=2, lr=LR, adam_eps=EPS,
+                                                      clip_grad=CLIP, use_distributed_optimizer=distopt),
+                             hf_weights=weights or hf_sd)
+
+    def wdiff(a, b):
+        return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+    rec = {}
+    for name, src, dst in (("tp2_to_tp1", (2, 1, False), (1, 1, False)), ("pp2_to_tp2", (1, 2, True), (2, 1, False))):
+        root = os.path.join(OUT, f"reshard_{name}")
+        a = mk(*src)
+        a.train_step(dp_slice(full, a), spec)
+        w1 = dict(a.export_hf_weights())
+        a.save_checkpoint(root, client_state={"episode": 7, "rng": torch.arange(3)})
+        m2 = a.train_step(dp_slice(full, a), spec)
+        w2 = dict(a.export_hf_weights())
+        del a
+        b = mk(*dst)
+        client = b.load_checkpoint(root)
+        loaded = dict(b.export_hf_weights())
+        n2 = b.train_step(dp_slice(full, b), spec)
+        got = dict(b.export_hf_weights())
+        r = {"client_ok": client["episode"] == 7 and client["rng"].tolist() == [0, 1, 2], "step": b.step,
+             "loaded_vs_saved": wdiff(loaded, w1), "step2_vs_continued": wdiff(got, w2),
+             "grad_norm": [m2["grad_norm"], n2["grad_norm"]], "step2_moved": wdiff(w2, w1)}
+        if name == "tp2_to_tp1":
+            # negative control: the same weights without the Adam moments give another step 2
+            c = mk(*dst, weights={k: v.clone() for k, v in w1.items()})
+            c.train_step(dp_slice(full, c), spec)
+            r["no_moments_vs_continued"] = wdiff(dict(c.export_hf_weights()), w2)
+            del c
+            # max_num=1: saving step 2 prunes step 1; then TP1 -> PP2 puts the tied output layer back
+            b.save_checkpoint(root, max_num=1)
+            r["dirs_after_prune"] = [n for _, n in checkpoint.step_dirs(root)]
+            r["latest"] = checkpoint.latest_tag(root)
+            # a crash in the middle of saving step 3 leaves step 2 and 'latest' untouched
+            orig = checkpoint._gather_full
+            calls = [0]
+
+            def failing(*args, **kw):
+                calls[0] += 1
+                if calls[0] > 3:
+                    raise RuntimeError("simulated crash")
+                return orig(*args, **kw)
+
+            checkpoint._gather_full = failing
+            try:
+                b.train_step(dp_slice(full, b), spec)
+                b.save_checkpoint(root)
+                r["crash_raised"] = False
+            except RuntimeError:
+                r["crash_raised"] = True
+            finally:
+                checkpoint._gather_full = orig
+            dist.barrier()
+            r["latest_after_crash"] = checkpoint.latest_tag(root)
+            r["dirs_after_crash"] = sorted(os.listdir(root))
+            del b
+            p = mk(1, 2)
+            p.load_checkpoint(root)
+            r["tp1_to_pp2_vs_saved"] = wdiff(dict(p.export_hf_weights()), got)
+            del p
+        else:
+            del b
+        rec[name] = r
+    results["checks"]["reshard"] = rec
+
+
+def check_nodes():
+    """TP groups must stay inside a node: the collective check over the 4-rank world."""
+    from openrlhf_lpo.megatron.cluster import PlacementError, check_tp_groups_within_nodes
+
+    rec = {}
+    for name, nodes, tp in (("AABB_tp2", "AABB", 2), ("AABB_tp4", "AABB", 4), ("ABAB_tp2", "ABAB", 2)):
+        os.environ["LPO_NODE_ID"] = nodes[RANK]
+        try:
+            check_tp_groups_within_nodes(tp)
+            rec[name] = "ok"
+        except PlacementError as e:
+            rec[name] = str(e)
+    os.environ.pop("LPO_NODE_ID", None)
+    results["checks"]["nodes"] = rec
+
+
+class _CollectiveRecorder:
+    """Wraps torch.distributed collectives: every tensor must be on its group's device."""
+
+    NAMES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce")
+
+    def __init__(self):
+        from openrlhf_lpo.megatron.device import group_device
+
+        self.calls, self.mismatches = 0, []
+        for name in self.NAMES:
+            fn = getattr(dist, name)
+
+            def wrapped(*a, _fn=fn, _name=name, **k):
+                group = k.get("group")
+                tensors = [x for x in a if isinstance(x, torch.Tensor)]
+                tensors += [t for x in a if isinstance(x, list) for t in x if isinstance(t, torch.Tensor)]
+                want = group_device(group)
+                self.calls += 1
+                for t in tensors:
+                    if t.device != want:
+                        self.mismatches.append((_name, str(t.device), str(want)))
+                return _fn(*a, **k)
+
+            setattr(dist, name, wrapped)
+
+
+RECORDER = None
+
+
 def main():
+    global RECORDER
+    RECORDER = _CollectiveRecorder()
     which = os.environ.get("MCORE_WORKER_SUITE", "layouts")
     if which == "layouts":
         q3 = [
@@ -401,6 +810,7 @@ def main():
             (2, 1, True, "listwise", 2),
             (2, 2, False, "listwise_surrogate", 1),
             (2, 1, False, "pg", 2),
+            (1, 2, False, "pg_hi", 2),
             (2, 1, False, "listwise@pointwise@fwd", 2),
             (1, 2, False, "listwise@listwise@js", 2),
         ]
@@ -409,7 +819,17 @@ def main():
         run_model("qwen3", False, q3u, {})
         q2 = [(1, 1, False, "listwise", 2), (2, 2, False, "listwise", 4)]
         run_model("qwen2", False, q2, {})
+        for arch in ("llama", "mistral"):  # the paper's model-diversity runs
+            run_model(arch, False, [(2, 1, False, "listwise", 2), (1, 2, False, "listwise", 2)],
+                      {"wrong_rope": True} if arch == "llama" else {})
+        check_packing()
+        check_no_sxs()
+        check_recompute()
+        check_offpolicy()
+        check_reshard()
+        check_nodes()
         check_policy_actor()
+        results["collectives"] = {"calls": RECORDER.calls, "mismatches": RECORDER.mismatches[:10]}
     results["seconds"] = time.time() - T0
 
 

@@ -16,7 +16,8 @@ def _argv(d, *extra):
     return ["--actor.model_name_or_path", d, "--reward.remote_url", "http://127.0.0.1:1/reward",
             "--data.prompt_dataset", "unused", "--actor.num_gpus_per_node", "4",
             "--rollout.n_samples_per_prompt", "2", "--algo.advantage.estimator", "group_norm",
-            "--train.batch_size", "8", "--rollout.batch_size", "4", "--train.micro_batch_size", "2", *extra]
+            "--train.batch_size", "8", "--rollout.batch_size", "4", "--train.micro_batch_size", "2",
+            "--actor.lr_scheduler", "constant", "--actor.lr_warmup_ratio", "0", *extra]
 
 
 def _parse(argv):
@@ -28,16 +29,33 @@ def _parse(argv):
 def test_megatron_flags_parse(tiny_dir):
     a = _parse(_argv(tiny_dir, "--backend", "megatron", "--megatron.tp", "2", "--megatron.pp", "2"))
     assert (a.backend, a.megatron.tp, a.megatron.pp, a.megatron.vpp) == ("megatron", 2, 2, 1)
+    assert a.megatron.timeout_minutes == 60  # OpenRLHF's DeepSpeed strategy uses 60 minutes too
     assert _parse(_argv(tiny_dir)).backend == "deepspeed"  # default stays DeepSpeed
+
+
+def test_stock_flags_reach_the_megatron_config(tiny_dir):
+    from openrlhf_lpo.megatron.ray_actor import loss_spec_from_args, megatron_config_from_args
+
+    a = _parse(_argv(tiny_dir, "--backend", "megatron", "--actor.gradient_checkpointing_enable",
+                     "--actor.eps_clip_low_high", "0.2", "0.28", "--megatron.timeout_minutes", "90"))
+    cfg = megatron_config_from_args(a)
+    assert cfg.recompute is True and cfg.timeout_minutes == 90
+    assert loss_spec_from_args(a, 2).clip_eps == (0.2, 0.28)
 
 
 @pytest.mark.parametrize(
     "extra,needle",
     [
-        (["--megatron.tp", "3"], "world size 4"),
+        (["--megatron.pp", "3"], "world size 4"),
         (["--megatron.tp", "4"], "num_key_value_heads=2"),
         (["--megatron.pp", "4"], "num_hidden_layers=2"),
         (["--actor.entropy_coef", "0.01"], "--actor.entropy_coef"),
+        (["--train.colocate_all"], "--train.colocate_all is not supported with --backend megatron"),
+        (["--algo.advantage.is_correction_level", "token"], "is_correction_level token"),
+        (["--megatron.tp", "4", "--actor.num_gpus_per_node", "2", "--actor.num_nodes", "2"],
+         "must divide --actor.num_gpus_per_node 2"),
+        (["--actor.lr_scheduler", "cosine_with_min_lr"], "--actor.lr_scheduler constant"),
+        (["--megatron.timeout_minutes", "0"], "--megatron.timeout_minutes must be >= 1"),
     ],
 )
 def test_bad_megatron_layouts_exit_2(tiny_dir, capsys, extra, needle):

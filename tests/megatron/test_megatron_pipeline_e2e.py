@@ -1,9 +1,11 @@
 """End to end on CPU: ``lpo-train --backend megatron --megatron.tp 2`` (OpenRLHF 0.11.2 on Ray,
 CPU mode, CPU rollout engine), two iterations with checkpoints, then a resumed run.
 
-Checks: both iterations finish; the weights reach the rollout engine after every step (the
-engine's log-probs of a probe sequence equal the Megatron actor's, logged by the sync);
-the policy checkpoint and the HF export exist; the resumed run starts from the checkpoint.
+Checks: the placement check against the (CPU-mode) Ray cluster passes; both iterations finish
+with activation recompute; the weights reach the rollout engine after every step (the engine's
+log-probs of a probe sequence equal the Megatron actor's, logged by the sync); the policy
+checkpoint (``global_step2``, older ones pruned by ``--ckpt.max_num 1``) and the HF export exist;
+the resumed run starts from the checkpoint.
 """
 
 import json
@@ -46,7 +48,8 @@ def e2e(tmp_path_factory):
         "--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "2", "--rollout.micro_batch_size", "4",
         "--rollout.max_new_tokens", "4", "--rollout.temperature", "1.0",
         "--train.batch_size", "8", "--train.micro_batch_size", "4", "--train.max_epochs", "1",
-        "--actor.adam.lr", "1e-2", "--actor.lr_scheduler", "constant", "--actor.max_norm", "1.0",
+        "--actor.adam.lr", "1e-2", "--actor.lr_scheduler", "constant", "--actor.lr_warmup_ratio", "0",
+        "--actor.max_norm", "1.0", "--actor.gradient_checkpointing_enable", "--ckpt.max_num", "1",
         "--actor.entropy_coef", "0", "--ds.attn_implementation", "sdpa", "--logger.logging_steps", "1",
         "--ckpt.path", str(w / "ckpt"), "--ckpt.output_dir", str(w / "final"), "--ckpt.save_steps", "1",
         "--ckpt.save_hf", "--algo.advantage.estimator", "lpo", "--lpo.end_kl",
@@ -67,6 +70,7 @@ def test_two_iterations_and_weight_sync(e2e):
     assert e2e["rc1"] == 0, e2e["log1"][-5000:]
     assert _steps(e2e["log1"]) == [1, 2]
     assert "MegatronPolicyModelActor" in e2e["log1"]
+    assert "[megatron] placement on the Ray cluster fits: node 0: Megatron actor TP group x2, vLLM engine x1" in e2e["log1"]
     syncs = [r for r in e2e["parity1"] if r.get("backend") == "megatron"]
     assert len(syncs) == 2 and all(r["max_abs_diff"] < 1e-4 and r["num_tensors"] > 0 for r in syncs)
     grad_norms = [float(x) for x in re.findall(r"'actor_grad_norm': ([0-9.e+-]+)", e2e["log1"])]
@@ -75,7 +79,6 @@ def test_two_iterations_and_weight_sync(e2e):
     groups = [float(x) for x in re.findall(r"'lpo/groups': ([0-9.e+-]+)", e2e["log1"])]
     assert len(end_kl) == 2 and all(v >= 0 for v in end_kl) and groups == [4.0, 4.0]  # reduced over DP
     ck = e2e["w"] / "ckpt"
-    assert (ck / "_actor" / "latest").exists()
     assert (ck / "global_step2_hf" / "model.safetensors.index.json").exists()
 
 
@@ -83,3 +86,7 @@ def test_resume_continues_from_checkpoint(e2e):
     assert e2e["rc2"] == 0, e2e["log2"][-5000:]
     steps = _steps(e2e["log2"])
     assert steps and min(steps) == 3  # resumed after global step 2
+    actor = e2e["w"] / "ckpt" / "_actor"
+    assert (actor / "latest").read_text() == "global_step4"
+    assert sorted(p.name for p in actor.glob("global_step*")) == ["global_step4"]  # --ckpt.max_num 1
+    assert (actor / "global_step4" / "meta.json").exists()

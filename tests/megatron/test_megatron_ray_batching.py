@@ -72,4 +72,13 @@ def test_loss_spec_from_args():
     assert loss_spec_from_args(args, 8).name == "listwise_surrogate"
     args.algo.advantage.estimator = "group_norm"
     spec = loss_spec_from_args(args, 8)
-    assert spec.name == "pg" and spec.clip_eps == 0.2
+    assert spec.name == "pg" and spec.clip_eps == (0.2, 0.2)
+    args.actor.eps_clip_low_high = (0.2, 0.28)  # clip-higher reaches the PG loss
+    assert loss_spec_from_args(args, 8).clip_eps == (0.2, 0.28)
+
+
+def test_merge_carries_the_off_policy_log_ratio():
+    e = _exp(3, 2, [(3, 2), (1, 1)], tag=1)
+    e.info["lpo_prev_log_ratio"] = torch.tensor([0.25, -0.5], dtype=torch.float64)
+    b = merge_experiences([e])
+    assert b["prev_log_ratio"].tolist() == [0.25, -0.5] and b["prev_log_ratio"].dtype == torch.float64

