@@ -6,8 +6,8 @@ Public API (a contract other code and checks rely on)::
     CodeResult(passed: int, total: int, status: str)   # status: ok / fail / timeout / error / no_code
 
 * **The program** is the last fenced code block of the response (```` ```python ````, ```` ```py ````
-  or an untagged fence; blocks tagged with another language are skipped; an unclosed last fence runs
-  to the end). Reasoning models are graded after the last ``</think>``; an unclosed ``<think>`` has no
+  or an untagged fence; blocks tagged with another language are skipped; a block ends at the next line
+  that starts with three backticks; an unclosed last fence runs to the end). Reasoning models are graded after the last ``</think>``; an unclosed ``<think>`` has no
   code. No block gives ``no_code``.
 * **Test formats** (``tests``; a JSON string of one is accepted too):
 
@@ -115,11 +115,11 @@ def extract_code(response: str) -> Optional[str]:
     blocks: List[Tuple[str, List[str]]] = []
     current: Optional[Tuple[str, List[str]]] = None
     for line in text.splitlines():
-        m = _FENCE.match(line)
         if current is None:
+            m = _FENCE.match(line)
             if m is not None:
                 current = (m.group(1).lower(), [])
-        elif m is not None and m.group(1) == "":
+        elif line.lstrip().startswith("```"):  # a closing fence (text after it is not code)
             blocks.append(current)
             current = None
         else:

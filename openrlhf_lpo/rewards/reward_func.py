@@ -129,6 +129,8 @@ def reward_func(queries: List[str], prompts: List[str], labels: List[str]) -> di
 
 
 if os.environ.get("LPO_CODE_SANDBOX"):  # the code recipe: refuse now (engine start) if programs cannot be sandboxed
+    import sys
+
     from openrlhf_lpo.rewards.code import check_code_sandbox
 
-    check_code_sandbox()
+    print(f"[openrlhf_lpo] code reward sandbox: {check_code_sandbox()}", file=sys.stderr, flush=True)

@@ -36,10 +36,10 @@ error texts: ``shared/research/sandbox.md``.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
+import select
 import selectors
 import shutil
 import signal
@@ -390,8 +390,9 @@ class CodeSandbox:
         root = os.geteuid() == 0
         user = SANDBOX_UID if root else None
         failures = []
+        pythons = _python_candidates(cfg)
         for bwrap in _bwrap_candidates(cfg):
-            for python in _python_candidates(cfg):
+            for python in pythons:
                 try:
                     binds = _interpreter_prefixes(python, cfg.site_packages)
                 except SandboxUnavailableError as e:
@@ -404,6 +405,9 @@ class CodeSandbox:
                     plan = _Plan(tuple(argv), user, env, how, True)
                     err = self._probe(plan, raise_on_error=False)
                     if err is None:
+                        if python != pythons[0]:
+                            log.warning("code sandbox: %s did not run in the sandbox (%s); programs use %s",
+                                        pythons[0], failures[-1][1] if failures else "?", python)
                         return plan
                     cls, line, why = classify_bwrap_error(err)
                     failures.append((cls, line, why))
@@ -587,7 +591,7 @@ class CodeSandbox:
                                   f"(rc={proc.poll()})")
         finally:
             sel.close()
-            self._kill(proc)
+            self._kill(proc, graceful=done and report.failure is None and not report.stopped)
             for f in (proc.stdin, proc.stdout, proc.stderr):
                 try:
                     f.close()
@@ -632,8 +636,23 @@ class CodeSandbox:
         return False
 
     @staticmethod
-    def _kill(proc: subprocess.Popen) -> None:
-        """SIGKILL the sandbox's process group; its PID namespace (and every program process) dies with it."""
+    def _kill(proc: subprocess.Popen, graceful: bool = False) -> None:
+        """SIGKILL the sandbox's process group; its PID namespace (and every program process) dies with it.
+
+        ``graceful``: the runner reported all results and is exiting; give it up to 2 s to finish (its
+        CPU time is then accounted to this process's children). The group is killed while bwrap is at
+        worst a zombie, so its PID cannot have been reused.
+        """
+        if graceful and hasattr(os, "pidfd_open"):
+            try:
+                fd = os.pidfd_open(proc.pid)
+            except OSError:
+                fd = None
+            if fd is not None:
+                try:
+                    select.select([fd], [], [], 2.0)
+                finally:
+                    os.close(fd)
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):

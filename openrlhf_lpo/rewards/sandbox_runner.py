@@ -54,7 +54,7 @@ def _read_job():
 
 
 def _set_limits(lim):
-    cpu = max(1, int(lim["cpu_s"] + 0.999))
+    cpu = max(1, int(lim["cpu_s"] + 0.999))  # whole seconds
     pairs = [
         (resource.RLIMIT_CPU, (cpu, cpu + 1)),  # soft: SIGXCPU, hard: SIGKILL a second later
         (resource.RLIMIT_AS, (lim["as_bytes"], lim["as_bytes"])),
@@ -304,8 +304,9 @@ def _run_test(code, job, i, lim):
         os.close(fd)
     sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
     cpu = usage.ru_utime + usage.ru_stime
-    if sig in (signal.SIGXCPU, signal.SIGKILL) and not out_limited and cpu >= lim["cpu_s"] - 0.05:
-        timed_out = True  # the CPU-time limit fired
+    soft = max(1, int(lim["cpu_s"] + 0.999))
+    if not out_limited and (sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu >= 0.9 * soft)):
+        timed_out = True  # the CPU-time limit fired (soft: SIGXCPU, hard: SIGKILL)
     return {
         "i": i,
         "rc": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,

@@ -5,7 +5,7 @@ import time
 from pathlib import Path
 
 from openrlhf_lpo.rewards.code import grade_code
-from openrlhf_lpo.rewards.sandbox import CodeSandbox, SandboxConfig
+from openrlhf_lpo.rewards.sandbox import CodeSandbox
 
 REPO = Path(__file__).resolve().parents[2]
 MARKER = b"LPO_SANDBOX_RUNNER"  # first line of the runner source: in the argv of every sandbox process

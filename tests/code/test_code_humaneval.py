@@ -2,10 +2,8 @@
 benchmarks of lpo-eval: Pass@k through the sandbox against an independent count."""
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 

@@ -40,6 +40,7 @@ def test_last_python_block_is_the_program():
     assert extract_code("<think>```python\nprint(0)\n```</think>\n```python\nprint(5)\n```") == "print(5)\n"
     assert extract_code("<think>```python\nprint(0)\n```") is None
     assert extract_code("  ```Python3  \n  indented = 1\n  ```") == "  indented = 1\n"
+    assert extract_code("```python\nprint(4)\n```*junk after the fence\nmore") == "print(4)\n"
 
 
 # -- the three formats --------------------------------------------------------------------------------

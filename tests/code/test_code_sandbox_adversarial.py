@@ -28,7 +28,9 @@ def test_infinite_loop_is_stopped_by_the_cpu_limit(box):
     t0 = time.monotonic()
     report, o = run1(box, "while True:\n    pass\n")
     assert o.timed_out and o.rc is None and o.sig in (signal.SIGXCPU, signal.SIGKILL)
-    assert 0.9 <= o.cpu_s and o.wall_s < 3.5 and time.monotonic() - t0 < 15
+    # the CPU limit (1 s) fires first unless the machine is so loaded that the wall clock (3 s) comes first
+    assert (o.sig == signal.SIGXCPU and 0.85 <= o.cpu_s) or o.wall_s >= 2.9
+    assert o.wall_s < 3.5 and time.monotonic() - t0 < 15
     assert grade_program("while True:\n    pass\n", {"inputs": [""], "outputs": ["1"]}, sandbox=box).status == "timeout"
     assert_pool_healthy(box)
 
@@ -66,6 +68,7 @@ def test_fork_bomb_is_bounded_by_the_process_limit(box):
         stop.set()
         watcher.join()
     assert o.timed_out
+    print(f"\n[fork bomb] counting variant: {forks} forks then EAGAIN; bomb: peak {peak[0]} sandbox processes")
     assert 0 < peak[0] <= 64 + 2, f"{peak[0]} sandbox processes at once"  # + the host-side bwrap process
     assert_pool_healthy(box)
 

@@ -13,11 +13,12 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+from pathlib import Path
 
 import pytest
 
 from code_helpers import CORRECT, REPO, SUM_TESTS, wait_no_sandbox_processes
-from openrlhf_lpo.rewards.code import check_code_sandbox, grade_code
+from openrlhf_lpo.rewards.code import grade_code
 from openrlhf_lpo.rewards.sandbox import (
     CodeSandbox,
     SandboxConfig,
@@ -38,6 +39,13 @@ CHECK = textwrap.dedent(
     print("GRADED", r.passed, r.total, r.status)
     """
 ) % (CORRECT, SUM_TESTS)
+
+
+def readable_by_others(path: Path) -> bool:
+    """Every directory above ``path`` is searchable and ``path`` readable by any user."""
+    path = Path(os.path.realpath(path))
+    dirs_ok = all(os.stat(p).st_mode & 0o001 for p in path.parents)
+    return dirs_ok and bool(os.stat(path).st_mode & 0o004)
 
 
 def wheel_bwrap() -> str:
@@ -183,6 +191,9 @@ def test_the_other_privilege_level(repo_env):
     (uid 65534, the system Python) runs a fork count and a file probe through its own sandbox."""
     if os.geteuid() != 0:
         pytest.skip("the suite already runs non-root; starting a root grader needs root")
+    for path in (REPO / "openrlhf_lpo" / "rewards" / "sandbox.py", Path(wheel_bwrap())):
+        if not readable_by_others(path):
+            pytest.skip(f"{path} is not readable by uid 65534 (the checkout lives in a private directory)")
     script = textwrap.dedent(
         """
         from openrlhf_lpo.rewards.sandbox import CodeSandbox, SandboxConfig
