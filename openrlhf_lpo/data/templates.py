@@ -6,13 +6,17 @@
 * MATH follows the verl template: the problem, a space, then
   ``Let's think step by step and output the final answer within \\boxed{}.``, sent as the
   user turn of the model's chat template (``--data.apply_chat_template``).
+* PRIME code follows Cui et al. (2025, Eurus-2-RL-Data): PRIME's action-based system prompt
+  ([ASSESS] ... [OUTPUT]) and, as the user turn, the problem followed by
+  ``\n\nWrite Python code to solve the problem. Present the code in \n```python\nYour code\n```\nat the end.``;
+  the rows hold the two chat messages (``--data.apply_chat_template``).
 
 Templates are a registry so a new task adds one entry; ``render(name, **fields)`` fills one.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Dict
+from typing import Callable, Dict, List
 
 COUNTDOWN_TEMPLATE = (
     "A conversation between User and Assistant. The user asks a question, and the Assistant solves it. "
@@ -28,6 +32,16 @@ COUNTDOWN_TEMPLATE = (
 
 MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
 
+# PRIME (Eurus-2-RL-Data) system prompt and code instruction, verbatim (whitespace included).
+PRIME_SYSTEM_PROMPT = (
+    "\nWhen tackling complex reasoning tasks, you have access to the following actions. Use them as needed "
+    "to progress through your thought process.\n\n[ASSESS]\n\n[ADVANCE]\n\n[VERIFY]\n\n[SIMPLIFY]\n\n"
+    "[SYNTHESIZE]\n\n[PIVOT]\n\n[OUTPUT]\n\nYou should strictly follow the format below:\n\n[ACTION NAME]\n\n"
+    "# Your action step 1\n\n# Your action step 2\n\n# Your action step 3\n\n...\n\n"
+    "Next action: [NEXT ACTION NAME]\n\n"
+)
+CODE_INSTRUCTION = "\n\nWrite Python code to solve the problem. Present the code in \n```python\nYour code\n```\nat the end."
+
 
 def countdown_prompt(nums, target) -> str:
     """The Countdown prompt for ``nums`` (rendered as a Python list, e.g. ``[2, 54, 17]``) and ``target``."""
@@ -39,17 +53,31 @@ def math_prompt(problem: str) -> str:
     return f"{problem} {MATH_INSTRUCTION}"
 
 
+def code_prompt(problem: str) -> str:
+    """The user-turn text for a code problem (PRIME template); the instruction is not repeated."""
+    problem = problem.rstrip()
+    if problem.endswith(CODE_INSTRUCTION.strip()):
+        return problem[: -len(CODE_INSTRUCTION.strip())].rstrip() + CODE_INSTRUCTION
+    return problem + CODE_INSTRUCTION
+
+
+def code_messages(problem: str) -> List[Dict[str, str]]:
+    """The chat messages of a code problem: PRIME's system prompt and :func:`code_prompt`."""
+    return [{"role": "system", "content": PRIME_SYSTEM_PROMPT}, {"role": "user", "content": code_prompt(problem)}]
+
+
 TEMPLATES: Dict[str, Callable[..., str]] = {
     "countdown": countdown_prompt,
     "math": math_prompt,
+    "code": code_prompt,
 }
 
 # Whether the rendered text is a user turn (the chat template is applied by OpenRLHF).
-USES_CHAT_TEMPLATE: Dict[str, bool] = {"countdown": False, "math": True}
+USES_CHAT_TEMPLATE: Dict[str, bool] = {"countdown": False, "math": True, "code": True}
 
 
 def render(name: str, **fields) -> str:
-    """Fill template ``name`` (``countdown``: nums, target; ``math``: problem)."""
+    """Fill template ``name`` (``countdown``: nums, target; ``math`` / ``code``: problem)."""
     if name not in TEMPLATES:
         raise ValueError(f"template {name!r} is unknown; choose one of {sorted(TEMPLATES)}")
     return TEMPLATES[name](**fields)

@@ -1,4 +1,4 @@
-"""OpenRLHF 0.11.2 reward-function file for Countdown and math (``--reward.remote_url <this file>``).
+"""OpenRLHF 0.11.2 reward-function file for Countdown, math and code (``--reward.remote_url <this file>``).
 
 OpenRLHF's single-turn rollout executor loads a ``.py`` given as ``--reward.remote_url`` and
 calls ``reward_func(queries, prompts, labels)`` from a worker thread after each generation;
@@ -8,7 +8,11 @@ Labels (written by :mod:`openrlhf_lpo.data`) name their task, and tasks are a re
 
 * ``{"task": "countdown", "nums": [..], "target": t}`` -> :func:`grade_countdown`;
 * ``{"task": "math", "answer": "..."}`` or any label that is not a JSON object -> :func:`math_reward`
-  (so MATH-style datasets whose label column is the bare gold answer work unchanged).
+  (so MATH-style datasets whose label column is the bare gold answer work unchanged);
+* ``{"task": "code", "tests": {...}}`` -> :func:`openrlhf_lpo.rewards.code.code_reward` (the response's
+  last fenced code block run against the tests in the sandbox; ``LPO_CODE_REWARD`` fraction / all,
+  ``LPO_CODE_*`` limits). When ``LPO_CODE_SANDBOX`` is set (the code recipe sets it), loading this
+  file probes the sandbox, so a machine that cannot sandbox fails at start, not at the first reward.
 
 Returned per batch: ``rewards`` and ``scores`` (float tensors) and ``extra_logs``
 (``answer_found``, ``grader_timeout``; the same keys for every task so batches concatenate).
@@ -49,6 +53,14 @@ def _math(response: str, label: dict) -> Tuple[float, str]:
     from openrlhf_lpo.rewards.math_reward import math_reward
 
     return math_reward(response, label["answer"])
+
+
+@register_reward("code")
+def _code(response: str, label: dict) -> Tuple[float, str]:
+    from openrlhf_lpo.rewards.code import code_reward
+
+    reward, status = code_reward(response, label["tests"])
+    return reward, ("no_answer" if status == "no_code" else status)
 
 
 def parse_label(label) -> dict:
@@ -114,3 +126,11 @@ def reward_func(queries: List[str], prompts: List[str], labels: List[str]) -> di
             "grader_timeout": torch.tensor(timeouts, dtype=torch.float32),
         },
     }
+
+
+if os.environ.get("LPO_CODE_SANDBOX"):  # the code recipe: refuse now (engine start) if programs cannot be sandboxed
+    import sys
+
+    from openrlhf_lpo.rewards.code import check_code_sandbox
+
+    print(f"[openrlhf_lpo] code reward sandbox: {check_code_sandbox()}", file=sys.stderr, flush=True)

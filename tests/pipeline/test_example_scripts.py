@@ -37,6 +37,7 @@ EXPECTED_METHOD = {
 EXPECTED_TASK = {
     "train_countdown_qwen3_4b.sh": (128, 64, 1024, "Qwen/Qwen3-4B-Base"),
     "train_math_qwen3_1.7b.sh": (256, 128, 4096, "Qwen/Qwen3-1.7B-Base"),
+    "train_code_qwen3_1.7b.sh": (256, 128, 4096, "Qwen/Qwen3-1.7B-Base"),
     "train_math_qwen3_8b.sh": (256, 128, 4096, "Qwen/Qwen3-8B-Base"),
     "train_math_qwen3_8b_megatron.sh": (256, 128, 4096, None),
     "train_math_qwen3_14b_megatron.sh": (256, 128, 4096, None),
@@ -142,3 +143,22 @@ def test_megatron_recipe_default_models(script):
     argv = script_args(script, "lpo_fwd")  # printed flags only: the hub model is not read here
     assert argv[argv.index("--actor.model_name_or_path") + 1] == EXPECTED_DEFAULT_MODEL[script]
     assert argv[argv.index("--backend") + 1] == "megatron"
+
+
+def test_code_recipe_sends_the_sandbox_settings_to_every_ray_worker():
+    """The code reward runs in the rollout workers: its LPO_CODE_* settings travel in the job's runtime env."""
+    import json
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LPO_CODE_") and k not in ("METHOD", "EXTRA_ARGS")}
+    run = lambda script, **extra: subprocess.run(  # noqa: E731
+        ["bash", str(SCRIPTS_DIR / script)], env=dict(env, LPO_PRINT_RUNTIME_ENV="1", **extra),
+        capture_output=True, text=True, check=True).stdout
+    runtime = json.loads(run("train_code_qwen3_1.7b.sh"))
+    assert runtime["working_dir"] == str(REPO)
+    assert runtime["env_vars"] == {"LPO_CODE_SANDBOX": "bwrap", "LPO_CODE_REWARD": "fraction",
+                                   "LPO_CODE_TIMEOUT_S": "5", "LPO_CODE_MEMORY_MB": "1024"}
+    assert json.loads(run("train_code_qwen3_1.7b.sh", LPO_CODE_REWARD="all"))["env_vars"]["LPO_CODE_REWARD"] == "all"
+    assert json.loads(run("train_math_qwen3_1.7b.sh")) == {"working_dir": str(REPO)}  # other tasks: unchanged
+    args = build_parser_and_parse(script_args("train_code_qwen3_1.7b.sh", "grpo"))
+    assert args.data.apply_chat_template and args.reward.remote_url[0].endswith("openrlhf_lpo/rewards/reward_func.py")
+    assert args.data.prompt_dataset == "data/prime_code_train.jsonl"

@@ -3,7 +3,9 @@
 # (configs/backends/<BACKEND>.sh: deepspeed, the default, or megatron with MEGATRON_TP/MEGATRON_PP).
 # Environment knobs: NNODES, GPUS_PER_NODE, VLLM_ENGINES, VLLM_TP, RAY_ADDRESS, WORKING_DIR, SAVE_ROOT,
 # WANDB_KEY, EXTRA_ARGS (appended last, so they override the recipe), LPO_PRINT_ARGS=1 (print the
-# flags one per line and exit: used by tests/pipeline to parse every recipe with the lpo-train parser).
+# flags one per line and exit: used by tests/pipeline to parse every recipe with the lpo-train parser),
+# LPO_PRINT_RUNTIME_ENV=1 (print the Ray job's runtime env and exit). A task may set TASK_ENV=(NAME=value ...):
+# environment variables for every Ray worker (e.g. the code reward's LPO_CODE_* settings), also exported here.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
 CONFIGS="${LPO_CONFIGS:-$ROOT/configs}"
@@ -36,6 +38,19 @@ if [ "${LPO_PRINT_ARGS:-0}" = "1" ]; then
   exit 0
 fi
 
+ENV_JSON=""
+for kv in ${TASK_ENV[@]+"${TASK_ENV[@]}"}; do
+  ENV_JSON+="${ENV_JSON:+, }\"${kv%%=*}\": \"${kv#*=}\""
+  export "${kv?}"
+done
+RUNTIME_ENV="{\"working_dir\": \"${WORKING_DIR:-$ROOT}\""
+[ -z "$ENV_JSON" ] || RUNTIME_ENV+=", \"env_vars\": {$ENV_JSON}"
+RUNTIME_ENV+="}"
+if [ "${LPO_PRINT_RUNTIME_ENV:-0}" = "1" ]; then
+  printf '%s\n' "$RUNTIME_ENV"
+  exit 0
+fi
+
 ray job submit --address="${RAY_ADDRESS:-http://127.0.0.1:8265}" \
-  --runtime-env-json="{\"working_dir\": \"${WORKING_DIR:-$ROOT}\"}" \
+  --runtime-env-json="$RUNTIME_ENV" \
   -- python3 -m openrlhf_lpo.cli.train_ppo_ray "${ARGS[@]}"
