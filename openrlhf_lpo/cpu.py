@@ -305,7 +305,11 @@ def enable_cpu_mode() -> bool:
 
 
 def worker_setup() -> None:
-    """Ray ``worker_process_setup_hook``: the CPU mode in every worker process."""
+    """Ray ``worker_process_setup_hook``: the CPU mode (and line progress, openrlhf_lpo.progress) in
+    every worker process."""
+    from openrlhf_lpo.progress import install
+
+    install()
     enable_cpu_mode()
 
 

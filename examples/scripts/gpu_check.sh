@@ -14,7 +14,11 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
-if [ -n "${PYTHON:-}" ]; then PY="$PYTHON"; elif [ -x "$ROOT/.venv/bin/python" ]; then PY="$ROOT/.venv/bin/python"; else PY=python3; fi
+source "$ROOT/examples/scripts/lib/python.sh"
+if [ "${LPO_DRY_RUN:-0}" = "1" ]; then
+  echo "gpu_check.sh --dry-run: GPUs needed: 1 (checks: $(sed -n 's/^#   \([a-z_0-9]*_[a-z_0-9]*\)  .*/\1/p' "$0" | tr '\n' ' '))"
+  exit 0
+fi
 WORK="${WORK:-${TMPDIR:-/tmp}/lpo_gpu_check}"
 mkdir -p "$WORK"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"

@@ -9,7 +9,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 WORK="${WORK:-/tmp/lpo_gpu_smoke}"
 METHOD="${METHOD:-lpo_fwd}"
 source "$ROOT/configs/methods/$METHOD.sh"
-PY="${PYTHON:-python3}"
+source "$ROOT/examples/scripts/lib/python.sh"
 
 ARGS=(
   --actor.model_name_or_path "$WORK/tiny-qwen3"
@@ -28,6 +28,12 @@ ARGS=(
   "${METHOD_ARGS[@]}"
 )
 if [ "${LPO_PRINT_ARGS:-0}" = "1" ]; then printf '%s\n' "${ARGS[@]}"; exit 0; fi
+if [ "${LPO_DRY_RUN:-0}" = "1" ]; then  # validate and print the plan; builds only the tiny model and data
+  mkdir -p "$WORK"
+  [ -f "$WORK/tiny-qwen3/config.json" ] || "$PY" -c "from openrlhf_lpo.tiny import build_tiny_model; build_tiny_model('$WORK/tiny-qwen3')"
+  [ -f "$WORK/countdown.jsonl" ] || "$PY" -m openrlhf_lpo.data.prepare countdown --n 8 --seed 0 --num-counts 3 --out "$WORK/countdown.jsonl"
+  exec "$PY" -m openrlhf_lpo.cli.train_ppo_ray "${ARGS[@]}" --dry-run
+fi
 
 "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu_smoke.sh needs a GPU (use examples/scripts/cpu_debug.sh on a CPU)')"
 rm -rf "$WORK"; mkdir -p "$WORK"

@@ -178,6 +178,9 @@ def main(argv: Optional[List[str]] = None) -> None:
 
     if demo_cli.wants_preset(argv):
         return demo_cli.main(argv)
+    from openrlhf_lpo.progress import install
+
+    install()  # progress bars as plain lines when the output is a file
 
     def run(args, stock_train):
         from openrlhf_lpo.cli import plan
@@ -210,11 +213,14 @@ def _check_cluster(args, plan) -> None:
     import ray
 
     if not ray.is_initialized():  # the stock train() would call ray.init() with these env vars
-        ray.init(runtime_env={"env_vars": {
-            "TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM", "true"),
-            "NCCL_DEBUG": os.environ.get("NCCL_DEBUG", "WARN"),
-            "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": os.environ.get("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", "1"),
-        }})
+        ray.init(runtime_env={
+            "env_vars": {
+                "TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM", "true"),
+                "NCCL_DEBUG": os.environ.get("NCCL_DEBUG", "WARN"),
+                "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": os.environ.get("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", "1"),
+            },
+            "worker_process_setup_hook": "openrlhf_lpo.progress.worker_setup",  # plain progress lines in logs
+        })
     try:
         plan.check_cluster(args, ray.cluster_resources())
     except plan.ClusterTooSmall as e:

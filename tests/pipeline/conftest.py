@@ -22,3 +22,12 @@ def repo_env():
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("OMP_NUM_THREADS", "1")
     return env
+
+
+@pytest.fixture(scope="session")
+def megatron_layout_model(tmp_path_factory):
+    """Tiny Qwen3 whose heads split over TP 8 like Qwen3-8B/14B (8 KV heads), 4 layers."""
+    from openrlhf_lpo.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tp8") / "q3", arch="qwen3", hidden_size=64, num_layers=4,
+                            num_heads=8, num_kv_heads=8, head_dim=8, intermediate_size=128)

@@ -53,15 +53,6 @@ EXPECTED_MEGATRON = {
 }
 
 
-@pytest.fixture(scope="module")
-def megatron_layout_model(tmp_path_factory):
-    """Tiny Qwen3 whose heads split over TP 8 like Qwen3-8B/14B (8 KV heads), 4 layers."""
-    from openrlhf_lpo.tiny import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("tp8") / "q3", arch="qwen3", hidden_size=64, num_layers=4,
-                            num_heads=8, num_kv_heads=8, head_dim=8, intermediate_size=128)
-
-
 def script_args(name, method, **env):
     run_env = {k: v for k, v in os.environ.items()
                if k not in ("MODEL", "DATA", "EXTRA_ARGS", "METHOD", "BACKEND", "MEGATRON_TP", "MEGATRON_PP", "NNODES",

@@ -37,6 +37,11 @@ if [ "${LPO_PRINT_ARGS:-0}" = "1" ]; then
   printf '%s\n' "${ARGS[@]}"
   exit 0
 fi
+if [ "${LPO_DRY_RUN:-0}" = "1" ]; then
+  source "$ROOT/examples/scripts/lib/python.sh"
+  cd "$ROOT"
+  exec "$PY" -m openrlhf_lpo.cli.train_ppo_ray "${ARGS[@]}" --dry-run
+fi
 
 ENV_JSON=""
 for kv in ${TASK_ENV[@]+"${TASK_ENV[@]}"}; do

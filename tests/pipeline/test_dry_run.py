@@ -1,0 +1,97 @@
+"""Every script in examples/scripts/ dry-runs on this GPU-less machine (LPO_DRY_RUN=1 -> ``lpo-train
+--dry-run``): the flags validate, the plan names the GPUs the recipe needs and what happens to each
+rollout batch, nothing starts. Datasets of the real sizes are generated (MATH 7500 = 29 x 256 + 76,
+Countdown 2000 = 15 x 128 + 80), so the partial last batch of an episode is planned as it will run."""
+
+import json
+import os
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPTS = REPO / "examples" / "scripts"
+ALL_SCRIPTS = sorted(p.name for p in SCRIPTS.glob("*.sh"))
+
+# script -> (dataset rows, GPUs in the header's cluster, expected last-batch line or None)
+RECIPES = {
+    "train_countdown_qwen3_4b.sh": (2000, 8, "last batch of each episode: 80 prompts: 10 groups per rank"),
+    "train_math_qwen3_1.7b.sh": (7500, 8, "last batch of each episode: 76 prompts: 9 groups per rank, 4 dropped"),
+    "train_math_qwen3_8b.sh": (7500, 8, "last batch of each episode: 76 prompts: 9 groups per rank, 4 dropped"),
+    "train_math_qwen3_8b_megatron.sh": (7500, 8, None),
+    "train_math_qwen3_14b_megatron.sh": (7500, 16, None),
+    "train_code_qwen3_1.7b.sh": (25276, 8, "last batch of each episode: 188 prompts: 23 groups per rank, 4 dropped"),
+}
+OTHERS = {"cpu_debug.sh": 2, "gpu_smoke.sh": 1, "gpu_check.sh": 1, "gpu_smoke_megatron.sh": 1}
+
+
+def test_every_script_is_covered():
+    assert set(RECIPES) | set(OTHERS) == set(ALL_SCRIPTS)
+
+
+@pytest.fixture(scope="module")
+def dry_runs(tmp_path_factory, megatron_layout_model):
+    root = tmp_path_factory.mktemp("dry")
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("MODEL", "DATA", "EXTRA_ARGS", "METHOD", "BACKEND", "MEGATRON_TP", "MEGATRON_PP", "NNODES",
+                         "GPUS_PER_NODE", "VLLM_ENGINES", "VLLM_TP", "ACTOR_NODES", "ACTOR_GPUS", "LPO_PRINT_ARGS")}
+    base.update(LPO_DRY_RUN="1", WORK=str(root / "work"), RAY_ADDRESS="")
+    jobs = {}
+    for script, (rows, _, _) in RECIPES.items():
+        data = root / f"{rows}.jsonl"
+        if not data.exists():
+            data.write_text("".join(json.dumps({"prompt": f"p{i}", "label": "1"}) + "\n" for i in range(rows)))
+        env = dict(base, DATA=str(data))
+        if "megatron" in script:  # the Megatron layout check reads the model's config: offline, a tiny one
+            env["MODEL"] = megatron_layout_model
+        jobs[script] = env
+    for script in OTHERS:
+        jobs[script] = dict(base)
+    jobs["invalid"] = dict(jobs["train_math_qwen3_8b.sh"], EXTRA_ARGS="--train.batch_size 1000")
+
+    def run(item):
+        name, env = item
+        script = "train_math_qwen3_8b.sh" if name == "invalid" else name
+        out = subprocess.run(["bash", str(SCRIPTS / script)], env=env, capture_output=True, text=True, timeout=600,
+                             cwd=str(root))
+        return name, out
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(pool.map(run, jobs.items()))
+
+
+@pytest.mark.parametrize("script", sorted(RECIPES))
+def test_recipe_dry_run_prints_the_plan(dry_runs, script):
+    out = dry_runs[script]
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows, gpus, last = RECIPES[script]
+    text = out.stdout
+    assert "flags are valid; nothing was started" in text
+    assert f"GPUs needed: {gpus}\n" in text
+    assert f"dataset: {rows} prompts" in text
+    if last:
+        assert last in text, text
+
+
+@pytest.mark.parametrize("script", sorted(OTHERS))
+def test_other_scripts_dry_run(dry_runs, script):
+    out = dry_runs[script]
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"GPUs needed: {OTHERS[script]}" in out.stdout
+
+
+def test_invalid_flags_still_fail_in_a_dry_run(dry_runs):
+    out = dry_runs["invalid"]
+    assert out.returncode == 2 and "--train.batch_size 1000" in out.stderr
+
+
+def test_scripts_find_the_project_venv_or_say_what_to_do(tmp_path):
+    """A script run with a Python that lacks the project tells the user how to install it."""
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\nexit 1\n")
+    fake.chmod(0o755)
+    out = subprocess.run(["bash", str(SCRIPTS / "cpu_debug.sh")], env=dict(os.environ, PYTHON=str(fake)),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "scripts/setup_env.sh" in out.stderr
