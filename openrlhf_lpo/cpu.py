@@ -37,7 +37,8 @@ Run any OpenRLHF entry point in CPU mode with::
 (``python -m openrlhf_lpo.cli.train_ppo_ray`` applies it automatically when no GPU is present.)
 Environment knobs: ``LPO_CPU_ENGINE`` (``hf`` default, or ``vllm``), ``LPO_CPU_PARITY_TOL``
 (default 1e-4), ``LPO_CPU_PARITY_LOG`` (jsonl file the parity checks append to),
-``LPO_CPU_NUM_GPUS`` (logical GPU slots declared to Ray, default 16), ``LPO_CPU_NUM_CPUS``.
+``LPO_CPU_NUM_GPUS`` (logical GPU slots declared to Ray, default 16), ``LPO_CPU_NUM_CPUS``,
+``LPO_CPU_OPTIMIZER`` (``adam`` default; ``sgd`` makes updates proportional to the gradient, for tests).
 """
 
 from __future__ import annotations
@@ -141,7 +142,13 @@ def _patch_deepspeed_strategy(module) -> None:
         cfg = _fp32_config(orig_train_cfg(*args, **kwargs))
         opt = cfg.get("optimizer")
         if opt and str(opt.get("type", "")).lower() in ("adam", "adamw"):
-            opt.setdefault("params", {})["torch_adam"] = True
+            if os.environ.get("LPO_CPU_OPTIMIZER", "adam") == "sgd":
+                # tests: an update proportional to the gradient, so runs can compare gradients
+                params = opt.get("params", {})
+                opt["type"] = "SGD"
+                opt["params"] = {"lr": params.get("lr", 1e-3), "weight_decay": 0.0}
+            else:
+                opt.setdefault("params", {})["torch_adam"] = True
         return cfg
 
     module.get_train_ds_config = get_train_ds_config
@@ -323,7 +330,7 @@ def ray_runtime_env(extra_env: Optional[Dict[str, str]] = None) -> dict:
         "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": os.environ.get("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", "1"),
         "LPO_CPU_MODE": "1",
     }
-    for key in ("LPO_CPU_ENGINE", "LPO_CPU_DTYPE", "LPO_CPU_ENGINE_DTYPE", "LPO_CPU_PARITY_TOL", "LPO_CPU_PARITY_LOG", "LPO_CPU_THREADS", "OMP_NUM_THREADS",
+    for key in ("LPO_CPU_ENGINE", "LPO_CPU_OPTIMIZER", "LPO_CPU_DTYPE", "LPO_CPU_ENGINE_DTYPE", "LPO_CPU_PARITY_TOL", "LPO_CPU_PARITY_LOG", "LPO_CPU_THREADS", "OMP_NUM_THREADS",
                 "PYTHONPATH"):
         if key in os.environ:
             env[key] = os.environ[key]
@@ -359,11 +366,10 @@ def adjust_args(args) -> List[str]:
     notes = []
     ds = getattr(args, "ds", None)
     if ds is not None and "flash_attention" in str(getattr(ds, "attn_implementation", "")):
+        # packing (--ds.packing_samples, forced by dynamic batching) stays on: transformers' sdpa
+        # reads the packed sequences' boundaries from the restarting position ids
         ds.attn_implementation = "sdpa"
         notes.append("ds.attn_implementation -> sdpa (flash-attention kernels need a GPU)")
-    if ds is not None and getattr(ds, "packing_samples", False):
-        ds.packing_samples = False
-        notes.append("ds.packing_samples -> off (needs flash-attention varlen kernels)")
     if ds is not None and getattr(ds, "enable_sleep", False):
         ds.enable_sleep = False
         notes.append("ds.enable_sleep -> off (nothing to offload on a CPU)")
@@ -473,9 +479,6 @@ def _adjust_flat_or_nested(ns) -> List[str]:
     if "ds.attn_implementation" in flat and "flash_attention" in str(flat["ds.attn_implementation"]):
         flat["ds.attn_implementation"] = "sdpa"
         notes.append("ds.attn_implementation -> sdpa (flash-attention kernels need a GPU)")
-    if flat.get("ds.packing_samples"):
-        flat["ds.packing_samples"] = False
-        notes.append("ds.packing_samples -> off (needs flash-attention varlen kernels)")
     for key in ("ds.enable_sleep", "vllm.enable_sleep"):
         if flat.get(key):
             flat[key] = False

@@ -241,6 +241,12 @@ class LPOActorTrainer(ActorPPOTrainer):
             return int(engine.gradient_accumulation_steps())
         return 1 if self.args.train.dynamic_batch_enable else max(int(self.strategy.accumulated_gradient), 1)
 
+    def _update_index(self) -> int:
+        """Which update this is: the engine's optimizer-step count (restored by a resume, so a resumed
+        run shuffles its windows like the uninterrupted one), else the number of ppo_train calls."""
+        steps = getattr(self._engine(), "global_steps", None)
+        return int(steps) if isinstance(steps, int) else self._ppo_calls
+
     def _mark_boundary(self, is_boundary: bool) -> None:
         engine = self._engine()
         if hasattr(engine, "set_gradient_accumulation_boundary"):
@@ -328,7 +334,7 @@ class LPOActorTrainer(ActorPPOTrainer):
         dp, gas = self._dp_size(), self._gas()
         members = layout.group_members(gids, K)
         groups_per_window = max(args.train.batch_size // (dp * K), 1)
-        gen = torch.Generator().manual_seed(int(args.train.seed) * 1000003 + self._ppo_calls * 1009 + epoch)
+        gen = torch.Generator().manual_seed(int(args.train.seed) * 1000003 + self._update_index() * 1009 + epoch)
         windows = layout.window_groups(members, groups_per_window, gen)
         lo_n, hi_n = self._all_reduce([-len(windows), len(windows)], op=dist.ReduceOp.MAX)
         if -lo_n != hi_n:

@@ -86,13 +86,17 @@ class LPOExperienceMaker(RemoteExperienceMaker):
                 f"{n} rollout samples is not a multiple of --rollout.n_samples_per_prompt {K}; "
                 "LPO needs every prompt's K responses"
             )
-        for g in range(n // K):
-            prompts = {tuple(rollout_samples[g * K + k].prompts) for k in range(K)}
-            if len(prompts) != 1:
+        groups = [rollout_samples[g * K:(g + 1) * K] for g in range(n // K)]
+        for g, members in enumerate(groups):
+            if len({tuple(m.prompts) for m in members}) != 1:
                 raise ValueError(
                     f"rollout samples {g * K}..{g * K + K - 1} do not share one prompt; LPO expects each "
                     "prompt's K responses to be consecutive (as OpenRLHF's SamplesGenerator returns them)"
                 )
+        # groups arrive in completion order (ray.wait): a canonical order makes the layout, and so the
+        # update, independent of which prompt finished first (reproducible runs and resumes)
+        groups.sort(key=lambda members: (str(members[0].prompts), str(members[0].labels)))
+        rollout_samples = [m for members in groups for m in members]
         dp = dp_size(args)
         used, dropped = layout.ranked_groups(n // K, dp)
         if used == 0:

@@ -45,6 +45,8 @@ PATCH_POINTS: List[PatchPoint] = [
                "train() imports it lazily (--train.async_enable) and calls PPOTrainer.remote(...)"),
     PatchPoint("async-training-actor", "openrlhf.trainer.ppo_trainer_async", "TrainingActor", "scoped-swap",
                "PPOTrainerAsync.__init__ looks it up at call time and starts TrainingActor.remote(...)"),
+    PatchPoint("async-samples-actor", "openrlhf.trainer.ppo_trainer_async", "GenerateSamplesActor", "scoped-swap",
+               "PPOTrainerAsync.__init__ starts it; ours seeds the prompt order first"),
     PatchPoint("balance-experiences", "openrlhf.trainer.ppo_trainer", "balance_experiences", "scoped-swap",
                "BasePPOTrainer.train_step calls it under dynamic batching; lpo hands each rank its own groups"),
     PatchPoint("entropy", "openrlhf.models.actor", "compute_entropy", "scoped-swap",
@@ -176,7 +178,10 @@ def check_contracts() -> None:
                              ("entropy", actor_mod.Actor.forward, "compute_entropy("),
                              ("async-training-actor", getattr(ppo_trainer_async.PPOTrainerAsync, "__ray_actor_class__",
                                                               ppo_trainer_async.PPOTrainerAsync).__init__,
-                              "TrainingActor.remote(")):
+                              "TrainingActor.remote("),
+                             ("async-samples-actor", getattr(ppo_trainer_async.PPOTrainerAsync, "__ray_actor_class__",
+                                                             ppo_trainer_async.PPOTrainerAsync).__init__,
+                              "GenerateSamplesActor.remote(")):
         if needle not in inspect.getsource(fn):
             raise RuntimeError(f"patch point {name}: {fn.__qualname__} no longer calls {needle[:-1]}")
     init_src = inspect.getsource(getattr(ppo_actor.PolicyModelActor, "__ray_actor_class__",

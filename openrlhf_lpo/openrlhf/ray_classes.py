@@ -9,7 +9,10 @@ Public names (stable):
     RemoteLPOPolicyActor = ray.remote(num_gpus=1)(LPOPolicyActor)   (same options as stock)
     RemoteLPOTrainer, RemoteLPOTrainingActor, RemoteLPOTrainerAsync
 
-Both trainers use ``LPOExperienceMaker`` instead of ``RemoteExperienceMaker`` and, for lpo, a
+The processes that build the prompt dataloader (the trainer; the async sample generator) seed torch
+with ``--train.seed`` first: the stock dataloader shuffles with the process's unseeded global RNG, so
+two runs with the same seed would see the prompts in different orders. Both trainers use
+``LPOExperienceMaker`` instead of ``RemoteExperienceMaker`` and, for lpo, a
 ``train_step`` that (1) skips a rollout batch with fewer prompt groups than data-parallel ranks
 (the end of an episode), with a warning, and (2) under dynamic batching hands each rank its own
 groups (``rank_experiences``) where the stock ``balance_experiences`` would scatter them.
@@ -30,7 +33,8 @@ from openrlhf_lpo.openrlhf.actor_trainer import LPOActorTrainer
 from openrlhf_lpo.openrlhf.config import dp_size
 from openrlhf_lpo.openrlhf.experience_maker import LPOExperienceMaker, rank_experiences
 
-__all__ = ["LPOPolicyActor", "LPOTrainer", "LPOTrainingActor", "LPOTrainerAsync", "RemoteLPOPolicyActor",
+__all__ = ["LPOPolicyActor", "LPOTrainer", "LPOTrainingActor", "LPOGenerateSamplesActor", "LPOTrainerAsync",
+           "RemoteLPOPolicyActor",
            "RemoteLPOTrainer", "RemoteLPOTrainingActor", "RemoteLPOTrainerAsync", "unwrap_ray_class"]
 
 logger = init_logger(__name__)
@@ -45,6 +49,14 @@ _StockPolicyActor = unwrap_ray_class(_ppo_actor_mod.PolicyModelActor)
 _StockPPOTrainer = unwrap_ray_class(_ppo_trainer_mod.PPOTrainer)
 _StockTrainingActor = unwrap_ray_class(_async_mod.TrainingActor)
 _StockPPOTrainerAsync = unwrap_ray_class(_async_mod.PPOTrainerAsync)
+_StockGenerateSamplesActor = unwrap_ray_class(_async_mod.GenerateSamplesActor)
+
+
+def _seed_prompt_order(strategy) -> None:
+    """Seed the global RNG the stock prompt dataloader shuffles with (same seed, same prompt order)."""
+    import torch
+
+    torch.manual_seed(int(strategy.args.train.seed))
 
 
 class LPOPolicyActor(_StockPolicyActor):
@@ -84,8 +96,9 @@ class _LPOTrainerMixin:
 
 
 class LPOTrainer(_LPOTrainerMixin, _StockPPOTrainer):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, pretrain, strategy, *args, **kwargs):
+        _seed_prompt_order(strategy)
+        super().__init__(pretrain, strategy, *args, **kwargs)
         self._use_lpo_experience_maker()
 
 
@@ -98,10 +111,20 @@ class LPOTrainingActor(_LPOTrainerMixin, _StockTrainingActor):
 RemoteLPOTrainingActor = ray.remote(LPOTrainingActor)
 
 
+class LPOGenerateSamplesActor(_StockGenerateSamplesActor):
+    def __init__(self, pretrain, strategy, *args, **kwargs):
+        _seed_prompt_order(strategy)
+        super().__init__(pretrain, strategy, *args, **kwargs)
+
+
+RemoteLPOGenerateSamplesActor = ray.remote(LPOGenerateSamplesActor)
+
+
 class LPOTrainerAsync(_StockPPOTrainerAsync):
     def __init__(self, *args, **kwargs):
-        # PPOTrainerAsync.__init__ looks TrainingActor up at call time: swap it for this call only.
-        with mock.patch.object(_async_mod, "TrainingActor", RemoteLPOTrainingActor):
+        # PPOTrainerAsync.__init__ looks both actor classes up at call time: swap them for this call only.
+        with mock.patch.object(_async_mod, "TrainingActor", RemoteLPOTrainingActor), \
+                mock.patch.object(_async_mod, "GenerateSamplesActor", RemoteLPOGenerateSamplesActor):
             super().__init__(*args, **kwargs)
 
 

@@ -1,11 +1,15 @@
 """Fixtures of the pipeline tests: a tiny offline Qwen3 shared by the session."""
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+HERE = str(Path(__file__).resolve().parent)
+if HERE not in sys.path:  # e2e_common, toy_reward (--import-mode=importlib puts nothing on sys.path)
+    sys.path.insert(0, HERE)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,120 @@
+"""Launching ``lpo-train`` end to end on the CPU (Ray, OpenRLHF's trainer and actors, DeepSpeed on
+gloo, the CPU rollout engine) and reading what a run leaves behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+REPO = Path(__file__).resolve().parents[2]
+TOY_REWARD = REPO / "tests" / "pipeline" / "toy_reward.py"
+RUN_TIMEOUT_S = int(os.environ.get("LPO_E2E_TIMEOUT", "900"))
+
+
+def write_prompts(path: Path, n: int) -> str:
+    """``n`` distinct prompts (the toy reward ignores labels)."""
+    path.write_text("".join(json.dumps({"prompt": f"Say something {i}:", "label": "x"}) + "\n" for i in range(n)))
+    return str(path)
+
+
+def base_args(model: str, data: str, out: Path, *, dp: int = 1, k: int = 4, rollout: int = 4, train: int = 8,
+              micro: int = 2, episodes: int = 1, estimator=("lpo", "--lpo.divergence", "fwd"), extra=()) -> List[str]:
+    return [
+        "--actor.model_name_or_path", model,
+        "--data.prompt_dataset", data, "--data.input_key", "prompt", "--data.label_key", "label",
+        "--reward.remote_url", str(TOY_REWARD),
+        "--vllm.num_engines", "1", "--vllm.sync_backend", "gloo",
+        "--actor.num_nodes", "1", "--actor.num_gpus_per_node", str(dp),
+        "--algo.kl.init_coef", "0", "--algo.advantage.estimator", *estimator,
+        "--rollout.batch_size", str(rollout), "--rollout.n_samples_per_prompt", str(k),
+        "--train.batch_size", str(train), "--train.micro_batch_size", str(micro), "--rollout.micro_batch_size", "2",
+        "--rollout.max_new_tokens", "8", "--data.max_len", "256", "--train.num_episodes", str(episodes),
+        "--ds.zero_stage", "2", "--ds.attn_implementation", "sdpa", "--actor.adam.lr", "0.002",
+        "--actor.lr_scheduler", "constant", "--actor.lr_warmup_ratio", "0",
+        "--train.seed", "7", "--ckpt.save_steps", "1", "--ckpt.path", str(out / "ckpt"),
+        "--ckpt.output_dir", str(out / "final"), "--logger.tensorboard_dir", str(out / "tb"),
+        *extra,
+    ]
+
+
+def run_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(OMP_NUM_THREADS="1", RAY_DEDUP_LOGS="0", TOKENIZERS_PARALLELISM="false")
+    for key in ("RAY_ADDRESS", "LPO_CPU_MODE"):
+        env.pop(key, None)
+    env.update(extra or {})
+    return env
+
+
+def run_cli(args: List[str], env: Dict[str, str], log: Path, stop_at_checkpoint: Optional[str] = None):
+    """Run ``python -m openrlhf_lpo.cli.train_ppo_ray``; with ``stop_at_checkpoint`` (a tag such as
+    ``global_step2``) kill the whole run with SIGKILL as soon as that checkpoint is complete (its
+    ``latest`` file names it), like a node that dies mid-run. Returns (returncode, seconds, log text)."""
+    t0 = time.time()
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "openrlhf_lpo.cli.train_ppo_ray", *args], env=env,
+                                stdout=f, stderr=subprocess.STDOUT, cwd=str(REPO), start_new_session=True)
+        latest = None
+        if stop_at_checkpoint:
+            latest = Path(args[args.index("--ckpt.path") + 1]) / "_actor" / "latest"
+        try:
+            while proc.poll() is None:
+                if time.time() - t0 > RUN_TIMEOUT_S:
+                    raise TimeoutError(f"lpo-train did not finish in {RUN_TIMEOUT_S} s")
+                if latest is not None and latest.exists() and latest.read_text().strip() == stop_at_checkpoint:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                    break
+                time.sleep(0.2)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return proc.returncode, time.time() - t0, log.read_text(errors="replace")
+
+
+def tb_scalars(tb_dir: Path) -> Dict[str, Dict[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    scalars: Dict[str, Dict[int, float]] = {}
+    for events in tb_dir.rglob("events.out.tfevents.*"):
+        acc = EventAccumulator(str(events.parent))
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            scalars.setdefault(tag, {}).update({e.step: e.value for e in acc.Scalars(tag)})
+    return scalars
+
+
+def logged_steps(log: str) -> List[int]:
+    import re
+
+    return [int(m) for m in re.findall(r"Global step (\d+):", log)]
+
+
+def read_jsonl(path: Path):
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def load_weights(model_dir: Path):
+    from safetensors.torch import load_file
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    assert files, f"no safetensors in {model_dir}"
+    state = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
+def max_weight_diff(a, b) -> float:
+    """Max |a - b| over the tensors both hold (a saved model may add a tied lm_head the source lacks)."""
+    common = a.keys() & b.keys()
+    assert len(common) >= 0.9 * max(len(a), len(b)), (sorted(a.keys() ^ b.keys())[:5])
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in common)

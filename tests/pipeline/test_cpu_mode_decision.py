@@ -1,0 +1,87 @@
+"""How lpo-train decides the CPU mode: from this driver AND the Ray cluster it joins (RAY_ADDRESS).
+
+A GPU cluster's driver often runs on a head or login node without a GPU (KubeRay, Slurm): it must
+run the real GPU pipeline, not the CPU mode. Real local Ray clusters declare logical GPU slots here.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+HEAD = r"""
+import sys, time, ray
+ray.init(num_cpus=1, num_gpus=int(sys.argv[1]), include_dashboard=False)
+print(ray.get_runtime_context().gcs_address, flush=True)
+time.sleep(600)
+"""
+
+DRIVER = r"""
+import json, os, sys
+from openrlhf_lpo.cpu import decide_cpu_mode, init_ray
+on, reason = decide_cpu_mode("auto", os.environ["RAY_ADDRESS"], local_gpu=False)
+out = {"on": on, "reason": reason, "off_flag": decide_cpu_mode("off", os.environ["RAY_ADDRESS"])[0],
+       "on_flag": decide_cpu_mode("on", os.environ["RAY_ADDRESS"])[0]}
+if on:
+    import ray
+    ray.shutdown()
+    try:
+        init_ray()
+        out["init"] = "ok"
+    except RuntimeError as e:
+        out["init"] = str(e)
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture
+def ray_head():
+    procs = []
+
+    def start(gpus):
+        p = subprocess.Popen([sys.executable, "-c", HEAD, str(gpus)], stdout=subprocess.PIPE, text=True,
+                             start_new_session=True)
+        procs.append(p)
+        address = p.stdout.readline().strip()
+        assert address, "the Ray head did not start"
+        return address
+
+    yield start
+    for p in procs:  # our own head only (never `ray stop`: other clusters may run on this machine)
+        p.terminate()
+        try:
+            p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def _driver(address):
+    env = dict(os.environ, RAY_ADDRESS=address)
+    out = subprocess.run([sys.executable, "-c", DRIVER], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_gpu_less_driver_joining_a_gpu_cluster_keeps_cpu_mode_off(ray_head):
+    res = _driver(ray_head(2))
+    assert res["on"] is False and "has 2 GPUs" in res["reason"]
+    assert res["off_flag"] is False and res["on_flag"] is True
+
+
+def test_cluster_without_gpus_gets_cpu_mode_and_a_clear_error(ray_head):
+    res = _driver(ray_head(0))
+    assert res["on"] is True and "has none" in res["reason"]
+    assert "declares no GPU resources" in res["init"] and "ray start --head --num-gpus" in res["init"]
+
+
+def test_no_cluster_and_no_gpu_means_cpu_mode():
+    from openrlhf_lpo.cpu import decide_cpu_mode
+
+    assert decide_cpu_mode("auto", None, local_gpu=False) == (True, "no GPU here and no Ray cluster to join "
+                                                                    "(RAY_ADDRESS unset)")
+    assert decide_cpu_mode("auto", None, local_gpu=True)[0] is False
+    with pytest.raises(ValueError, match="--cpu.mode"):
+        decide_cpu_mode("sometimes", None)
