@@ -147,6 +147,7 @@ def _patch_deepspeed_strategy(module) -> None:
                 params = opt.get("params", {})
                 opt["type"] = "SGD"
                 opt["params"] = {"lr": params.get("lr", 1e-3), "weight_decay": 0.0}
+                cfg["zero_allow_untested_optimizer"] = True
             else:
                 opt.setdefault("params", {})["torch_adam"] = True
         return cfg

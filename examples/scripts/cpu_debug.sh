@@ -8,7 +8,6 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 WORK="${WORK:-/tmp/lpo_cpu_debug}"
 METHOD="${METHOD:-lpo_fwd}"
 source "$ROOT/configs/methods/$METHOD.sh"
-source "$ROOT/examples/scripts/lib/python.sh"
 
 ARGS=(
   --actor.model_name_or_path "$WORK/tiny-qwen3"
@@ -26,6 +25,7 @@ ARGS=(
   "${METHOD_ARGS[@]}"
 )
 if [ "${LPO_PRINT_ARGS:-0}" = "1" ]; then printf '%s\n' "${ARGS[@]}"; exit 0; fi
+source "$ROOT/examples/scripts/lib/python.sh"
 if [ "${LPO_DRY_RUN:-0}" = "1" ]; then  # validate and print the plan; builds only the tiny model and data
   mkdir -p "$WORK"
   [ -f "$WORK/tiny-qwen3/config.json" ] || "$PY" -c "from openrlhf_lpo.tiny import build_tiny_model; build_tiny_model('$WORK/tiny-qwen3')"
