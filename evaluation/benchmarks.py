@@ -256,6 +256,29 @@ for _spec in (
     register_benchmark(_spec)
 
 
+_CUSTOM_NAME = re.compile(r"^[a-z][a-z0-9_.-]{0,63}$")
+
+
+def register_custom_benchmarks(data: dict[str, str]) -> list[str]:
+    """Register every ``--data`` name that is not a known benchmark as a custom math benchmark.
+
+    A custom benchmark reads ``problem``/``question`` and ``answer`` fields (or a verl/LUFFY
+    ``prompt`` + ``reward_model.ground_truth`` row), is graded as math, has k=1 by default and is
+    in neither the math nor the OOD average (group ``custom``). Returns the new names.
+    """
+    new = []
+    for name in data:
+        key = name.strip().lower()
+        if key in BENCHMARKS or key in _ALIASES:
+            continue
+        if not _CUSTOM_NAME.match(key):
+            raise ValueError(f"--data {name}=...: a custom benchmark name must match [a-z][a-z0-9_.-]*")
+        register_benchmark(BenchmarkSpec(key, "math", "custom", 1, _conv_math, None,
+                                         note=f"custom benchmark: pass --data {key}=PATH"))
+        new.append(key)
+    return new
+
+
 def get_benchmark(name: str) -> BenchmarkSpec:
     key = name.strip().lower()
     key = _ALIASES.get(key, key)
