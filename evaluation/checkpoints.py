@@ -96,13 +96,15 @@ def parse_step(path: str) -> int | None:
 def run_and_label(path: str) -> tuple[str, int | None, str]:
     """``(run name, step, label)`` of a local checkpoint path, e.g. ``("lpo_fwd", 20, "lpo_fwd__global_step20_hf")``."""
     parts = [p for p in Path(os.path.abspath(path)).parts if p not in ("/", "")]
+    leaf = parts[-1] if parts else "model"
     step_at = next((i for i in range(len(parts) - 1, -1, -1) if _STEP_RE.search(parts[i])), None)
-    above = parts[:step_at] if step_at is not None else parts[:-1]
-    run = next((p for p in reversed(above) if p.lower() not in GENERIC_DIRS and not _STEP_RE.search(p)), "")
-    leaf = parts[step_at] if step_at is not None else (parts[-1] if parts else "model")
-    step = int(_STEP_RE.search(leaf).group(1)) if step_at is not None else None
-    label = f"{run}__{leaf}" if run else leaf
-    return run or leaf, step, re.sub(r"[^A-Za-z0-9._-]+", "_", label)[-80:]
+    if step_at is None:  # a model without a training step (a base or downloaded model): it is its own run
+        label = re.sub(r"[^A-Za-z0-9._-]+", "_", leaf)[-80:]
+        return leaf, None, label
+    run = next((p for p in reversed(parts[:step_at]) if p.lower() not in GENERIC_DIRS and not _STEP_RE.search(p)), "")
+    step_dir = parts[step_at]
+    label = f"{run}__{step_dir}" if run else step_dir
+    return run or step_dir, int(_STEP_RE.search(step_dir).group(1)), re.sub(r"[^A-Za-z0-9._-]+", "_", label)[-80:]
 
 
 def checkpoint_id(ckpt: Checkpoint | str) -> str:

@@ -158,7 +158,7 @@ def job_config(ck: Checkpoint, ckpt_id: str, loaded: LoadedBenchmark, n: int, k:
         "system_prompt": opts.system_prompt,
         "chat_template_kwargs": dict(sorted(opts.chat_template_kwargs.items())),
         "prompts_sha": prompts_sha,
-        "sampling": dataclasses.asdict(opts.sampling(stop)),
+        "sampling": {**dataclasses.asdict(opts.sampling(stop)), "stop": list(stop)},
         "seed": opts.seed,
         "engine": opts.engine,
         "per_request_seed": opts.per_request_seed if vllm else True,
