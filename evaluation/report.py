@@ -273,9 +273,17 @@ def _save_panels(fig, axes, used: int, path: Path) -> None:
     for ax in list(axes.flat)[used:]:
         ax.axis("off")
     handles, labels = axes.flat[0].get_legend_handles_labels()
-    if handles:
-        fig.legend(handles, labels, loc="lower center", ncol=min(3, len(labels)), fontsize=7)
-    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    bottom = 0.02
+    if handles:  # as many legend columns as fit the figure's width (7 pt text: ~4 pt per character)
+        width_pt = fig.get_figwidth() * 72
+        ncol = max(1, min(len(labels), int(width_pt // (4.2 * max(len(x) for x in labels) + 30))))
+        rows = math.ceil(len(labels) / ncol)
+        extra = 0.16 * rows + 0.1  # inches for the legend below the panels
+        height = fig.get_figheight()
+        fig.set_figheight(height + extra)
+        bottom = extra / (height + extra)
+        fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=7)
+    fig.tight_layout(rect=(0, bottom, 1, 1))
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110, metadata={"Software": None})
     plt.close(fig)
