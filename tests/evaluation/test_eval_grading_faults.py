@@ -85,6 +85,8 @@ def test_last_box_on_every_math500_gold(pool, bench_dir):
     old = pool.grade([("math_allboxes", r, g) for _, r, g in fixed], timeout=3)
     # the old rule reads a set {g+1, g}: most golds fail (tuples/intervals may parse differently)
     assert sum(r.correct for r in old) < 0.2 * len(golds)
+    recanted = pool.grade([("math", f"\\boxed{{{g}}}, or rather \\boxed{{{g}+1}}", g) for g in golds], timeout=3)
+    assert not any(r.correct for r in recanted), [(golds[i], r) for i, r in enumerate(recanted) if r.correct][:5]
 
 
 def test_fast_path_and_fbox_agree_with_math_verify():

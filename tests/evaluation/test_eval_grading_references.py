@@ -7,6 +7,7 @@ import pytest
 
 from evaluation.benchmarks import load_benchmark
 from evaluation.grading import grade_choice
+from openrlhf_lpo.rewards.grading import last_boxed
 
 MATH = ["aime24", "aime25", "amc23", "math500", "minerva", "olympiadbench"]
 NUMBER = re.compile(r"-?\d+(\.\d+)?")
@@ -41,29 +42,30 @@ def test_every_gold_grades_correct_when_boxed_and_wrong_when_perturbed(bench, po
         ("\\boxed{%s} hmm, no: \\boxed{%s}" % (perturb(g), g), g) for g in golds
     ]
     good = pool.grade([("math_full", r, g) for r, g in good_items], timeout=20)
-    bad_items = [("The answer is \\boxed{%s}." % perturb(g), g) for g in golds] + [
-        ("\\boxed{%s}, or rather \\boxed{%s}" % (g, perturb(g)), g) for g in golds
-    ]
+    bad_items = [("The answer is \\boxed{%s}." % perturb(g), g) for g in golds]
     # symbolic comparisons of two different expressions can be slow: a short limit keeps the suite fast,
     # and a killed item still counts as "not correct" (the verdict this test is about)
-    bad = pool.grade([("math_full", r, g) for r, g in bad_items], timeout=3)
+    bad = pool.grade([("math", r, g) for r, g in bad_items], timeout=3)
     wrong_self = [(i, good_items[i], r) for i, r in enumerate(good) if not (r.correct and r.status == "ok")]
     assert not wrong_self, wrong_self[:5]
     known = KNOWN_FALSE_POSITIVES.get(bench, set())
-    fooled = {i % len(golds) for i, r in enumerate(bad) if r.correct}
+    fooled = {i for i, r in enumerate(bad) if r.correct}
     assert fooled <= known, [(i, golds[i], bad_items[i][0]) for i in sorted(fooled - known)]
     for i in sorted(known):  # the pinned defects, graded without the short limit
-        assert pool.grade([("math_full", "\\boxed{%s}" % perturb(golds[i]), golds[i])], timeout=60)[0].correct, (i, golds[i])
+        assert pool.grade([("math_full",) + bad_items[i]], timeout=60)[0].correct, (i, golds[i])
     # a perturbed answer is a real answer in (nearly) every row: the grader compared (or was still
     # comparing when the short limit hit, which depends on machine load), it did not fail to parse
     assert sum(r.status in ("no_answer", "error") for r in bad) <= 0.05 * len(bad)
     assert sum(r.status == "ok" for r in bad) >= 0.5 * len(bad)
-    # the fast path never changes a verdict: same (correct, status) as math-verify on every item
+    # the fast path never changes a verdict: same (correct, status) as math-verify on every right answer ...
     fast_good = pool.grade([("math", r, g) for r, g in good_items], timeout=20)
     assert [(r.correct, r.status) for r in fast_good] == [(r.correct, r.status) for r in good]
-    finished = [i for i, r in enumerate(bad) if r.status != "timeout"]  # a timeout is the clock, not a verdict
-    fast_bad = pool.grade([("math",) + bad_items[i] for i in finished], timeout=20)
-    assert [(r.correct, r.status) for r in fast_bad] == [(bad[i].correct, bad[i].status) for i in finished]
+    # ... and on perturbed answers: its condition (the graded box is the gold string) never holds for them,
+    # so they take the full path; checked both ways on the first 60 that finish in time
+    assert all(last_boxed(r).strip() != g.strip() for r, g in bad_items)
+    finished = [i for i, r in enumerate(bad) if r.status != "timeout"][:60]  # a timeout is the clock, not a verdict
+    full_bad = pool.grade([("math_full",) + bad_items[i] for i in finished], timeout=20)
+    assert [(r.correct, r.status) for r in full_bad] == [(bad[i].correct, bad[i].status) for i in finished]
 
 
 def test_math500_full_reference_solutions_grade_correct(pool, bench_dir):
