@@ -166,16 +166,23 @@ def test_wandb_offline_run_holds_the_eval_series(sums_runs, tmp_path, monkeypatc
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
     assert main(["report", "--runs", str(out), "--no-plots", "--wandb-project", "lpo-eval-test"]) == 0
-    (run_file,) = list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
+    import time
+
     from wandb.proto import wandb_internal_pb2
 
-    history = []
-    for data in _wandb_records(run_file.read_bytes()):
-        rec = wandb_internal_pb2.Record()
-        rec.ParseFromString(data)
-        if rec.WhichOneof("record_type") == "history":
-            history.append({item.nested_key[0] if item.nested_key else item.key: json.loads(item.value_json)
-                            for item in rec.history.item})
+    (run_file,) = list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
+    deadline = time.monotonic() + 60
+    while True:  # the wandb-core service writes the file asynchronously, also after finish() returned
+        history = []
+        for data in _wandb_records(run_file.read_bytes()):
+            rec = wandb_internal_pb2.Record()
+            rec.ParseFromString(data)
+            if rec.WhichOneof("record_type") == "history":
+                history.append({item.nested_key[0] if item.nested_key else item.key: json.loads(item.value_json)
+                                for item in rec.history.item})
+        if len(history) >= 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     ms = {json.loads(p.read_text())["step"]: json.loads(p.read_text()) for p in out.glob("*/sums-*/metrics.json")}
     assert [h["eval/global_step"] for h in history] == [10, 20]
     assert [h["eval/sums_pass1"] for h in history] == pytest.approx([ms[10]["pass@1"], ms[20]["pass@1"]])
@@ -194,6 +201,8 @@ def _wandb_records(raw: bytes):
             pos += left
             continue
         _, length, kind = struct.unpack("<IHB", raw[pos : pos + 7])
+        if pos + 7 + length > len(raw):  # a record still being written
+            return
         chunk = raw[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind == 0:
