@@ -232,9 +232,14 @@ def resolve_checkpoints(specs: list[str]) -> tuple[list[Checkpoint], list[tuple[
                 raise ValueError(f"--ckpts {part!r} is a file; pass the model directory that holds config.json")
             elif _HUB_ID_RE.match(part) and not part.startswith((".", "~")):
                 ck = _hub_checkpoint(part)
-                if os.path.realpath(ck.path) not in seen:
-                    seen.add(os.path.realpath(ck.path))
+                if os.path.realpath(ck.path) in seen:
+                    continue
+                seen.add(os.path.realpath(ck.path))
+                if has_weights(ck.path):
                     out.append(ck)
+                else:
+                    bad.append((part, "the cached snapshot has no *.safetensors weights (only safetensors are "
+                                      "downloaded): download the model yourself and pass its folder"))
             else:
                 raise ValueError(f"--ckpts {part!r} is not a model directory (no such directory)")
     if not out and not bad:

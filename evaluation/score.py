@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from openrlhf_lpo.rewards.grading import GradeResult, GraderPool, assistant_text, grade_choice, math_kind
 
@@ -128,16 +128,30 @@ def _think_flags(d: Path, cfg: dict) -> dict[str, str | None]:
     return {"*": "<think>" if cfg.get("template") == "r1" else None}
 
 
-def _grade_rows(rows: list[dict], cfg: dict, prompts: dict, pool: GraderPool, timeout: float, fast_path: bool,
-                boxes: str, progress) -> list[GradeResult]:
-    texts = [assistant_text(r["response"], prompts.get(r["problem_id"], prompts.get("*"))) for r in rows]
-    if cfg["kind"] == "math":
-        kind = math_kind(fast_path, boxes)
-        return pool.grade([(kind, t, r["gold"]) for t, r in zip(texts, rows)], timeout=timeout, progress=progress)
+def _grade_math(rows: list[dict], texts: list[str], pool: GraderPool, opts: dict, progress) -> list[GradeResult]:
+    kind = math_kind(opts["fast_path"], opts["boxes"])
+    return pool.grade([(kind, t, r["gold"]) for t, r in zip(texts, rows)], timeout=opts["timeout"], progress=progress)
+
+
+def _grade_choice(rows: list[dict], texts: list[str], pool: GraderPool, opts: dict, progress) -> list[GradeResult]:
     results = [grade_choice(t, r["gold"], r.get("choices")) for t, r in zip(texts, rows)]
     if progress:
         progress(len(rows))
     return results
+
+
+# How a benchmark kind is graded: fn(rows, graded texts, pool, {timeout, fast_path, boxes}, progress) -> results.
+# A new kind (say "code", run in a sandbox) registers its grader here.
+GRADERS: dict[str, Callable] = {"math": _grade_math, "choice": _grade_choice}
+
+
+def _grade_rows(rows: list[dict], cfg: dict, prompts: dict, pool: GraderPool, timeout: float, fast_path: bool,
+                boxes: str, progress) -> list[GradeResult]:
+    if cfg["kind"] not in GRADERS:
+        raise ValueError(f"{cfg['benchmark']}: no grader for kind {cfg['kind']!r} (known: {', '.join(GRADERS)})")
+    texts = [assistant_text(r["response"], prompts.get(r["problem_id"], prompts.get("*"))) for r in rows]
+    opts = {"timeout": timeout, "fast_path": fast_path, "boxes": boxes}
+    return GRADERS[cfg["kind"]](rows, texts, pool, opts, progress)
 
 
 def score_job(d: Path, pool: GraderPool, timeout: float, fast_path: bool = True, force: bool = False,

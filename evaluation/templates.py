@@ -80,8 +80,16 @@ def _chatml(system: str | None, user: str) -> str:
     return out + f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
 
 
+# Per problem kind: (instruction after the question, the verl-style instruction). A new kind (say "code")
+# registers its pair here.
+INSTRUCTIONS: dict[str, tuple[str, str]] = {
+    "math": (MATH_INSTRUCTION, VERL_MATH_INSTRUCTION),
+    "choice": (CHOICE_INSTRUCTION, VERL_CHOICE_INSTRUCTION),
+}
+
+
 def _instruction(kind: str) -> str:
-    return CHOICE_INSTRUCTION if kind == "choice" else MATH_INSTRUCTION
+    return INSTRUCTIONS[kind][0]
 
 
 def _apply_chat(ctx: PromptContext, user: str, template_name: str) -> str:
@@ -129,8 +137,7 @@ def _qwen25_math_cot(question: str, kind: str, ctx: PromptContext) -> str:
 
 @register_template("verl-math", uses_chat_template=True, system_prompt=True)
 def _verl_math(question: str, kind: str, ctx: PromptContext) -> str:
-    instr = VERL_CHOICE_INSTRUCTION if kind == "choice" else VERL_MATH_INSTRUCTION
-    return _apply_chat(ctx, f"{question} {instr}", "verl-math")
+    return _apply_chat(ctx, f"{question} {INSTRUCTIONS[kind][1]}", "verl-math")
 
 
 @register_template("r1")
@@ -172,10 +179,10 @@ def check_context(template: str, system_prompt: str | None, chat_template_kwargs
 
 def render_prompt(template: str, question: str, kind: str, tokenizer: Any = None, system_prompt: str | None = None,
                   chat_template_kwargs: dict | None = None) -> str:
-    """The prompt for ``question`` under ``template`` (``kind``: "math" or "choice")."""
+    """The prompt for ``question`` under ``template`` (``kind``: a key of :data:`INSTRUCTIONS`)."""
     t = get_template(template)
-    if kind not in ("math", "choice"):
-        raise ValueError(f"kind must be 'math' or 'choice', got {kind!r}")
+    if kind not in INSTRUCTIONS:
+        raise ValueError(f"kind must be one of {', '.join(INSTRUCTIONS)}, got {kind!r}")
     check_context(template, system_prompt, chat_template_kwargs)
     return t.render(question, kind, PromptContext(tokenizer, system_prompt, dict(chat_template_kwargs or {})))
 
