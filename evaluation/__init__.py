@@ -1,6 +1,10 @@
 """LPO evaluation: ``lpo-eval generate -> score -> report`` over checkpoints and benchmarks.
 
-Modules: ``benchmarks`` (data by name), ``templates`` (prompts), ``engines`` (vllm / hf), ``generate``,
-``score``, ``report``, ``metrics`` (Pass@k), ``grading`` (the contract API over the shared grader).
-Importing this package is cheap: nothing heavy is imported here.
+Modules: ``benchmarks`` (data by name, custom ``--data`` sets), ``templates`` (prompts, default stop
+strings), ``checkpoints`` (``--ckpts`` resolution, run name and step), ``engines`` (vllm / hf),
+``generate``, ``locks`` (per-job locks for a shared ``--out``), ``score``, ``majority`` (maj@k answer
+clusters), ``metrics`` (pass@k, worst@k, maj@k, lengths), ``report``, ``views`` (``show`` /
+``compare``), ``trackers`` (TensorBoard / W&B), ``training_eval`` (OpenRLHF's ``--eval.*`` path) and
+``grading`` (the contract API over the shared grader). Importing this package is cheap: nothing heavy
+is imported here.
 """
