@@ -7,6 +7,9 @@ A checkpoint is named by its id under ``--runs`` or any unique substring of it (
 A problem's accuracy is c/n over its samples; in ``compare`` a problem is *gained* when the first
 checkpoint solved none of its samples and the second at least one, *lost* the other way round, and
 *changed* when its accuracy moved otherwise.
+
+A long gold (a code problem's tests JSON) is cut to :data:`GOLD_INLINE` characters in headers, summaries
+and the compare table, and shown whole in its own block of the problem.
 """
 
 from __future__ import annotations
@@ -91,10 +94,21 @@ def select_records(recs: list[dict], problems: list[str] | None = None, only: st
     return recs
 
 
+GOLD_INLINE = 80
+
+
+def _brief(gold: str) -> str:
+    """``gold`` on one line, cut to :data:`GOLD_INLINE` characters."""
+    one = gold.replace("\n", " ")
+    return one if len(one) <= GOLD_INLINE else one[:GOLD_INLINE] + f"... [{len(one) - GOLD_INLINE} more chars]"
+
+
 def show_text(title: str, recs: list[dict], max_chars: int = 2000) -> str:
     out = [title, ""]
     for r in recs:
-        out.append(f"=== problem {r['problem_id']}  gold: {r['gold']}  accuracy: {r['accuracy']:.2f}")
+        out.append(f"=== problem {r['problem_id']}  gold: {_brief(r['gold'])}  accuracy: {r['accuracy']:.2f}")
+        if _brief(r["gold"]) != r["gold"]:
+            out += ["--- gold", r["gold"]]
         if r["question"] is not None:
             out += ["--- question", r["question"]]
         if r["prompt"] is not None:
@@ -148,6 +162,8 @@ def _problem_head_html(rec: dict) -> str:
         out += f"<div><b>question</b><pre>{html.escape(rec['question'])}</pre></div>"
     if rec["prompt"] is not None:
         out += f"<details><summary>prompt</summary><pre>{html.escape(rec['prompt'])}</pre></details>"
+    if _brief(rec["gold"]) != rec["gold"]:
+        return out + f"<div><b>gold</b><pre>{html.escape(rec['gold'])}</pre></div>"
     return out + f"<div><b>gold</b> <code>{html.escape(rec['gold'])}</code></div>"
 
 
@@ -155,7 +171,7 @@ def show_html(title: str, recs: list[dict]) -> str:
     body = []
     for r in recs:
         body.append(f"<details><summary>problem {html.escape(r['problem_id'])}: accuracy {r['accuracy']:.2f} "
-                    f"(gold <code>{html.escape(r['gold'])}</code>)</summary>{_problem_head_html(r)}{_samples_html(r)}</details>")
+                    f"(gold <code>{html.escape(_brief(r['gold']))}</code>)</summary>{_problem_head_html(r)}{_samples_html(r)}</details>")
     return _page(title, "\n".join(body))
 
 
@@ -213,7 +229,7 @@ def compare_markdown(cmp: dict, max_rows: int = 50) -> str:
         out += [f"#### {bench}: problems whose accuracy moved (largest first)\n",
                 "| problem | gold | A acc | B acc | change |", "|---|---|---:|---:|---|"]
         for r in moved[:max_rows]:
-            gold = r["gold"].replace("|", "\\|").replace("\n", " ")
+            gold = _brief(r["gold"]).replace("|", "\\|")
             out.append(f"| {r['problem_id']} | `{gold}` | {r['a']:.2f} | {r['b']:.2f} | {r['change']} |")
         if len(moved) > max_rows:
             out.append(f"\n({len(moved) - max_rows} more in the HTML page)")
