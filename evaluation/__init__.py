@@ -1,6 +1,11 @@
 """LPO evaluation: ``lpo-eval generate -> score -> report`` over checkpoints and benchmarks.
 
-Modules: ``benchmarks`` (data by name), ``templates`` (prompts), ``engines`` (vllm / hf), ``generate``,
-``score``, ``report``, ``metrics`` (Pass@k), ``grading`` (the contract API over the shared grader).
-Importing this package is cheap: nothing heavy is imported here.
+Modules: ``benchmarks`` (data by name, custom ``--data`` sets), ``code_benchmarks`` (PRIME/HumanEval/
+MBPP: the ``code`` kind, graded in the sandbox), ``templates`` (prompts, default stop strings),
+``checkpoints`` (``--ckpts`` resolution, run name and step), ``engines`` (vllm / hf), ``generate``,
+``locks`` (per-job locks for a shared ``--out``), ``score``, ``majority`` (maj@k answer clusters),
+``metrics`` (pass@k, worst@k, maj@k, lengths), ``report``, ``views`` (``show`` / ``compare``),
+``trackers`` (TensorBoard / W&B), ``training_eval`` (OpenRLHF's ``--eval.*`` path) and ``grading``
+(the contract API over the shared grader, the graders by kind). Importing this package is cheap:
+nothing heavy is imported here.
 """

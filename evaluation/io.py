@@ -34,12 +34,30 @@ def config_sha(config: dict) -> str:
     return sha256_text(canonical_json(config))
 
 
+def _umask() -> int:
+    try:  # Linux: read it without changing it (os.umask would race with other threads)
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write to a temporary file in the same directory, fsync, then ``os.replace``."""
+    """Write to a temporary file in the same directory, fsync, then ``os.replace``.
+
+    The file gets the permissions of a plainly created one (``0666 & ~umask``, e.g. 0644), not the
+    0600 of ``mkstemp``: results are meant to be read by the team.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix="." + path.name + ".", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

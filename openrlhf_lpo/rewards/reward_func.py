@@ -97,9 +97,15 @@ def response_of(query: str, prompt: str) -> str:
 
 
 def score_one(query: str, prompt: str, label) -> Tuple[float, str]:
-    """Reward and status of one sample."""
+    """Reward and status of one sample.
+
+    The graded text is the assistant's turn: when the prompt opens a ``<think>`` block (the R1
+    templates), it is put back in front of the response, so unfinished reasoning has no answer.
+    """
+    from openrlhf_lpo.rewards.extraction import assistant_text
+
     parsed = parse_label(label)
-    return REWARDS[parsed["task"]](response_of(query, prompt), parsed)
+    return REWARDS[parsed["task"]](assistant_text(response_of(query, prompt), prompt), parsed)
 
 
 def reward_func(queries: List[str], prompts: List[str], labels: List[str]) -> dict:

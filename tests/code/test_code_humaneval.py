@@ -87,15 +87,54 @@ def test_lpo_eval_scores_code_pass_at_k(tmp_path, problems):
         want = sum(pass_at_k(3, c, k) for c in expected_correct) / len(expected_correct)
         assert m["pass@k"][str(k)] == pytest.approx(want)
     assert m["pass@1"] == pytest.approx(sum(expected_correct) / (3 * 12))
+    assert m["best_of_n"] == pytest.approx(sum(c > 0 for c in expected_correct) / 12)
+    assert m["worst_of_n"] == pytest.approx(sum(c == 3 for c in expected_correct) / 12)
     assert m["no_answer_rate"] == pytest.approx(8 / 36)  # the 8 "cannot solve" samples have no code
+    assert "maj@k" not in m and m["grader"]["majority"] is False  # programs have no answer to vote with
     samples = [json.loads(line) for line in open(job / "samples.jsonl")]
     assert {s["grader_status"] for s in samples} == {"ok", "no_answer"}
     assert samples[3]["extracted"] == "1/1 ok" and samples[4]["extracted"] == "0/1 fail"
 
 
+def test_code_scoring_reads_the_assistant_turn_and_shows_long_golds(tmp_path, problems):
+    """A prompt that opens <think>: code inside the unfinished reasoning is no code; `show` cuts the tests JSON."""
+    from evaluation.benchmarks import load_benchmark
+    from evaluation.generate import CONFIG_FILE, GEN_FILE, PROBLEMS_FILE
+    from evaluation.io import atomic_write_json, atomic_write_jsonl, config_sha
+    from evaluation.score import score_job
+    from evaluation.views import GOLD_INLINE, problem_records, show_text
+
+    loaded = load_benchmark("humaneval", limit=2)
+    by_id = {r["task_id"]: r for r in problems}
+    job = tmp_path / "ckpt" / "humaneval-y"
+    job.mkdir(parents=True)
+    cfg = {"checkpoint": "ckpt", "benchmark": "humaneval", "group": "code", "kind": "code", "n": 2, "k": 2}
+    atomic_write_json(job / CONFIG_FILE, {**cfg, "config_sha": config_sha(cfg)})
+    p0, p1 = loaded.problems
+    atomic_write_jsonl(job / PROBLEMS_FILE, [
+        {"problem_id": p0.id, "question": p0.question, "prompt": "User: solve it.\nAssistant: <think>", "gold": p0.gold},
+        {"problem_id": p1.id, "question": p1.question, "prompt": "User: solve it.\nAssistant:", "gold": p1.gold},
+    ])
+    good0, good1 = (responses([by_id[p.id]], False)[0] for p in (p0, p1))
+    samples = {p0.id: ["plan.</think>\n" + good0, "still thinking " + good0],  # the second never closes <think>
+               p1.id: [good1, "<think>plan</think>\n" + good1]}
+    rows = [{"checkpoint": "ckpt", "benchmark": "humaneval", "problem_id": pid, "sample_idx": j, "prompt_sha": "0",
+             "response": r, "finish_reason": "stop", "n_tokens": 1, "gold": p.gold}
+            for p in (p0, p1) for pid in [p.id] for j, r in enumerate(samples[pid])]
+    (job / GEN_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    m = score_job(job, pool=None, timeout=5.0, show_progress=False)
+    graded = [(s["correct"], s["grader_status"]) for s in map(json.loads, open(job / "samples.jsonl"))]
+    assert graded == [(True, "ok"), (False, "no_answer"), (True, "ok"), (True, "ok")]
+    assert m["pass@1"] == pytest.approx(3 / 4) and m["no_answer_rate"] == pytest.approx(1 / 4)
+    text = show_text("t", problem_records(job))
+    head = next(line for line in text.splitlines() if line.startswith(f"=== problem {p0.id} "))
+    assert len(p0.gold) > GOLD_INLINE and p0.gold not in head and "more chars]" in head
+    assert f"--- gold\n{p0.gold}\n" in text  # the whole tests JSON in its own block
+
+
 def test_code_prompts_and_benchmark_errors(monkeypatch):
     from evaluation.benchmarks import load_benchmark
-    from evaluation.templates import render_prompt
+    from evaluation.templates import default_stop, render_prompt
     from openrlhf_lpo.data.templates import CODE_INSTRUCTION, PRIME_SYSTEM_PROMPT
 
     q = load_benchmark("humaneval", limit=1).problems[0].question
@@ -104,6 +143,10 @@ def test_code_prompts_and_benchmark_errors(monkeypatch):
                      "<|im_end|>\n<|im_start|>assistant\n")
     assert render_prompt("qwen-boxed", q, "code").endswith("Present the code in \n```python\nYour code\n```\nat the end.<|im_end|>\n<|im_start|>assistant\n")
     assert "\\boxed" not in render_prompt("none", q, "code")
+    assert render_prompt("prime", q, "code", system_prompt="Be brief.").startswith("<|im_start|>system\nBe brief.<|im_end|>")
+    with pytest.raises(ValueError, match="--chat-template-kwargs: the tokenizer has no chat template"):
+        render_prompt("prime", q, "code", chat_template_kwargs={"enable_thinking": False})
+    assert default_stop("prime") == ["<|im_end|>"]
     with pytest.raises(ValueError, match="has no staged copy: PRIME's held-out code problems"):
         load_benchmark("prime_code")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -135,15 +178,17 @@ def test_prime_code_from_a_local_file(tmp_path):
     assert json.loads(loaded.problems[0].gold) == gt and loaded.problems[0].kind == "code"
 
 
-def test_lpo_eval_run_on_humaneval_with_a_tiny_model(tmp_path, repo_env):
-    """generate -> score (sandbox) -> report for the code benchmark; a random model scores 0."""
+def test_lpo_eval_run_on_humaneval_with_a_tiny_model(tmp_path, repo_env, capsys):
+    """generate -> score (sandbox) -> report -> show for the code benchmark; a random model scores 0."""
+    from evaluation.cli import main
+    from openrlhf_lpo.data.templates import CODE_INSTRUCTION, PRIME_SYSTEM_PROMPT
     from openrlhf_lpo.tiny import build_tiny_model
 
     ckpt = build_tiny_model(tmp_path / "run" / "global_step_1", num_layers=1, hidden_size=64, num_heads=2,
                             head_dim=32, num_kv_heads=1, intermediate_size=128)
     out = tmp_path / "runs"
     cmd = [sys.executable, "-m", "evaluation", "run", "--ckpts", ckpt, "--benchmarks", "humaneval", "--engine", "hf",
-           "--template", "prime", "--limit", "2", "--n", "2", "--k", "2", "--max-tokens", "4", "--out", str(out),
+           "--template", "prime", "--limit", "2", "--n", "code=2", "--k", "code=2", "--max-tokens", "4", "--out", str(out),
            "--no-plots"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(repo_env, LPO_CODE_WORKERS="2"), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -153,3 +198,9 @@ def test_lpo_eval_run_on_humaneval_with_a_tiny_model(tmp_path, repo_env):
     samples = [json.loads(line) for line in open(metrics.parent / "samples.jsonl")]
     assert len(samples) == 4 and all(s["grader_status"] == "no_answer" for s in samples)  # 4 random tokens: no code
     assert m["pass@1"] == 0.0 and "humaneval" in (out / "summary.md").read_text()
+    cfg = json.loads((metrics.parent / "config.json").read_text())  # the job key covers template and stop strings
+    assert (cfg["kind"], cfg["template"]) == ("code", "prime") and "<|im_end|>" in cfg["sampling"]["stop"]
+    prompts = [json.loads(line)["prompt"] for line in open(metrics.parent / "problems.jsonl")]
+    assert len(prompts) == 2 and all(PRIME_SYSTEM_PROMPT in p and CODE_INSTRUCTION in p for p in prompts)
+    assert main(["show", "--runs", str(out), "--checkpoint", "global_step_1", "--benchmark", "humaneval"]) == 0
+    assert capsys.readouterr().out.count("no_answer, extracted '0/1 no_code'") == 4

@@ -1,4 +1,4 @@
-"""The multiple-choice extractor: boxed letter first, then 'answer is (X)' / 'Answer: X', never a stray letter."""
+"""The multiple-choice extractor: the last explicit answer (box, 'answer is (X)', 'Answer: X'), never a stray letter."""
 
 import pytest
 
@@ -17,7 +17,8 @@ from evaluation.grading import extract_choice, grade_choice
         ("The correct answer is: **J**", "J"),
         ("**Answer:** (G)", "G"),
         ("Answer: $H$", "H"),
-        ("The answer is (A). Wait, Answer: B", "A"),
+        ("The answer is (A). Wait, Answer: B", "B"),
+        ("\\boxed{B} ... on reflection the answer is (A)", "A"),
         ("<think>the answer is A</think> Answer: C", "C"),
         ("<think>the answer is A", None),
         ("A is plausible but I cannot decide between B and C.", None),

@@ -68,7 +68,7 @@ def test_fake_engine_resume_is_byte_identical(tmp_path, tiny_ckpt):
         score(root, workers=1, timeout=20, show_progress=False)
         report(root, plots=False)
     a, b = _files(clean), _files(resumed)
-    assert sorted(a) == sorted(b) and len(a) == 2 * 4 + 3
+    assert sorted(a) == sorted(b) and len(a) == 2 * 6 + 3  # config, problems, generations, samples, metrics, .lock
     for name in a:
         assert a[name] == b[name], name
 

@@ -42,4 +42,37 @@ def test_chat_templates_use_the_tokenizer(tmp_path):
         render_prompt("chat", Q, "math", None)
     with pytest.raises(ValueError, match="unknown --template"):
         render_prompt("qwen", Q, "math")
-    assert set(TEMPLATES) == {"qwen-boxed", "qwen25-math-cot", "verl-math", "r1", "chat", "none", "prime"}  # prime: code_benchmarks
+    assert set(TEMPLATES) == {"qwen-boxed", "qwen25-math-cot", "verl-math", "r1", "chat", "chat-plain", "none", "prime"}
+    assert render_prompt("chat-plain", "12+34", "math", tok) == "<|im_start|>user\n12+34<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_system_prompt_and_chat_template_kwargs(tmp_path):
+    from openrlhf_lpo.tiny import build_tokenizer
+
+    tok = build_tokenizer(tmp_path)
+    assert render_prompt("qwen-boxed", Q, "math", system_prompt="Be brief.").startswith(
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n")
+    assert render_prompt("chat", Q, "math", tok, system_prompt="Be brief.") == (
+        f"<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n{Q}\n{MATH_I}<|im_end|>\n<|im_start|>assistant\n")
+    with pytest.raises(ValueError, match="--system-prompt: template 'r1' has no system message"):
+        render_prompt("r1", Q, "math", system_prompt="x")
+    with pytest.raises(ValueError, match="--chat-template-kwargs: template 'qwen-boxed' does not use the chat template"):
+        render_prompt("qwen-boxed", Q, "math", chat_template_kwargs={"enable_thinking": False})
+    # a Qwen3-style template that reads enable_thinking: the kwarg reaches it
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                         "<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}"
+                         "<think>\n\n</think>\n\n{% endif %}")
+    off = render_prompt("chat-plain", "hi", "math", tok, chat_template_kwargs={"enable_thinking": False})
+    on = render_prompt("chat-plain", "hi", "math", tok)
+    assert off == on + "<think>\n\n</think>\n\n"
+
+
+def test_default_stop_strings(tmp_path):
+    from openrlhf_lpo.tiny import build_tokenizer
+
+    from evaluation.templates import default_stop
+
+    tok = build_tokenizer(tmp_path)  # specials <|endoftext|>, <|im_start|>, <|im_end|>; eos <|im_end|>
+    assert default_stop("qwen-boxed", None) == ["<|im_end|>"]
+    assert default_stop("none", tok) == ["<|im_end|>", "<|endoftext|>"]
+    assert default_stop("qwen-boxed", tok) == ["<|im_end|>", "<|endoftext|>"]

@@ -1,0 +1,174 @@
+"""Math grading with math-verify, in the calling process (no timeout: the pool adds one).
+
+Rules (one grader for RL rewards and ``lpo-eval``):
+
+* **Gold**: wrapped as ``\\boxed{gold}`` (not ``$gold$``), so every staged reference answer grades correct
+  against itself, including golds with stray ``$`` or trailing newlines; e-notation normalised
+  (:func:`openrlhf_lpo.rewards.extraction.normalize_math`).
+* **Answer**: the text after the last ``</think>`` (none if a ``<think>`` is left open). With
+  ``boxes="last"`` (the default, Qwen2.5-Math's rule) only the **last** ``\\boxed{}``/``\\fbox{}`` is
+  graded, so ``\\boxed{12} ... no: \\boxed{13}`` answers 13. ``boxes="all"`` is math-verify's own
+  behaviour: every box of the text is read and several boxes become a set ({12, 13} matches neither).
+  Without any box the whole text goes to math-verify (it finds ``$...$`` and plain expressions).
+* **Numbers are compared relatively**: math-verify rounds floats to 6 decimal places before comparing,
+  so any two numbers below 5e-7 are "equal" (Minerva's ``2.88e-19`` accepted ``2.88e-18``, or 0). A
+  verdict of "equal" between two plain numbers must also hold to a relative tolerance of
+  :data:`REL_TOL` (1e-4, Qwen2.5-Math's ``numeric_equal``); this only ever turns a match into a mismatch.
+* **Fast path**: when the graded box's content is exactly the gold string (whitespace-stripped) and
+  the gold parses, the answer is correct without calling ``verify``. This is the same verdict the full
+  path gives (math-verify's ``verify`` is reflexive on every staged gold; tested on all of them with
+  both paths), so ``fast_path=False`` never changes a verdict, it only costs time.
+
+Call :func:`grade_math_inprocess` directly only for trusted input: math-verify can hang forever
+(Math-Verify #65). The worker pool (:mod:`openrlhf_lpo.rewards.grader_pool`) runs it with a hard kill.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from .extraction import boxed_spans, final_answer_text, last_boxed, normalize_math, normalize_text
+from .grade_result import GradeResult
+
+__all__ = ["BOX_RULES", "REL_TOL", "grade_math_inprocess", "math_prediction_text", "warm_up"]
+
+BOX_RULES = ("last", "all")
+REL_TOL = 1e-4
+
+
+def _check_rule(boxes: str) -> str:
+    if boxes not in BOX_RULES:
+        raise ValueError(f"boxes must be one of {BOX_RULES}, got {boxes!r}")
+    return boxes
+
+
+@functools.lru_cache(maxsize=2048)
+def _parse(text: str):
+    """math-verify's parse of ``text``; cached because groups of samples often repeat short answers."""
+    from math_verify import parse
+
+    return parse(text, parsing_timeout=None)
+
+
+def _parse_gold(gold: str):
+    """The gold wrapped as ``\\boxed{gold}`` (an answer box with the same content shares the cache entry)."""
+    return _parse("\\boxed{" + normalize_math(gold) + "}")
+
+
+def _normalize_all_boxes(text: str) -> str:
+    """``text`` with every outermost box's content normalised and the rest treated as free text."""
+    out, pos = [], 0
+    for start, end, content in sorted(boxed_spans(text)):
+        if start < pos:
+            continue  # nested in a box already rewritten
+        head = text[start : end - 1 - len(content)]  # "\boxed{"
+        out.append(normalize_text(text[pos:start]))
+        out.append(head + normalize_math(content) + "}")
+        pos = end
+    out.append(normalize_text(text[pos:]))
+    return "".join(out)
+
+
+def _graded_box(text: str, boxes: str) -> str | None:
+    """The box whose content is graded: the last one (``"last"``), or the only ``\\boxed`` (``"all"``)."""
+    if boxes == "last":
+        return last_boxed(text)
+    if text.count("\\boxed") == 1 and "\\fbox" not in text:  # math-verify reads \boxed only
+        return last_boxed(text)
+    return None
+
+
+def math_prediction_text(text: str, boxes: str = "last") -> tuple[str, str | None]:
+    """``(text given to math-verify, the box content graded or None)`` for a final-answer text."""
+    if _check_rule(boxes) == "last":
+        box = last_boxed(text)
+        if box is not None:
+            return "\\boxed{" + normalize_math(box) + "}", box.strip()
+        return normalize_text(text), None
+    return _normalize_all_boxes(text), None
+
+
+def _repr(parsed) -> str | None:
+    return str(parsed[-1]) if parsed else None
+
+
+def grade_math_inprocess(response: str, gold: str, fast_path: bool = True, boxes: str = "last") -> GradeResult:
+    """Grade ``response`` against ``gold`` here, with math-verify and **no timeout at all**.
+
+    See the module docstring for the rules. Statuses: ``no_answer`` (open ``<think>``, nothing
+    parsable), ``error`` (the gold does not parse, or math-verify raised), ``ok``.
+    """
+    _check_rule(boxes)
+    text = final_answer_text(response)
+    if text is None:
+        return GradeResult(False, "no_answer", None)
+    try:
+        if fast_path:
+            box = _graded_box(text, boxes)
+            if box is not None and box.strip() == gold.strip():
+                return GradeResult(True, "ok", box.strip()) if _parse_gold(gold) else GradeResult(False, "error", None)
+        gold_parsed = _parse_gold(gold)
+    except Exception:
+        return GradeResult(False, "error", None)
+    if not gold_parsed:
+        return GradeResult(False, "error", None)
+    pred_text, box = math_prediction_text(text, boxes)
+    try:
+        pred = _parse(pred_text)
+    except Exception:
+        return GradeResult(False, "error", box)
+    if not pred:
+        return GradeResult(False, "no_answer", box)
+    extracted = box if box is not None else _repr(pred)
+    from math_verify import verify
+
+    try:
+        ok = verify(gold_parsed, pred, timeout_seconds=None) and _numbers_agree(gold_parsed[0], pred[0])
+    except Exception:
+        return GradeResult(False, "error", extracted)
+    return GradeResult(bool(ok), "ok", extracted)
+
+
+def _as_float(expr) -> float | None:
+    """``expr`` as a float when it is a plain real number (no symbols, sets, relations), else None."""
+    try:
+        if not getattr(expr, "is_number", False) or getattr(expr, "is_Relational", False):
+            return None
+        value = complex(expr.evalf(30))
+    except Exception:
+        return None
+    if value.imag != 0 or value.real != value.real or value.real in (float("inf"), float("-inf")):
+        return None
+    return value.real
+
+
+def _numbers_agree(gold, pred) -> bool:
+    """False only when both are plain numbers that differ by more than :data:`REL_TOL` (relative)."""
+    a, b = _as_float(gold), _as_float(pred)
+    if a is None or b is None:
+        return True
+    return abs(a - b) <= REL_TOL * max(abs(a), abs(b))
+
+
+# Inputs that load sympy's lazily imported parts (simplify, sets, trig, relations) before a worker reports
+# ready, so a fresh worker's first real item is not charged for imports against its timeout.
+_WARMUP = (
+    ("\\boxed{1}", "1"),
+    ("so \\boxed{(x+1)^2}", "x^2+2x+1"),
+    ("\\boxed{\\frac{\\sqrt{2}}{2}}", "\\sin(\\pi/4)"),
+    ("\\boxed{[1, 2)}", "[1,2)"),
+    ("\\boxed{x=3}", "3"),
+    ("\\boxed{1,2}", "\\{2, 1\\}"),
+    ("\\boxed{10\\%}", "0.1"),
+    ("\\boxed{4.5 \\times 10^{33}}", "4.5e33"),
+)
+
+
+def warm_up() -> None:
+    """Import and exercise math-verify once (worker start-up), then drop the parse cache."""
+    import logging
+
+    logging.getLogger("math_verify").setLevel(logging.CRITICAL)
+    for response, gold in _WARMUP:
+        grade_math_inprocess(response, gold, fast_path=False)
+    _parse.cache_clear()
