@@ -15,7 +15,9 @@ two runs with the same seed would see the prompts in different orders. Both trai
 ``LPOExperienceMaker`` instead of ``RemoteExperienceMaker`` and, for lpo, a
 ``train_step`` that (1) skips a rollout batch with fewer prompt groups than data-parallel ranks
 (the end of an episode), with a warning, and (2) under dynamic batching hands each rank its own
-groups (``rank_experiences``) where the stock ``balance_experiences`` would scatter them.
+groups (``rank_experiences``) where the stock ``balance_experiences`` would scatter them. Their
+``--eval.*`` rounds grade with the project's grader and log the unbiased pass@k
+(``evaluation.training_eval``).
 """
 
 from __future__ import annotations
@@ -101,11 +103,23 @@ class LPOTrainer(_LPOTrainerMixin, _StockPPOTrainer):
         super().__init__(pretrain, strategy, *args, **kwargs)
         self._use_lpo_experience_maker()
 
+    def evaluate(self, global_step, **generate_kwargs):
+        """``--eval.*`` with the project's grader and the unbiased pass@k (evaluation/training_eval.py)."""
+        from evaluation.training_eval import evaluate
+
+        return evaluate(self, global_step, **generate_kwargs)
+
 
 class LPOTrainingActor(_LPOTrainerMixin, _StockTrainingActor):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._use_lpo_experience_maker()
+
+    def broadcast_to_vllm(self):
+        # The stock method's zero-argument super() fails when Ray dispatches it on a subclass of the
+        # remote class (measured: "super(type, obj): obj must be an instance or subtype of type");
+        # called explicitly, the same stock code runs as written (lock, pause/resume, sync).
+        return _StockTrainingActor.broadcast_to_vllm(self)
 
 
 RemoteLPOTrainingActor = ray.remote(LPOTrainingActor)
@@ -115,6 +129,16 @@ class LPOGenerateSamplesActor(_StockGenerateSamplesActor):
     def __init__(self, pretrain, strategy, *args, **kwargs):
         _seed_prompt_order(strategy)
         super().__init__(pretrain, strategy, *args, **kwargs)
+
+    def _run_eval(self):
+        """The async trainer's ``--eval.*`` round with the project's grader (evaluation/training_eval.py)."""
+        from functools import partial
+
+        from evaluation.training_eval import compute_eval_metrics
+
+        ours = partial(compute_eval_metrics, tokenizer=self.samples_generator.tokenizer)
+        with mock.patch.object(_async_mod, "compute_eval_metrics", ours):
+            return super()._run_eval()
 
 
 RemoteLPOGenerateSamplesActor = ray.remote(LPOGenerateSamplesActor)

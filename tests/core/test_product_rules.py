@@ -59,7 +59,8 @@ def test_rooms_import_one_way():
             visit(node, [])
     # the rules DESIGN.md states
     assert not edges.get("listwise"), "listwise.py is pure torch: it imports nothing of ours"
-    assert edges["openrlhf"] <= {"listwise", "metrics"}, edges["openrlhf"]
+    # the extension may call down into the evaluation package (training-time eval), never the reverse
+    assert edges["openrlhf"] <= {"listwise", "metrics", "evaluation"}, edges["openrlhf"]
     assert not edges.get("engines"), edges.get("engines")
     assert not ({"cpu", "cpu_megatron", "openrlhf", "demo"} & edges["megatron"]), edges["megatron"]
     assert not ({"openrlhf", "cli", "demo", "megatron", "cpu", "engines"} & edges["evaluation"]), edges["evaluation"]

@@ -51,7 +51,7 @@ def test_two_ranks_update_like_one(dp_runs):
 # ----------------------------------------------------------------------------- recipe families, two episodes
 
 
-def _family(tiny_model_dir, root, name, *, dp, extra, estimator=("lpo", "--lpo.divergence", "fwd"), env=None,
+def _family(tiny_model_dir, root, name, *, dp, extra=(), estimator=("lpo", "--lpo.divergence", "fwd"), env=None,
             micro=2, train=8):
     """6 prompts in batches of 4, two episodes: steps of 4, 2, 4, 2 groups (a partial last batch
     smaller than an optimizer window every episode)."""
@@ -73,7 +73,7 @@ def families(tiny_model_dir, tmp_path_factory):
         # (a budget below a group's tokens: groups split, exact two-pass path), packing, micro-batch 1,
         # plus a KL loss against a reference model, an entropy bonus and dynamic filtering
         "hybrid": _family(tiny_model_dir, root, "hybrid", dp=2, micro=1, extra=[
-            "--train.colocate_all", "--vllm.enable_sleep", "--ds.enable_sleep",
+            "--train.colocate_all", "--vllm.num_engines", "2", "--vllm.enable_sleep", "--ds.enable_sleep",
             "--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", "64", "--ds.packing_samples",
             "--algo.kl.init_coef", "0.01", "--algo.kl.use_loss", "--algo.kl.estimator", "k3",
             "--ref.num_nodes", "1", "--ref.num_gpus_per_node", "2", "--actor.entropy_coef", "0.001",
@@ -85,7 +85,9 @@ def families(tiny_model_dir, tmp_path_factory):
             "--algo.advantage.is_correction_level", "token", "--algo.advantage.is_correction_mode", "clip"]),
         # a policy-gradient run with the listwise metrics, on both layouts
         "grpo_dp2": _family(tiny_model_dir, root, "grpo_dp2", dp=2, estimator=("group_norm", "--lpo.end_kl")),
-        "grpo_dp1": _family(tiny_model_dir, root, "grpo_dp1", dp=1, estimator=("group_norm", "--lpo.end_kl")),
+        # ... and OpenRLHF's --eval.* path (every 2 steps) through our grader and the unbiased pass@k
+        "grpo_dp1": _family(tiny_model_dir, root, "grpo_dp1", dp=1, estimator=("group_norm", "--lpo.end_kl"), extra=[
+            "--eval.dataset", str(root / "prompts6.jsonl"), "--eval.steps", "2", "--eval.n_samples_per_prompt", "2"]),
     }
 
 
@@ -123,3 +125,8 @@ def test_policy_gradient_runs_log_the_listwise_kl_over_partial_batches(families,
     tb = run["tb"]
     assert [tb["train/lpo/groups"][s] for s in (1, 2, 3, 4)] == [4.0, 2.0, 4.0, 2.0]
     assert all(tb["train/lpo/kl_end"][s] >= 0.0 for s in (1, 2, 3, 4))
+    if name == "grpo_dp1":  # evaluation during training, graded by evaluation.training_eval
+        evals = {k for k in tb if k.startswith("eval/")}
+        assert any(k.endswith("_pass1") for k in evals) and any(k.endswith("_pass2") for k in evals), evals
+        assert any("_maj2" in k or "_worst2" in k for k in evals), evals  # not in OpenRLHF's own metrics
+        assert sorted(tb[next(k for k in evals if k.endswith("_pass1"))]) == [2, 4]
