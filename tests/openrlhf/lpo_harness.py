@@ -118,11 +118,12 @@ class CPUStrategy(DeepspeedStrategy):
         if isinstance(data, dict):
             return {k: self.all_reduce(v, op) for k, v in data.items()}
         is_tensor = isinstance(data, torch.Tensor)
-        t = data.detach().clone().double() if is_tensor else torch.tensor([float(data)], dtype=torch.float64)
+        # tensors keep their dtype, as DeepspeedStrategy.all_reduce does (stock code reduces int counts)
+        t = data.detach().clone() if is_tensor else torch.tensor([float(data)], dtype=torch.float64)
         if dist.is_initialized():
             dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
             if op == "mean":
-                t /= self.world_size
+                t = t / self.world_size
         return t if is_tensor else t.item()
 
     def is_rank_0(self):
