@@ -174,8 +174,9 @@ def plan_lines(args) -> List[str]:
     lines.append(f"rollout batch: {B} prompts x K={K} = {B * K} samples; train batch {args.train.batch_size} samples "
                  f"(micro {args.train.micro_batch_size}); data-parallel ranks {dp}")
     if est in LPO_ESTIMATORS:
-        lines.append(f"  old-log-prob forward chunks: {args.rollout.micro_batch_size} sample(s)"
-                     + (f" / {args.rollout.max_tokens_per_gpu} tokens (dynamic)" if args.train.dynamic_batch_enable else ""))
+        lines.append("  old-log-prob forward chunks: " + (
+            f"up to {args.rollout.max_tokens_per_gpu} tokens (dynamic batching)" if args.train.dynamic_batch_enable
+            else f"{args.rollout.micro_batch_size} sample(s)"))
         lines.append(f"  full batch: {_batch_shape(args, B)}")
     rows, note = dataset_rows(args)
     if rows is None:

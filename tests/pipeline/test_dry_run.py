@@ -20,6 +20,8 @@ RECIPES = {
     "train_countdown_qwen3_4b.sh": (2000, 8, "last batch of each episode: 80 prompts: 10 groups per rank"),
     "train_math_qwen3_1.7b.sh": (7500, 8, "last batch of each episode: 76 prompts: 9 groups per rank, 4 dropped"),
     "train_math_qwen3_8b.sh": (7500, 8, "last batch of each episode: 76 prompts: 9 groups per rank, 4 dropped"),
+    "train_math_qwen3_8b_long_context.sh": (7500, 8, "groups may exceed --train.max_tokens_per_gpu"),
+    "train_math_qwen3_8b_async.sh": (7500, 8, "last batch of each episode: 76 prompts: 19 groups per rank;"),
     "train_math_qwen3_8b_megatron.sh": (7500, 8, None),
     "train_math_qwen3_14b_megatron.sh": (7500, 16, None),
     "train_code_qwen3_1.7b.sh": (25276, 8, "last batch of each episode: 188 prompts: 23 groups per rank, 4 dropped"),
@@ -95,3 +97,26 @@ def test_scripts_find_the_project_venv_or_say_what_to_do(tmp_path):
     out = subprocess.run(["bash", str(SCRIPTS / "cpu_debug.sh")], env=dict(os.environ, PYTHON=str(fake)),
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "scripts/setup_env.sh" in out.stderr
+
+
+def test_a_recipe_that_cannot_fit_stops_at_once(tiny_model_dir, tmp_path):
+    """A real launch compares the GPUs its placement groups need with the Ray cluster before any actor
+    starts: 2 actor GPUs + 1 engine on a cluster of 2 logical GPUs stops with the need per role."""
+    import sys
+    import time
+
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"p{i}", "label": "1"}) + "\n" for i in range(8)))
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "LPO_CPU_MODE")}
+    env.update(LPO_CPU_NUM_GPUS="2", PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
+    t0 = time.time()
+    out = subprocess.run(
+        [sys.executable, "-m", "openrlhf_lpo.cli.train_ppo_ray", "--actor.model_name_or_path", tiny_model_dir,
+         "--data.prompt_dataset", str(data), "--reward.remote_url", "x.py", "--actor.num_gpus_per_node", "2",
+         "--vllm.num_engines", "1", "--algo.kl.init_coef", "0", "--rollout.n_samples_per_prompt", "4",
+         "--rollout.batch_size", "4", "--train.batch_size", "16", "--train.micro_batch_size", "2",
+         "--algo.advantage.estimator", "lpo"],
+        env=env, capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+    assert out.returncode == 3, out.stderr[-3000:]
+    assert "needs 3 GPUs (actor 2, vLLM engines 1) but the Ray cluster has 2" in out.stderr
+    assert time.time() - t0 < 240 and "Global step" not in out.stdout + out.stderr

@@ -5,9 +5,12 @@ Every run: local Ray, OpenRLHF's trainer and actors, DeepSpeed ZeRO-2 on gloo, t
 engine, a tiny offline Qwen3 and the vowel-fraction reward (tests/pipeline/toy_reward.py).
 """
 
+import os
+import subprocess
+
 import pytest
 
-from e2e_common import (base_args, load_weights, logged_steps, max_weight_diff, run_cli, run_env, tb_scalars,
+from e2e_common import (REPO, base_args, load_weights, logged_steps, max_weight_diff, run_cli, run_env, tb_scalars,
                         write_prompts)
 
 # ----------------------------------------------------------------------------- dp 2 == dp 1
@@ -51,10 +54,18 @@ def test_two_ranks_update_like_one(dp_runs):
 # ----------------------------------------------------------------------------- recipe families, two episodes
 
 
+def family_flags(family, **env):
+    """The flags a recipe family's config file adds (configs/families/<family>.sh), as the scripts get them."""
+    out = subprocess.run(["bash", "-c", f'NNODES=1 GPUS_PER_NODE=2 source configs/families/{family}.sh; '
+                                        'printf "%s\n" "${FAMILY_ARGS[@]}"'],
+                         cwd=str(REPO), env=dict(os.environ, **env), capture_output=True, text=True, check=True)
+    return out.stdout.splitlines()
+
+
 def _family(tiny_model_dir, root, name, *, dp, extra=(), estimator=("lpo", "--lpo.divergence", "fwd"), env=None,
-            micro=2, train=8):
-    """6 prompts in batches of 4, two episodes: steps of 4, 2, 4, 2 groups (a partial last batch
-    smaller than an optimizer window every episode)."""
+            micro=2, train=16):
+    """6 prompts in batches of 4, two episodes: steps of 4, 2, 4, 2 groups; an optimizer window holds
+    4 groups, so each episode's partial last batch (2 groups) is smaller than a window."""
     data = write_prompts(root / "prompts6.jsonl", 6)
     out = root / name
     args = base_args(tiny_model_dir, data, out, dp=dp, micro=micro, train=train, episodes=2, estimator=estimator,
@@ -72,17 +83,16 @@ def families(tiny_model_dir, tmp_path_factory):
         # OpenRLHF's long-context hybrid-engine recipe: colocated engines, dynamic batching by tokens
         # (a budget below a group's tokens: groups split, exact two-pass path), packing, micro-batch 1,
         # plus a KL loss against a reference model, an entropy bonus and dynamic filtering
-        "hybrid": _family(tiny_model_dir, root, "hybrid", dp=2, micro=1, extra=[
+        "hybrid": _family(tiny_model_dir, root, "hybrid", dp=2, extra=[
             "--train.colocate_all", "--vllm.num_engines", "2", "--vllm.enable_sleep", "--ds.enable_sleep",
-            "--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", "64", "--ds.packing_samples",
+            *family_flags("long_context", MAX_TOKENS_PER_GPU="64", ROLLOUT_MAX_TOKENS_PER_GPU="64"),
+            "--train.max_epochs", "2",
             "--algo.kl.init_coef", "0.01", "--algo.kl.use_loss", "--algo.kl.estimator", "k3",
             "--ref.num_nodes", "1", "--ref.num_gpus_per_node", "2", "--actor.entropy_coef", "0.001",
             "--algo.dynamic_filtering_enable", "--algo.dynamic_filtering_range", "0.0", "1.0"]),
         # OpenRLHF's async recipe: partial rollout, behaviour log-probs from the engine, LPO's
         # listwise off-policy correction (token clip)
-        "async": _family(tiny_model_dir, root, "async", dp=1, extra=[
-            "--train.async_enable", "--train.partial_rollout_enable",
-            "--algo.advantage.is_correction_level", "token", "--algo.advantage.is_correction_mode", "clip"]),
+        "async": _family(tiny_model_dir, root, "async", dp=1, extra=family_flags("async")),
         # a policy-gradient run with the listwise metrics, on both layouts
         "grpo_dp2": _family(tiny_model_dir, root, "grpo_dp2", dp=2, estimator=("group_norm", "--lpo.end_kl")),
         # ... and OpenRLHF's --eval.* path (every 2 steps) through our grader and the unbiased pass@k
@@ -96,8 +106,11 @@ def test_hybrid_recipe_with_dynamic_batching_trains_two_episodes(families):
     assert logged_steps(run["log"]) == [1, 2, 3, 4]
     tb = run["tb"]
     assert [tb["train/lpo/groups"][s] for s in (1, 2, 3, 4)] == [4.0, 2.0, 4.0, 2.0]
-    # groups of ~4 x 20 tokens exceed the 64-token budget: samples are the items, c from s_t / a pre-pass
+    # groups of ~4 x 20 tokens exceed the 64-token budget: samples are the items; one window per
+    # batch and two epochs: c from s_t in epoch 1, from a pre-pass in epoch 2
     assert all(tb["train/lpo/one_pass_windows"][s] == 0.0 for s in (1, 2, 3, 4))
+    assert all(tb["train/lpo/shortcut_windows"][s] == 1.0 and tb["train/lpo/pre_pass_windows"][s] == 1.0
+               for s in (1, 2, 3, 4))
     assert all(tb["train/lpo/abs_coef_mean"][s] > 1e-3 for s in (1, 2, 3, 4))
     assert all(tb["train/kl"][s] > 0.0 for s in (2, 3, 4))  # the KL loss against the reference model
     assert all(tb["train/entropy_loss"][s] > 0.0 for s in (1, 2, 3, 4))

@@ -39,6 +39,8 @@ EXPECTED_TASK = {
     "train_math_qwen3_1.7b.sh": (256, 128, 4096, "Qwen/Qwen3-1.7B-Base"),
     "train_code_qwen3_1.7b.sh": (256, 128, 4096, "Qwen/Qwen3-1.7B-Base"),
     "train_math_qwen3_8b.sh": (256, 128, 4096, "Qwen/Qwen3-8B-Base"),
+    "train_math_qwen3_8b_long_context.sh": (256, 128, 4096, "Qwen/Qwen3-8B-Base"),
+    "train_math_qwen3_8b_async.sh": (256, 128, 4096, "Qwen/Qwen3-8B-Base"),
     "train_math_qwen3_8b_megatron.sh": (256, 128, 4096, None),
     "train_math_qwen3_14b_megatron.sh": (256, 128, 4096, None),
 }
@@ -83,8 +85,14 @@ def test_recipe_parses_with_paper_settings(script, method, request):
         assert (args.backend, args.megatron.tp, args.megatron.pp) == ("megatron", tp, pp)
         assert args.actor.num_nodes * args.actor.num_gpus_per_node == gpus
         assert not args.train.colocate_all and not args.ds.enable_sleep
+    elif script.endswith("_async.sh"):  # async engines cannot sleep: actor and engines on separate GPUs
+        assert args.backend == "deepspeed" and not args.train.colocate_all and args.train.async_enable
+        assert args.train.partial_rollout_enable and args.algo.advantage.is_correction_level == "token"
+        assert args.actor.num_gpus_per_node + args.vllm.num_engines == 8
     else:
         assert args.backend == "deepspeed" and args.train.colocate_all
+    if script.endswith("_long_context.sh"):
+        assert args.train.dynamic_batch_enable and args.ds.packing_samples and args.train.micro_batch_size == 1
     est, div, temp, proj = EXPECTED_METHOD[method]
     assert args.algo.advantage.estimator == est
     if est == "lpo":

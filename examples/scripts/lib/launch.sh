@@ -1,6 +1,7 @@
 # Shared launcher of the LPO recipes (sourced by examples/scripts/train_*.sh).
-# Inputs: TASK (configs/tasks/<TASK>.sh), METHOD (configs/methods/<METHOD>.sh) and BACKEND
-# (configs/backends/<BACKEND>.sh: deepspeed, the default, or megatron with MEGATRON_TP/MEGATRON_PP).
+# Inputs: TASK (configs/tasks/<TASK>.sh), METHOD (configs/methods/<METHOD>.sh), BACKEND
+# (configs/backends/<BACKEND>.sh: deepspeed, the default, or megatron with MEGATRON_TP/MEGATRON_PP) and
+# FAMILY (configs/families/<FAMILY>.sh: OpenRLHF's recipe families long_context and async; default standard).
 # Environment knobs: NNODES, GPUS_PER_NODE, VLLM_ENGINES, VLLM_TP, RAY_ADDRESS, WORKING_DIR, SAVE_ROOT,
 # WANDB_KEY, EXTRA_ARGS (appended last, so they override the recipe), LPO_PRINT_ARGS=1 (print the
 # flags one per line and exit: used by tests/pipeline to parse every recipe with the lpo-train parser),
@@ -22,6 +23,12 @@ GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
 SAVE_ROOT="${SAVE_ROOT:-$ROOT/runs}"
 RUN_NAME="${RUN_NAME:-${TASK}_${METHOD}}"
 source "$CONFIGS/backends/$BACKEND.sh"  # CLUSTER_ARGS
+FAMILY="${FAMILY:-standard}"             # OpenRLHF recipe family: standard, long_context, async
+FAMILY_ARGS=()
+if [ "$FAMILY" != "standard" ]; then
+  [ -f "$CONFIGS/families/$FAMILY.sh" ] || { echo "unknown FAMILY=$FAMILY (see $CONFIGS/families)" >&2; exit 2; }
+  source "$CONFIGS/families/$FAMILY.sh"  # FAMILY_ARGS (and the cluster layout it needs)
+fi
 LOG_ARGS=(
   --ckpt.path "$SAVE_ROOT/$RUN_NAME/ckpt" --ckpt.output_dir "$SAVE_ROOT/$RUN_NAME/final"
   --ckpt.save_steps 20 --ckpt.save_hf --ckpt.max_num 3 --ckpt.load_enable
@@ -31,7 +38,7 @@ if [ -n "${WANDB_KEY:-}" ]; then
   LOG_ARGS+=(--logger.wandb.key "$WANDB_KEY" --logger.wandb.project openrlhf_lpo --logger.wandb.run_name "$RUN_NAME")
 fi
 read -r -a EXTRA <<< "${EXTRA_ARGS:-}"
-ARGS=("${COMMON_ARGS[@]}" "${TASK_ARGS[@]}" "${CLUSTER_ARGS[@]}" "${LOG_ARGS[@]}" "${METHOD_ARGS[@]}" "${EXTRA[@]}")
+ARGS=("${COMMON_ARGS[@]}" "${TASK_ARGS[@]}" "${CLUSTER_ARGS[@]}" "${FAMILY_ARGS[@]}" "${LOG_ARGS[@]}" "${METHOD_ARGS[@]}" "${EXTRA[@]}")
 
 if [ "${LPO_PRINT_ARGS:-0}" = "1" ]; then
   printf '%s\n' "${ARGS[@]}"
