@@ -1,7 +1,6 @@
 """Fixtures for the LPO-in-OpenRLHF tests (real openrlhf 0.11.2 classes; see lpo_harness.py)."""
 
 import os
-import socket
 import sys
 
 import pytest
@@ -11,11 +10,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from gloo_util import free_port  # noqa: E402
 
 
 @pytest.fixture(scope="session")

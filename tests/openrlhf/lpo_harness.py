@@ -186,7 +186,7 @@ class _Tok:
 
 
 def make_experiences(args, strategy, actor, samples, noise=0.0, seed=1, maker_cls=LPOExperienceMaker,
-                     behaviour_noise=0.0):
+                     behaviour_noise=0.0, reference_noise=0.0):
     """split_rollout_samples -> old log-probs from ``actor`` -> advantages.
 
     ``noise`` perturbs the old log-probs themselves (s != 0 at the start: only for metrics of PG
@@ -205,6 +205,9 @@ def make_experiences(args, strategy, actor, samples, noise=0.0, seed=1, maker_cl
             e.rollout_log_probs = (lp + behaviour_noise * torch.randn(lp.shape, generator=g, dtype=lp.dtype)) \
                 * e.action_mask
         e.action_log_probs = lp
+        if reference_noise:  # a reference policy near the actor, for --algo.kl.use_loss
+            e.base_action_log_probs = (lp + reference_noise * torch.randn(lp.shape, generator=g, dtype=lp.dtype)) \
+                * e.action_mask
         e.kl = torch.zeros_like(lp)
         e.values = None
         e.info["kl"] = torch.zeros(len(e.sequences))
@@ -228,14 +231,14 @@ def rank_chunk(experiences, rank, dp):
     return experiences[rank * size:(rank + 1) * size]
 
 
-def run_lpo_step(args, actor, experiences, rank=0, dp=1, lr=0.0):
+def run_lpo_step(args, actor, experiences, rank=0, dp=1, lr=0.0, kl_ctl=0.0):
     """One ppo_train of the real LPOActorTrainer; returns (step gradients, status, trainer)."""
     strategy = CPUStrategy(args)
     trainer = make_trainer(LPOActorTrainer, args, strategy, actor, lr=lr)
     for e in rank_chunk(experiences, rank, dp):
         trainer.replay_buffer.append(copy.deepcopy(e))
     with cpu_cuda_queries():
-        status = trainer.ppo_train(0.0)
+        status = trainer.ppo_train(kl_ctl)
     return strategy.step_grads, status, trainer
 
 
@@ -303,11 +306,13 @@ def flat_items(experiences):
 
 
 def reference_steps(model_dir, state_dict, experiences, windows, *, K, divergence="fwd", temperature="std",
-                    correction=None, eps=(0.2, 0.2), lr=0.0, projection="listwise"):
+                    correction=None, eps=(0.2, 0.2), lr=0.0, projection="listwise", kl_coef=0.0, entropy_coef=0.0):
     """Window by window at the updated parameters: the gradient of the listwise loss averaged over
     each window's groups (one autograd call per window), then an SGD step of ``lr``. ``windows`` lists
     the global group ids of each optimizer step in training order. Targets and s_t are computed here
-    independently (numpy) from the rewards and the behaviour log-probs. Returns the list of gradients."""
+    independently (numpy) from the rewards and the behaviour log-probs. ``kl_coef`` adds the k3 KL to
+    the reference log-probs (``base_action_log_probs``) and ``entropy_coef`` subtracts the entropy, each
+    as a token mean over the window. Returns the list of gradients."""
     import numpy as np
 
     actor = make_actor(model_dir, packing=False)
@@ -338,7 +343,9 @@ def reference_steps(model_dir, state_dict, experiences, windows, *, K, divergenc
         gids = sorted(gids)
         members = [it for g in gids for it in by_gid[g]]
         batch = make_experience_batch(members)
-        lp = actor(batch.sequences, batch.action_mask, attention_mask=batch.attention_mask).double()
+        lp, out = actor(batch.sequences, batch.action_mask, attention_mask=batch.attention_mask, return_output=True,
+                        return_entropy=bool(entropy_coef))
+        lp = lp.double()
         keep = torch.zeros_like(lp, dtype=torch.bool)
         for j, (g, k) in enumerate((g, k) for g in gids for k in range(K)):
             m = consts[g][2][k]
@@ -351,6 +358,13 @@ def reference_steps(model_dir, state_dict, experiences, windows, *, K, divergenc
             loss = -(w * s_g).sum(-1).mean()
         else:
             loss = _divergence(divergence, w, torch.log_softmax(s_g, -1)).mean()
+        mask = batch.action_mask.double()
+        if kl_coef:  # k3 = exp(-r) - 1 + r, r = log pi - log pi_ref (Schulman), token mean over the window
+            r = (lp - batch.base_action_log_probs.double()).clamp(min=-10)
+            loss = loss + kl_coef * (((-r).exp() - 1 + r).clamp(-10, 10) * mask).sum() / mask.sum()
+        if entropy_coef:
+            ent = out.entropy[:, -mask.shape[1]:].double()
+            loss = loss - entropy_coef * (ent * mask).sum() / mask.sum()
         g = torch.autograd.grad(loss, params)
         grads.append([x.detach().clone() for x in g])
         with torch.no_grad():
@@ -382,10 +396,11 @@ def micro_cases(K):
 
 
 def matrix_case_args(model_dir, K, G, micro, dp, packing, div, correction=None, temperature="std", epochs=2,
-                     budget=None):
+                     budget=None, extra=()):
     """Two optimizer windows per rollout batch and two epochs: four steps per ppo_train. ``budget``:
     dynamic batching with that many tokens per micro-batch (OpenRLHF then forces packing)."""
-    extra = ["--lpo.divergence", div, "--lpo.temperature", str(temperature), "--train.max_epochs", str(epochs)]
+    extra = ["--lpo.divergence", div, "--lpo.temperature", str(temperature), "--train.max_epochs", str(epochs),
+             *extra]
     if budget is not None:
         extra += ["--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", str(budget),
                   "--rollout.max_tokens_per_gpu", str(budget)]
@@ -398,18 +413,24 @@ def matrix_case_args(model_dir, K, G, micro, dp, packing, div, correction=None, 
 
 
 def run_matrix_case(model_dir, state, actor, samples, *, K, G, micro, dp, rank, packing, div, correction=None,
-                    temperature="std", behaviour_noise=0.0, seed=1, budget=None, whole=None):
-    args = matrix_case_args(model_dir, K, G, micro, dp, packing, div, correction, temperature, budget=budget)
+                    temperature="std", behaviour_noise=0.0, seed=1, budget=None, whole=None, composed=False):
+    extra = ["--algo.kl.use_loss", "--algo.kl.init_coef", "0.1", "--algo.kl.estimator", "k3",
+             "--actor.entropy_coef", "0.01"] if composed else []
+    args = matrix_case_args(model_dir, K, G, micro, dp, packing, div, correction, temperature, budget=budget,
+                            extra=extra)
     actor.model.load_state_dict(state)
-    exps = make_experiences(args, CPUStrategy(args), actor, samples, seed=seed, behaviour_noise=behaviour_noise)
+    exps = make_experiences(args, CPUStrategy(args), actor, samples, seed=seed, behaviour_noise=behaviour_noise,
+                            reference_noise=0.2 if composed else 0.0)
     actor.model.load_state_dict(state)
-    grads, status, trainer = run_lpo_step(args, actor, exps, rank=rank, dp=dp, lr=MATRIX_LR)
+    grads, status, trainer = run_lpo_step(args, actor, exps, rank=rank, dp=dp, lr=MATRIX_LR,
+                                          kl_ctl=0.1 if composed else 0.0)
     windows = plan_group_windows(trainer, trainer.replay_buffer.items, dp)
     result = {"grads": grads, "status": status, "modes": [w.mode for w in trainer.last_window_plan]}
     if rank == 0:
         result["refs"] = reference_steps(model_dir, state, exps, windows, K=K, divergence=div,
                                          temperature=temperature, correction=correction,
-                                         eps=args.actor.eps_clip_low_high, lr=MATRIX_LR)
+                                         eps=args.actor.eps_clip_low_high, lr=MATRIX_LR,
+                                         kl_coef=0.1 if composed else 0.0, entropy_coef=0.01 if composed else 0.0)
     return result
 
 
@@ -433,6 +454,9 @@ def matrix_cases(K, dp):
     budgets = ((16, False), (64, True), (1000, True)) if dp == 1 else ((16, False), (1000, True))
     cases += [(f"dynamic={b},micro=1,div={d}", dict(packing=True, micro=1, div=d, budget=b, whole=w))
               for b, w in budgets for d in (("fwd", "rev") if dp == 1 else ("fwd",))]
+    # the stock KL loss (k3, coefficient 0.1) and entropy bonus (0.01) on top of the listwise loss
+    cases += [(f"composed=kl+entropy,micro={m}", dict(packing=False, micro=m, div="fwd", composed=True))
+              for m in ((K // 2, K) if dp == 1 else (K // 2,))]
     return cases
 
 

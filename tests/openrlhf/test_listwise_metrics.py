@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from conftest import HERE, free_port
+from gloo_util import HERE, free_port
 from lpo_harness import (CPUStrategy, cpu_cuda_queries, make_actor, make_experiences, make_rollout_samples,
                          make_trainer, max_abs, max_abs_diff, parse_args, reference_listwise_stats)
 from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer

@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from conftest import HERE, free_port
+from gloo_util import HERE, free_port
 
 K = 4
 # OpenRLHF's Actor casts logits to float32, so log-probs recomputed in a batch of another composition
