@@ -27,7 +27,7 @@ from typing import Dict, List, Optional, Sequence
 # (metric key or "heldout_pass", panel title); "heldout_pass" draws Pass@1 and the largest Pass@k
 PANELS = (
     ("reward", "sampled reward (training prompts)"),
-    ("heldout_pass", "held-out Pass@k (dotted: Pass@1)"),
+    ("heldout_pass", "held-out Pass@k (dotted: k=1, solid: k=4, dashed: n)"),
     ("heldout_distinct_correct", "held-out: distinct correct answers / prompt"),
     ("entropy", "response entropy (nats/token)"),
     ("grad_norm", "gradient norm"),
@@ -146,16 +146,12 @@ def plot_run(runs: Dict[str, List[Dict]], out_png: Path, title: str = "") -> Pat
             color = m.color if m else None
             if key == "heldout_pass":
                 keys = pass_keys(rows)
-                if not keys:
-                    continue
-                big = keys[-1]
-                xs, ys = _series(rows, big)
-                ax.plot(xs, ys, color=color, marker="o", markersize=4, linewidth=2,
-                        label=f"{name} Pass@{big.split('@')[1]}")
-                if len(keys) > 1:
-                    xs, ys = _series(rows, keys[0])
-                    ax.plot(xs, ys, color=color, marker=".", linestyle=":", linewidth=1.5,
-                            label=f"{name} Pass@{keys[0].split('@')[1]}")
+                styles = [":", "-", "--", "-."]
+                for i, pk in enumerate(keys):
+                    xs, ys = _series(rows, pk)
+                    ax.plot(xs, ys, color=color, marker="o" if i == 1 else ".", markersize=4,
+                            linestyle=styles[min(i, len(styles) - 1)], linewidth=2 if i == 1 else 1.2,
+                            label=f"{name} Pass@{pk.split('@')[1]}")
                 continue
             if key.startswith("heldout_"):
                 xs, ys = _series(rows, key)
