@@ -209,7 +209,8 @@ def format_tables(agg: Dict, methods: Sequence[str], ks: Sequence[int]) -> str:
 
 
 def plot_group_size(agg: Dict, methods: Sequence[str], ks: Sequence[int], out_png: Path, title: str) -> Path:
-    """Metric vs K, one line per method with 95% error bars (the paper's Fig. 7 layout)."""
+    """Metric vs K with 95% error bars (the paper's Fig. 7 layout): one row per temperature family
+    (a baseline and the LPO methods paired with it), one column per metric."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -217,33 +218,43 @@ def plot_group_size(agg: Dict, methods: Sequence[str], ks: Sequence[int], out_pn
 
     from openrlhf_lpo.demo.methods import METHODS
 
-    fig, axes = plt.subplots(1, len(FIGURE_METRICS), figsize=(4.6 * len(FIGURE_METRICS), 4.4))
-    for ax, (key, label) in zip(axes, FIGURE_METRICS):
-        for i, m in enumerate(methods):
-            xs, ys, es = [], [], []
-            for k in ks:
-                v = agg["cells"].get(f"{m}|{k}", {}).get(key)
-                if v and v["n"]:
-                    # small horizontal offsets keep overlapping error bars readable
-                    xs.append(k * 2 ** ((i - (len(methods) - 1) / 2) * 0.03))
-                    ys.append(v["mean"])
-                    es.append(0.0 if math.isnan(v["ci95"]) else v["ci95"])
-            if xs:
-                meth = METHODS[m]
-                ax.errorbar(xs, ys, yerr=es, color=meth.color, linestyle=meth.linestyle, marker="o",
-                            markersize=4, capsize=3, linewidth=1.6, label=m)
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(list(ks))
-        ax.set_xticklabels([str(k) for k in ks])
-        ax.set_xlabel("group size K")
-        ax.set_title(label, fontsize=10)
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7, loc="best")
+    families: Dict[str, List[str]] = {}
+    for m in methods:
+        families.setdefault(METHODS[m].baseline.name, []).append(m)
+    nrow, ncol = len(families), len(FIGURE_METRICS)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(4.4 * ncol, 3.6 * nrow), squeeze=False)
+    for row, (base, members) in enumerate(families.items()):
+        for col, (key, label) in enumerate(FIGURE_METRICS):
+            ax = axes[row][col]
+            for i, m in enumerate(members):
+                xs, ys, es = [], [], []
+                for k in ks:
+                    v = agg["cells"].get(f"{m}|{k}", {}).get(key)
+                    if v and v["n"]:
+                        # small horizontal offsets keep overlapping error bars readable
+                        xs.append(k * 2 ** ((i - (len(members) - 1) / 2) * 0.04))
+                        ys.append(v["mean"])
+                        es.append(0.0 if math.isnan(v["ci95"]) else v["ci95"])
+                if xs:
+                    meth = METHODS[m]
+                    ax.errorbar(xs, ys, yerr=es, color=meth.color, marker="o", markersize=4, capsize=3,
+                                linewidth=1.6, label=m)
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(list(ks))
+            ax.set_xticklabels([str(k) for k in ks])
+            ax.grid(alpha=0.3)
+            if row == 0:
+                ax.set_title(label, fontsize=10)
+            if row == nrow - 1:
+                ax.set_xlabel("group size K")
+            if col == 0:
+                ax.set_ylabel(f"tau of {base}", fontsize=9)
+                ax.legend(fontsize=7, loc="best")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     out_png = Path(out_png)
     tmp = out_png.with_name(f".{out_png.stem}.tmp-{os.getpid()}.png")
-    fig.savefig(tmp, dpi=100)
+    fig.savefig(tmp, dpi=90)
     plt.close(fig)
     os.replace(tmp, out_png)
     return out_png
