@@ -1,132 +1,425 @@
-"""Toy sample efficiency: LPO-fwd, LPO-rev and GRPO, 3 seeds each, on the demo's addition task.
+"""Toy sample efficiency and diversity: the paper's comparisons at toy scale, with seeds and 95% CIs.
 
-    python benchmarks/toy_sample_efficiency.py                 # 3 seeds x 3 methods, 40 steps
-    python benchmarks/toy_sample_efficiency.py --steps 60 --seeds 0,1,2,3 --out runs/bench
+    python benchmarks/toy_sample_efficiency.py                       # full grid (see below)
+    python benchmarks/toy_sample_efficiency.py --methods lpo-fwd,lpo-rev,grpo --ks 2,8 --seeds 0,1,2
+    python benchmarks/toy_sample_efficiency.py --out runs/bench --workers 2   # resumes a stopped grid
 
-What runs: the in-process loop of :mod:`openrlhf_lpo.demo.loop` (plain torch + HF generate,
-one process), NOT the Ray pipeline: nine pipeline runs would spend most of their time starting
-Ray, the rollout engine and DeepSpeed on 2 cores. The loss is the same ``openrlhf_lpo.listwise``
-code the pipeline's actor uses (Eq. 4 log-ratios, Eq. 8 target with the group-std temperature,
-Eq. 10/11 divergences); GRPO is the PPO-clipped token surrogate with group-normalised
-advantages. Every run starts from the same cached warm-up checkpoint (``lpo-demo``'s); the seed
-changes the RL prompts and the sampling.
+Grid: methods (default LPO-fwd and LPO-rev paired with GRPO (tau = group std), with Dr.GRPO (tau = 1)
+and with MaxRL (tau = group mean), and the three baselines) x group size K (default 2, 4, 8) x seeds
+(default 0-4), every run from the same cached warm-up of ``lpo-demo``'s preset (default task
+``pairsum``: four correct answers per prompt), the same number of prompts per step for every K (so
+a run at K=2 samples a quarter of the responses of K=8, as in the paper's group-size sweep).
 
-Printed (and written to ``<out>/benchmark.json`` / ``benchmark.txt``):
+Paired seeds: a seed fixes the training prompts of every step and the sampling seed of every step,
+so at step 1 (same warm-up weights) every method of a (seed, K) cell samples the same rollouts; the
+script asserts it from the digests the loop logs (``prompt_digest`` at every step, ``rollout_digest``
+at step 1) and stops if they differ. The held-out evaluation uses the same problems and sampling seed
+for every method of a seed.
 
-* final reward (mean of the last 5 steps' sampled reward) mean +- std over seeds;
-* steps to reach GRPO's final reward: first step whose trailing 5-step mean reward reaches the
-  mean (over seeds) of GRPO's final reward, per seed, "-" if never reached.
+Reported per (method, K), as mean +- 95% t-interval over seeds (:mod:`openrlhf_lpo.demo.stats`):
+final sampled reward (mean of the last ``--window`` steps), held-out Pass@1 / Pass@4 / Pass@16
+(unbiased estimator, 16 samples per problem), distinct correct answers per held-out prompt, coverage
+of the answer set, response entropy, gradient norm, and steps to threshold: the first step whose
+trailing ``--window``-step mean reward reaches the paired baseline's mean final reward at that K
+(or ``--threshold``), mean over the seeds that reach it, with the count. Then the paired differences
+LPO minus its baseline per K, and ``group_size.png`` (the paper's Fig. 7 layout: metric vs K, one line
+per method, 95% error bars).
 
-The paper reports LPO-fwd reaching GRPO's 200-step peak in about 70 steps with Qwen3-14B; a
-tiny model on 2-digit addition is a different regime, and this script reports what it shows.
+What runs: the in-process loop of :mod:`openrlhf_lpo.demo.loop` (plain torch + HF generate, one
+process per run, ``--workers`` at a time), NOT the Ray pipeline: a grid of ~135 pipeline jobs would
+spend most of its time starting Ray, the rollout engine and DeepSpeed. The losses are the same
+``openrlhf_lpo.listwise`` code the pipeline's actor uses.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+DEFAULT_METHODS = "lpo-fwd,lpo-rev,grpo,lpo-fwd@one,lpo-rev@one,dr-grpo,lpo-fwd@mean,lpo-rev@mean,maxrl"
+FIGURE_METRICS = (("reward_final", "final sampled reward (training)"),
+                  ("heldout_pass@1", "held-out Pass@1"),
+                  ("heldout_pass@4", "held-out Pass@4"),
+                  ("heldout_distinct_correct", "held-out distinct correct answers / prompt"))
+TABLE_METRICS = (("reward_final", "reward"), ("heldout_pass@1", "pass@1"), ("heldout_pass@4", "pass@4"),
+                 ("heldout_pass@16", "pass@16"), ("heldout_distinct_correct", "distinct"),
+                 ("heldout_coverage", "coverage"), ("entropy_final", "entropy"), ("grad_norm_mean", "|grad|"))
+
+Job = Tuple[str, int, int]  # (method, K, seed)
+
+
+def job_name(method: str, k: int, seed: int) -> str:
+    return f"{method}-K{k}-seed{seed}"
+
+
+class PairingError(AssertionError):
+    """Two methods of one (seed, K) cell did not see the same prompts / step-1 rollouts."""
+
+
+def check_pairing(runs: Dict[Job, List[Dict]]) -> int:
+    """Assert that every method of each (seed, K) saw the same prompts at every step and the same
+    rollouts at step 1; return the number of cells checked (with at least two methods)."""
+    cells: Dict[Tuple[int, int], Dict[str, List[Dict]]] = {}
+    for (method, k, seed), rows in runs.items():
+        cells.setdefault((seed, k), {})[method] = [r for r in rows if r.get("step", 0) >= 1]
+    checked = 0
+    for (seed, k), by_method in sorted(cells.items()):
+        if len(by_method) < 2:
+            continue
+        names = sorted(by_method)
+        ref = by_method[names[0]]
+        for name in names[1:]:
+            rows = by_method[name]
+            if [r["prompt_digest"] for r in rows] != [r["prompt_digest"] for r in ref]:
+                raise PairingError(f"seed {seed}, K={k}: {name} and {names[0]} trained on different prompts")
+            if rows[0]["rollout_digest"] != ref[0]["rollout_digest"]:
+                raise PairingError(f"seed {seed}, K={k}: {name} and {names[0]} sampled different step-1 rollouts "
+                                   f"({rows[0]['rollout_digest']} vs {ref[0]['rollout_digest']})")
+            if rows[0]["reward"] != ref[0]["reward"]:
+                raise PairingError(f"seed {seed}, K={k}: equal step-1 rollouts scored differently")
+        checked += 1
+    return checked
+
+
+def run_summary(rows: List[Dict], window: int) -> Dict[str, float]:
+    """Final metrics of one run: the last ``window`` steps' reward and entropy, the mean gradient
+    norm, and the held-out metrics of the last evaluation."""
+    from openrlhf_lpo.demo.report import training_rows
+
+    train = training_rows(rows)
+    tail = train[-window:]
+    out = {"reward_final": statistics.mean(r["reward"] for r in tail),
+           "entropy_final": statistics.mean(r["entropy"] for r in tail),
+           "grad_norm_mean": statistics.mean(r["grad_norm"] for r in train),
+           "informative_mean": statistics.mean(r["informative_groups"] for r in train)}
+    evals = [r for r in rows if any(k.startswith("heldout_") for k in r)]
+    if evals:
+        out.update({k: v for k, v in evals[-1].items() if k.startswith("heldout_") and isinstance(v, (int, float))})
+    return out
+
+
+def aggregate(runs: Dict[Job, List[Dict]], methods: Sequence[str], ks: Sequence[int], seeds: Sequence[int],
+              window: int, threshold: Optional[float] = None) -> Dict:
+    """Per (method, K): mean +- 95% CI over seeds of every run summary metric and of the steps to
+    threshold; per LPO method and K: the paired difference to its baseline."""
+    from openrlhf_lpo.demo.methods import METHODS
+    from openrlhf_lpo.demo.report import steps_to_reach
+    from openrlhf_lpo.demo.stats import mean_ci, paired_ci
+
+    summ = {job: run_summary(rows, window) for job, rows in runs.items()}
+    cells, diffs = {}, {}
+    for k in ks:
+        for m in methods:
+            base = METHODS[m].baseline.name
+            if threshold is not None:
+                thr = threshold
+            else:
+                finals = [summ[(base, k, s)]["reward_final"] for s in seeds if (base, k, s) in summ]
+                thr = statistics.mean(finals) if finals else None
+            have = [s for s in seeds if (m, k, s) in summ]
+            cell = {"seeds": have, "threshold": thr}
+            keys = sorted({key for s in have for key in summ[(m, k, s)]})
+            for key in keys:
+                vals = [summ[(m, k, s)].get(key) for s in have]
+                ci = mean_ci(vals)
+                cell[key] = {"values": vals, "mean": ci.mean, "ci95": ci.half, "n": ci.n}
+            hits = [steps_to_reach(runs[(m, k, s)], thr, window) if thr is not None else None for s in have]
+            reached = [h for h in hits if h is not None]
+            ci = mean_ci(reached)
+            cell["steps_to_threshold"] = {"values": hits, "mean": ci.mean, "ci95": ci.half, "reached": len(reached),
+                                          "n": len(hits)}
+            cells[f"{m}|{k}"] = cell
+            if base != m:
+                both = [s for s in seeds if (m, k, s) in summ and (base, k, s) in summ]
+                d = {}
+                for key in [key for key, _ in TABLE_METRICS]:
+                    a = [summ[(m, k, s)].get(key) for s in both]
+                    b = [summ[(base, k, s)].get(key) for s in both]
+                    if all(v is not None for v in a + b):
+                        ci = paired_ci(a, b)
+                        d[key] = {"mean": ci.mean, "ci95": ci.half, "n": ci.n}
+                diffs[f"{m}|{k}"] = {"baseline": base, **d}
+    return {"cells": cells, "paired_differences": diffs}
+
+
+def _cell_str(cell: Dict, key: str, spec: str = ".3f") -> str:
+    v = cell.get(key)
+    if not v or v["n"] == 0:
+        return "-"
+    if v["n"] < 2 or math.isnan(v["ci95"]):
+        return format(v["mean"], spec)
+    return f"{format(v['mean'], spec)}+-{format(v['ci95'], spec)}"
+
+
+def format_tables(agg: Dict, methods: Sequence[str], ks: Sequence[int]) -> str:
+    lines = []
+    head = ["method"] + [label for _, label in TABLE_METRICS] + ["steps to thr"]
+    for k in ks:
+        lines.append(f"K = {k}  (mean +- 95% CI over seeds; held-out metrics at the last step)")
+        rows = [head]
+        for m in methods:
+            cell = agg["cells"].get(f"{m}|{k}")
+            if cell is None:
+                continue
+            st = cell["steps_to_threshold"]
+            steps = ("-" if st["reached"] == 0 else
+                     f"{st['mean']:.1f}" + ("" if math.isnan(st["ci95"]) else f"+-{st['ci95']:.1f}"))
+            steps += f" ({st['reached']}/{st['n']})"
+            rows.append([m] + [_cell_str(cell, key, ".2f" if key.startswith("heldout_distinct") else ".3f")
+                               for key, _ in TABLE_METRICS] + [steps])
+        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        thr = {agg["cells"][f"{m}|{k}"]["threshold"] for m in methods if f"{m}|{k}" in agg["cells"]}
+        lines.append("  steps to thr: first step whose 5-step mean reward reaches the paired baseline's mean final "
+                     "reward (" + ", ".join(f"{t:.3f}" for t in sorted(x for x in thr if x is not None)) + "), "
+                     "mean over the seeds that reach it (reached/seeds)")
+        lines.append("")
+    lines.append("Paired differences, LPO minus its baseline on the same seeds (mean +- 95% CI; an interval that "
+                 "excludes 0 is a difference this toy resolves):")
+    keys = [key for key, _ in TABLE_METRICS if key in ("reward_final", "heldout_pass@1", "heldout_pass@4",
+                                                        "heldout_pass@16", "heldout_distinct_correct",
+                                                        "entropy_final", "grad_norm_mean")]
+    rows = [["method", "vs", "K"] + [dict(TABLE_METRICS)[k2] for k2 in keys]]
+    for m in methods:
+        for k in ks:
+            d = agg["paired_differences"].get(f"{m}|{k}")
+            if not d:
+                continue
+            vals = []
+            for key in keys:
+                v = d.get(key)
+                if not v or v["n"] == 0:
+                    vals.append("-")
+                else:
+                    sig = "*" if not math.isnan(v["ci95"]) and abs(v["mean"]) > v["ci95"] else " "
+                    vals.append(f"{v['mean']:+.3f}+-{v['ci95']:.3f}{sig}")
+            rows.append([m, d["baseline"], str(k)] + vals)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.append("  (* = the 95% interval excludes 0)")
+    return "\n".join(lines) + "\n"
+
+
+def plot_group_size(agg: Dict, methods: Sequence[str], ks: Sequence[int], out_png: Path, title: str) -> Path:
+    """Metric vs K with 95% error bars (the paper's Fig. 7 layout): one row per temperature family
+    (a baseline and the LPO methods paired with it), one column per metric."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    from openrlhf_lpo.demo.methods import METHODS
+
+    families: Dict[str, List[str]] = {}
+    for m in methods:
+        families.setdefault(METHODS[m].baseline.name, []).append(m)
+    nrow, ncol = len(families), len(FIGURE_METRICS)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(4.4 * ncol, 3.6 * nrow), squeeze=False)
+    for row, (base, members) in enumerate(families.items()):
+        for col, (key, label) in enumerate(FIGURE_METRICS):
+            ax = axes[row][col]
+            for i, m in enumerate(members):
+                xs, ys, es = [], [], []
+                for k in ks:
+                    v = agg["cells"].get(f"{m}|{k}", {}).get(key)
+                    if v and v["n"]:
+                        # small horizontal offsets keep overlapping error bars readable
+                        xs.append(k * 2 ** ((i - (len(members) - 1) / 2) * 0.04))
+                        ys.append(v["mean"])
+                        es.append(0.0 if math.isnan(v["ci95"]) else v["ci95"])
+                if xs:
+                    meth = METHODS[m]
+                    ax.errorbar(xs, ys, yerr=es, color=meth.color, marker="o", markersize=4, capsize=3,
+                                linewidth=1.6, label=m)
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(list(ks))
+            ax.set_xticklabels([str(k) for k in ks])
+            ax.grid(alpha=0.3)
+            if row == 0:
+                ax.set_title(label, fontsize=10)
+            if row == nrow - 1:
+                ax.set_xlabel("group size K")
+            if col == 0:
+                ax.set_ylabel(f"tau of {base}", fontsize=9)
+                ax.legend(fontsize=7, loc="best")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    out_png = Path(out_png)
+    tmp = out_png.with_name(f".{out_png.stem}.tmp-{os.getpid()}.png")
+    fig.savefig(tmp, dpi=90)
+    plt.close(fig)
+    os.replace(tmp, out_png)
+    return out_png
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def _run_job(spec: Dict) -> Dict:
+    """One (method, K, seed) run in a worker process; writes its metrics and a done-file."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    from openrlhf_lpo.demo.cli import _quiet_libraries
+    from openrlhf_lpo.demo.loop import RLConfig, run_inprocess
+    from openrlhf_lpo.demo.methods import METHODS
+    from openrlhf_lpo.demo.report import MetricsWriter, atomic_write_json
+
+    _quiet_libraries()
+    torch.set_num_threads(1)
+    cfg = RLConfig(**spec["config"])
+    out = Path(spec["out"])
+    t0, c0 = time.time(), time.process_time()
+    writer = MetricsWriter(out / "metrics" / f"{spec['name']}.jsonl")
+    try:
+        run_inprocess(METHODS[spec["method"]], cfg, spec["model"], on_row=writer, progress=False,
+                      start_eval=spec["start_eval"])
+    finally:
+        writer.close()
+    done = {"name": spec["name"], "config": spec["config"], "wall_s": time.time() - t0,
+            "cpu_s": time.process_time() - c0}
+    atomic_write_json(out / "metrics" / f"{spec['name']}.done.json", done)
+    return done
+
+
+def _start_eval(out: Path, model: str, cfg, seed: int) -> Dict:
+    """Held-out metrics of the warm-up for one seed's sampling (shared by every run of the seed)."""
+    from openrlhf_lpo.demo.heldout import evaluate_checkpoint
+    from openrlhf_lpo.demo.report import atomic_write_json
+    from openrlhf_lpo.demo.task import get_task
+
+    path = out / f"start-seed{seed}.json"
+    hcfg = dataclasses.replace(cfg, seed=seed).heldout()
+    key = {"model": model, "heldout": dataclasses.asdict(hcfg)}
+    if path.exists():
+        saved = json.loads(path.read_text())
+        if saved.get("key") == key:
+            return saved["metrics"]
+    metrics = evaluate_checkpoint(model, get_task(cfg.task), hcfg)
+    atomic_write_json(path, {"key": key, "metrics": metrics})
+    return metrics
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--methods", default="lpo-fwd,lpo-rev,grpo")
-    p.add_argument("--seeds", default="0,1,2", help="comma-separated RL seeds")
+    p.add_argument("--methods", default=DEFAULT_METHODS)
+    p.add_argument("--ks", default="2,4,8", help="comma-separated group sizes K")
+    p.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated RL seeds")
+    p.add_argument("--task", default="pairsum", help="demo task (pairsum or addition)")
     p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--k", type=int, default=8)
     p.add_argument("--prompts-per-step", type=int, default=16)
     p.add_argument("--lr", type=float)
+    p.add_argument("--eval-every", type=int, default=10)
+    p.add_argument("--eval-prompts", type=int, default=64)
+    p.add_argument("--eval-samples", type=int, default=16)
     p.add_argument("--preset", default="cpu-demo", help="warm-up and RL defaults come from this lpo-demo preset")
-    p.add_argument("--out", default=None, help="output directory (default runs/toy-bench-<time>)")
+    p.add_argument("--threshold", type=float, help="reward threshold for steps-to-threshold "
+                                                   "(default: the paired baseline's mean final reward per K)")
+    p.add_argument("--out", default=None, help="output directory (default runs/toy-bench-<time>); rerun to resume")
+    p.add_argument("--workers", type=int, default=2, help="runs in parallel (one CPU thread each)")
     p.add_argument("--window", type=int, default=5)
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
 
-    import dataclasses
-
     from openrlhf_lpo.demo.cli import _quiet_libraries
-    from openrlhf_lpo.demo.loop import run_inprocess
     from openrlhf_lpo.demo.methods import parse_methods
     from openrlhf_lpo.demo.presets import get_preset
-    from openrlhf_lpo.demo.report import MetricsWriter, atomic_write_json, atomic_write_text, steps_to_reach
+    from openrlhf_lpo.demo.report import atomic_write_json, atomic_write_text, read_metrics
     from openrlhf_lpo.demo.warmup import ensure_warmup
 
     _quiet_libraries()
     try:
-        methods = parse_methods(args.methods)
-        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+        methods = [m.name for m in parse_methods(args.methods)]
+        ks = [int(x) for x in args.ks.split(",") if x.strip()]
+        seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+        preset = get_preset(args.preset)
+        wu, base = preset.for_task(args.task)
     except ValueError as e:
         p.error(str(e))
-    if not seeds:
-        p.error("--seeds is empty")
-    preset = get_preset(args.preset)
-    over = dict(steps=args.steps, k=args.k, prompts_per_step=args.prompts_per_step)
+    if not ks or not seeds:
+        p.error("--ks and --seeds must each name at least one value")
+    if args.workers < 1:
+        p.error("--workers must be >= 1")
+    over = dict(steps=args.steps, prompts_per_step=args.prompts_per_step, eval_every=args.eval_every,
+                eval_prompts=args.eval_prompts, eval_samples=args.eval_samples, threads=1)
     if args.lr is not None:
         over["lr"] = args.lr
-    base = dataclasses.replace(preset.rl, **over)
+    base = dataclasses.replace(base, **over)
     try:
-        base.validate()
+        for k in ks:
+            dataclasses.replace(base, k=k).validate()
+        base.heldout().validate()
     except ValueError as e:
         p.error(str(e))
     out = Path(args.out or Path("runs") / time.strftime("toy-bench-%Y%m%d-%H%M%S"))
     (out / "metrics").mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
-    warm = ensure_warmup(preset.warmup, progress=not args.no_progress)
+    t0, c0 = time.time(), time.process_time()
+    warm = ensure_warmup(wu, progress=not args.no_progress)
     print(f"[bench] warm-up {'cached' if warm['cached'] else 'trained'}: {warm['path']} "
-          f"(sampled accuracy {warm['sampled_accuracy']:.2f})", flush=True)
-    runs = {}
+          f"({warm['steps']} SFT steps, sampled accuracy {warm['sampled_accuracy']:.2f})", flush=True)
+    start = {s: _start_eval(out, warm["path"], base, s) for s in seeds}
+
+    specs, done = [], {}
     for seed in seeds:
-        for m in methods:
-            cfg = dataclasses.replace(base, seed=seed)
-            rows = []
-            w = MetricsWriter(out / "metrics" / f"{m.name}-seed{seed}.jsonl")
+        for k in ks:
+            for m in methods:
+                cfg = dataclasses.asdict(dataclasses.replace(base, k=k, seed=seed))
+                name = job_name(m, k, seed)
+                done_path = out / "metrics" / f"{name}.done.json"
+                if done_path.exists() and json.loads(done_path.read_text()).get("config") == cfg:
+                    done[name] = json.loads(done_path.read_text())
+                    continue
+                specs.append({"name": name, "method": m, "config": cfg, "model": warm["path"], "out": str(out),
+                              "start_eval": start[seed]})
+    print(f"[bench] {len(specs)} runs to do, {len(done)} kept from an earlier run in {out}", flush=True)
+    if specs:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor, as_completed
 
-            def on_row(r, rows=rows, w=w):
-                rows.append(r)
-                w(r)
+        with ProcessPoolExecutor(max_workers=args.workers, mp_context=mp.get_context("spawn")) as pool:
+            futures = {pool.submit(_run_job, s): s["name"] for s in specs}
+            for i, fut in enumerate(as_completed(futures), 1):
+                info = fut.result()
+                done[info["name"]] = info
+                print(f"[bench] {i}/{len(specs)} {info['name']}: {info['wall_s']:.0f}s wall, "
+                      f"{info['cpu_s']:.0f}s CPU", flush=True)
 
-            run_inprocess(m, cfg, warm["path"], on_row=on_row, progress=not args.no_progress,
-                          desc=f"{m.name} seed {seed}")
-            w.close()
-            runs[(m.name, seed)] = rows
-
-    win = args.window
-
-    def final(rows):
-        tail = rows[-win:]
-        return sum(r["reward"] for r in tail) / len(tail)
-
-    grpo_finals = [final(runs[("grpo", s)]) for s in seeds] if any(m.name == "grpo" for m in methods) else []
-    goal = statistics.mean(grpo_finals) if grpo_finals else None
-    result = {"backend": "inprocess (openrlhf_lpo.demo.loop; same listwise loss as the pipeline)",
-              "config": dataclasses.asdict(base), "seeds": seeds, "warmup": warm["path"],
-              "warmup_sampled_accuracy": warm["sampled_accuracy"], "grpo_final_mean": goal, "methods": {}}
-    lines = [f"toy sample efficiency: {base.task}, K={base.k}, {base.prompts_per_step} prompts/step, "
-             f"{base.steps} steps, lr {base.lr}, seeds {seeds}; backend: in-process loop "
-             f"(same openrlhf_lpo.listwise loss as lpo-train, not the Ray pipeline)",
-             f"warm-up start: sampled accuracy {warm['sampled_accuracy']:.3f}; final = mean of last {win} steps"]
-    if goal is not None:
-        lines.append(f"GRPO final reward (mean over seeds): {goal:.3f}")
-    lines.append(f"{'method':<9} {'final mean':>10} {'+- std':>7}  steps to GRPO final (per seed)  greedy end")
-    for m in methods:
-        finals = [final(runs[(m.name, s)]) for s in seeds]
-        hits = [steps_to_reach(runs[(m.name, s)], goal, win) if goal is not None else None for s in seeds]
-        greedy = [runs[(m.name, s)][-1].get("greedy_accuracy") for s in seeds]
-        sd = statistics.stdev(finals) if len(finals) > 1 else 0.0
-        result["methods"][m.name] = {"final": finals, "final_mean": statistics.mean(finals), "final_std": sd,
-                                     "steps_to_grpo_final": hits, "greedy_end": greedy}
-        lines.append(f"{m.name:<9} {statistics.mean(finals):>10.3f} {sd:>7.3f}  "
-                     f"{', '.join('-' if h is None else str(h) for h in hits):<30} "
-                     f"{statistics.mean([g for g in greedy if g is not None] or [float('nan')]):.3f}")
-    lines.append(f"wall time {time.time() - t0:.0f}s")
-    text = "\n".join(lines) + "\n"
+    runs = {(m, k, s): read_metrics(out / "metrics" / f"{job_name(m, k, s)}.jsonl")
+            for s in seeds for k in ks for m in methods}
+    cells_checked = check_pairing(runs)
+    agg = aggregate(runs, methods, ks, seeds, args.window, args.threshold)
+    wall, cpu = time.time() - t0, time.process_time() - c0
+    job_cpu = sum(d.get("cpu_s", 0.0) for d in done.values())
+    header = (f"toy benchmark: task {base.task}, K in {ks}, {base.prompts_per_step} prompts/step, {base.steps} steps, "
+              f"lr {base.lr}, {base.mini_batches} optimizer steps per rollout, seeds {seeds}; held-out: "
+              f"{base.eval_prompts} problems x {base.eval_samples} samples\n"
+              f"warm-up: {warm['steps']} SFT steps, sampled accuracy {warm['sampled_accuracy']:.3f}; "
+              f"held-out start (seed {seeds[0]}): " + ", ".join(f"{k.replace('heldout_', '')} {v:.3f}"
+                                                                 for k, v in start[seeds[0]].items()) + "\n"
+              f"pairing checked: {cells_checked} (seed, K) cells, same prompts at every step and same rollouts at "
+              f"step 1 for every method\n"
+              f"backend: in-process loop (same openrlhf_lpo.listwise loss as lpo-train, not the Ray pipeline)\n"
+              f"wall time {wall:.0f}s for this invocation; CPU time of all {len(done)} runs {job_cpu:.0f}s "
+              f"(+{cpu:.0f}s in the driver)\n")
+    text = header + "\n" + format_tables(agg, methods, ks)
+    result = {"config": dataclasses.asdict(base), "methods": methods, "ks": ks, "seeds": seeds,
+              "warmup": {k: v for k, v in warm.items() if k != "history"}, "start_eval": start,
+              "pairing_cells_checked": cells_checked, "wall_s": wall, "runs_cpu_s": job_cpu, **agg}
     atomic_write_json(out / "benchmark.json", result)
     atomic_write_text(out / "benchmark.txt", text)
+    png = plot_group_size(agg, methods, ks, out / "group_size.png",
+                          f"toy group-size sweep ({base.task}, {len(seeds)} seeds, {base.steps} steps, "
+                          f"{base.prompts_per_step} prompts/step; 95% CI)")
     print(text, end="")
-    print(f"[bench] written to {out}")
+    print(f"[bench] written to {out} ({png.name})")
     return 0
 
 

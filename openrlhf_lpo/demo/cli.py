@@ -1,6 +1,7 @@
 """``lpo-demo``: see LPO work on a CPU-only machine in minutes.
 
     lpo-demo                         # = lpo-demo --preset cpu-demo
+    lpo-demo --task addition         # the 2-digit addition task (one right answer per prompt)
     lpo-demo --steps 60 --k 4 --methods lpo-fwd,lpo-rev,grpo
     lpo-demo --backend inprocess     # same comparison without Ray/OpenRLHF (debugging)
 
@@ -12,7 +13,9 @@ Stages, each with a progress bar:
 2. run each method (default LPO-fwd and the matched GRPO baseline: same seed, same prompts, same
    group-std temperature, same steps) through the ``lpo-train`` pipeline (Ray, OpenRLHF actors
    with the LPO loss, CPU rollout engine, rule-based reward);
-3. write ``<run_dir>/metrics/<method>.jsonl`` as steps finish, then ``comparison.png`` and
+3. evaluate the warm-up and every ``--eval-every`` steps' checkpoint on held-out problems (Pass@k,
+   distinct correct answers per prompt, coverage, greedy accuracy);
+4. write ``<run_dir>/metrics/<method>.jsonl`` as steps finish, then ``comparison.png`` and
    ``summary.txt``.
 
 A method that fails (Ray or the rollout engine cannot start, a crash) is recorded in
@@ -49,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=f"presets: {', '.join(f'{n} ({PRESETS[n].description})' for n in PRESETS)}",
     )
     p.add_argument("--preset", default="cpu-demo", help=f"one of {sorted(PRESETS)} (default cpu-demo)")
-    p.add_argument("--task", help="toy task name (default from the preset: addition)")
+    p.add_argument("--task", help="toy task: pairsum (default; 4 right answers per prompt) or addition")
     p.add_argument("--k", type=int, help="responses per prompt (group size K)")
     p.add_argument("--steps", type=int, help="RL steps per method")
     p.add_argument("--prompts-per-step", type=int, help="prompts per RL step")
@@ -57,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mini-batches", type=int,
                    help="optimizer steps per rollout (each over whole groups; >1 makes later ones off-policy)")
     p.add_argument("--seed", type=int, help="seed shared by every method (prompts, sampling)")
+    p.add_argument("--eval-every", type=int,
+                   help="held-out evaluation every N RL steps, plus the warm-up and the last step (0 = off)")
+    p.add_argument("--eval-prompts", type=int, help="held-out problems per evaluation")
+    p.add_argument("--eval-samples", type=int, help="responses per held-out problem (Pass@k for k <= this)")
     p.add_argument("--methods", help=f"comma-separated, from {sorted(METHODS)} (default lpo-fwd,grpo)")
     p.add_argument("--backend", choices=BACKENDS,
                    help="pipeline: lpo-train with Ray/OpenRLHF (default); inprocess: plain-torch loop")
@@ -74,16 +81,18 @@ def build_parser() -> argparse.ArgumentParser:
 def resolve(args: argparse.Namespace):
     """Preset + command-line overrides -> (warmup config, RL config, methods, backend)."""
     preset = get_preset(args.preset)
-    wu, rl = preset.warmup, preset.rl
-    rl_over = {k: v for k, v in dict(task=args.task, k=args.k, steps=args.steps,
+    wu, rl = preset.for_task(args.task) if args.task else (preset.warmup, preset.rl)
+    rl_over = {k: v for k, v in dict(k=args.k, steps=args.steps,
                                      prompts_per_step=args.prompts_per_step, lr=args.lr,
-                                     mini_batches=args.mini_batches,
-                                     seed=args.seed).items() if v is not None}
+                                     mini_batches=args.mini_batches, seed=args.seed,
+                                     eval_every=args.eval_every, eval_prompts=args.eval_prompts,
+                                     eval_samples=args.eval_samples).items() if v is not None}
     rl = dataclasses.replace(rl, **rl_over)
-    wu_over = {k: v for k, v in dict(task=args.task, max_steps=args.warmup_max_steps,
+    wu_over = {k: v for k, v in dict(max_steps=args.warmup_max_steps,
                                      target_accuracy=args.warmup_target).items() if v is not None}
     wu = dataclasses.replace(wu, **wu_over)
     rl.validate()
+    rl.heldout().validate()
     wu.validate()
     methods = parse_methods(args.methods) if args.methods else [METHODS[n] for n in preset.methods]
     return wu, rl, methods, args.backend or preset.backend
@@ -138,29 +147,42 @@ def run_demo(argv: Optional[List[str]] = None) -> int:
     atomic_write_json(run_dir / "warmup.json", {k: v for k, v in warm.items() if k != "history"}
                       | {"load_s": warm_s})
 
+    start_eval = None
+    if rl.eval_every:
+        from openrlhf_lpo.demo.heldout import evaluate_checkpoint
+        from openrlhf_lpo.demo.task import get_task
+
+        t0 = time.time()
+        start_eval = evaluate_checkpoint(warm["path"], get_task(rl.task), rl.heldout(), threads=rl.threads)
+        _log(f"held-out start ({rl.eval_prompts} problems x {rl.eval_samples} samples, {time.time() - t0:.0f}s): "
+             + ", ".join(f"{k.replace('heldout_', '')} {v:.3f}" for k, v in start_eval.items()))
+
     status = {}
     for method in methods:
         if method.name in previous:
             status[method.name] = dict(previous[method.name])
-            final = run_dir / "pipeline" / method.name / "final"
-            if "greedy_accuracy_end" not in status[method.name] and (final / "model.safetensors").exists():
-                from openrlhf_lpo.demo.pipeline import held_out_greedy_accuracy
-
-                status[method.name]["greedy_accuracy_end"] = held_out_greedy_accuracy(str(final), rl)
             atomic_write_json(run_dir / "status.json", status)
             _log(f"{method.name}: kept from the earlier run (--resume)")
             continue
         status[method.name] = {"state": "running", "backend": backend}
         atomic_write_json(run_dir / "status.json", status)
-        writer = MetricsWriter(run_dir / "metrics" / f"{method.name}.jsonl")
+        metrics_path = run_dir / "metrics" / f"{method.name}.jsonl"
+        writer = MetricsWriter(metrics_path)
         tm = time.time()
         try:
             if backend == "inprocess":
                 from openrlhf_lpo.demo.loop import run_inprocess
 
-                info = run_inprocess(method, rl, warm["path"], on_row=writer, progress=progress)
+                info = run_inprocess(method, rl, warm["path"], on_row=writer, progress=progress,
+                                     start_eval=start_eval)
+                writer.close()
             else:
+                if start_eval is not None:
+                    writer({"method": method.name, "step": 0, "backend": backend, **start_eval})
                 info = _run_pipeline_with_retry(method, rl, warm["path"], run_dir, writer, progress)
+                writer.close()
+                info.update(_evaluate_pipeline_run(run_dir / "pipeline" / method.name, rl, info["steps"],
+                                                   metrics_path, progress))
             status[method.name] = {"state": "done", "backend": backend, "wall_s": time.time() - tm, **info}
         except KeyboardInterrupt:
             status[method.name] = {"state": "interrupted", "backend": backend, "wall_s": time.time() - tm}
@@ -177,6 +199,23 @@ def run_demo(argv: Optional[List[str]] = None) -> int:
         atomic_write_json(run_dir / "status.json", status)
     ok = _finish(run_dir, status, args, wu, rl, backend, warm, warm_s, t_start)
     return 0 if ok else 1
+
+
+def _evaluate_pipeline_run(out_dir: Path, rl, steps_done: int, metrics_path: Path, progress: bool) -> dict:
+    """Held-out metrics of a finished ``lpo-train`` job's checkpoints, merged into its metrics rows."""
+    if not rl.eval_every:
+        return {}
+    from openrlhf_lpo.demo.pipeline import evaluate_checkpoints
+    from openrlhf_lpo.demo.report import merge_step_metrics
+
+    t0 = time.time()
+    found = evaluate_checkpoints(out_dir, rl, steps_done, progress=progress)
+    if found:
+        merge_step_metrics(metrics_path, found)
+    missing = [s for s in rl.eval_steps() if 0 < s <= steps_done and s not in found]
+    if missing:
+        _log(f"no checkpoint for held-out steps {missing} in {out_dir} (see its lpo-train.log)")
+    return {"heldout_eval_s": time.time() - t0, "heldout_steps": sorted(found)}
 
 
 def _resumable(run_dir: Path, config: dict) -> dict:
@@ -221,7 +260,8 @@ def _finish(run_dir, status, args, wu, rl, backend, warm, warm_s, t_start) -> bo
     atomic_write_text(Path(run_dir) / "summary.txt", summary)
     if runs:
         png = plot_run(runs, Path(run_dir) / "comparison.png",
-                       title=f"{rl.task}: " + " vs ".join(runs) + f" (K={rl.k}, seed {rl.seed}, {backend})")
+                       title=f"{rl.task}: " + " vs ".join(runs) + f" (K={rl.k}, {rl.prompts_per_step} prompts/step, "
+                             f"seed {rl.seed}, {backend})")
         _log(f"plot: {png}")
     print(summary, end="", flush=True)
     _log(f"summary: {Path(run_dir) / 'summary.txt'}")

@@ -4,31 +4,41 @@ This is *not* the product pipeline: ``lpo-train`` (Ray, OpenRLHF actors, rollout
 loop exists for two jobs where the pipeline's fixed costs (Ray start, engine start, DeepSpeed
 init, weight sync) would dominate on 2 CPU cores:
 
-* ``benchmarks/toy_sample_efficiency.py`` runs 3 seeds x 3 methods with it;
+* ``benchmarks/toy_sample_efficiency.py`` runs methods x K x seeds with it;
 * ``lpo-demo --backend inprocess`` runs the comparison when Ray or the rollout engine cannot start.
 
-Per RL step: draw ``prompts_per_step`` problems, sample ``k`` responses each at temperature
+Per RL step: draw ``prompts_per_step`` training problems, sample ``k`` responses each at temperature
 ``sampling_temperature`` (pure sampling), score them with the task's 0/1 reward, then take
 ``mini_batches`` optimizer steps, each over a disjoint slice of whole groups (so the later slices
 are off-policy, where LPO and the policy gradient differ). Losses:
 
 * LPO (Eq. 10/11): ``listwise_loss(s, w*, divergence)`` with ``s = sequence_log_ratio`` (Eq. 4,
-  clipped, length-normalised) and ``w* = gibbs_target(R, tau)`` (Eq. 8, tau = group std);
-* GRPO: PPO-clipped token surrogate with ``pg_advantages(R, "grpo")`` (Eq. 2-3), averaged per
-  sequence then over sequences.
+  clipped, length-normalised) and ``w* = gibbs_target(R, tau)`` (Eq. 8, tau from the method:
+  group std, 1 or group mean);
+* policy gradient (GRPO, Dr.GRPO, MaxRL): PPO-clipped token surrogate with
+  ``pg_advantages(R, estimator)`` (Eq. 2-3), averaged per sequence then over sequences (the same
+  aggregation for every baseline, so only the advantage's temperature differs).
+
+Pairing: the training problems depend on ``seed`` only, and the sampling of step ``t`` is seeded with
+``(seed, t)``; every method therefore sees the same prompts, and at step 1 (same warm-up weights) the
+same rollouts. Each row carries digests of both (``prompt_digest``, ``rollout_digest``) so a caller
+can assert it.
 
 Logged per step (one jsonl row): sampled reward, response entropy (mean token entropy under the
-policy), gradient norm (before clipping, mean over the step's optimizer steps), and
-``kl_target`` = KL(w* || P_theta) of the step's groups measured *after* the updates, with the
-GRPO-matched target ``softmax(R/std)`` for every method.
+policy), gradient norm (before clipping, mean over the step's optimizer steps), ``kl_target`` =
+KL(w* || P_theta) of the step's groups measured *after* the updates against the method's own target,
+the fraction of informative groups (rewards not all equal), distinct correct answers per group, and
+every ``eval_every`` steps (and at step 0, the warm-up) the held-out metrics of
+:mod:`openrlhf_lpo.demo.heldout` (Pass@k, distinct correct answers, coverage, greedy accuracy).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -49,8 +59,9 @@ class RLConfig:
     sampling_temperature: float = 1.0
     seed: int = 0
     threads: int = 1
-    eval_every: int = 10
-    eval_prompts: int = 128
+    eval_every: int = 10          # held-out evaluation every this many steps (and at steps 0 and last); 0 = off
+    eval_prompts: int = 64        # held-out problems
+    eval_samples: int = 16        # responses per held-out problem (Pass@k for k <= this)
 
     def validate(self) -> None:
         from openrlhf_lpo.demo.task import get_task
@@ -58,9 +69,11 @@ class RLConfig:
         get_task(self.task)
         if self.k < 2:
             raise ValueError(f"--k must be >= 2 (a listwise group needs two responses); got {self.k}")
-        for name in ("prompts_per_step", "steps", "mini_batches", "threads"):
+        for name in ("prompts_per_step", "steps", "mini_batches", "threads", "eval_prompts", "eval_samples"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(self, name)}")
+        if self.eval_every < 0:
+            raise ValueError(f"--eval-every must be >= 0 (0 = no held-out evaluation); got {self.eval_every}")
         if self.prompts_per_step % self.mini_batches:
             raise ValueError(
                 f"--prompts-per-step ({self.prompts_per_step}) must be divisible by mini_batches "
@@ -68,6 +81,20 @@ class RLConfig:
             )
         if self.lr <= 0:
             raise ValueError(f"--lr must be > 0; got {self.lr}")
+
+    def heldout(self):
+        """The held-out evaluation settings (the same sampling seed at every evaluation of a run)."""
+        from openrlhf_lpo.demo.heldout import HeldoutConfig
+
+        ks = tuple(k for k in (1, 4, self.eval_samples) if k <= self.eval_samples)
+        return HeldoutConfig(prompts=self.eval_prompts, samples=self.eval_samples, ks=tuple(sorted(set(ks))),
+                             seed=self.seed, temperature=self.sampling_temperature)
+
+    def eval_steps(self) -> List[int]:
+        """Steps after which the held-out evaluation runs (0 = the warm-up, before any RL step)."""
+        if not self.eval_every:
+            return []
+        return sorted({0, self.steps} | set(range(self.eval_every, self.steps + 1, self.eval_every)))
 
 
 def _seq_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -83,25 +110,37 @@ def grpo_loss(logp, old_logp, mask, advantages_flat, clip_eps):
     return _seq_mean(surrogate, mask).mean()
 
 
-@torch.no_grad()
-def greedy_eval(model, tokenizer, task, problems) -> float:
-    from openrlhf_lpo.demo.warmup import sampled_accuracy
+def digest(*parts) -> str:
+    """Short hex digest of tensors / strings (equal inputs -> equal digest)."""
+    h = hashlib.sha1()
+    for p in parts:
+        h.update(p.contiguous().numpy().tobytes() if isinstance(p, torch.Tensor) else str(p).encode())
+        h.update(b"|")
+    return h.hexdigest()[:16]
 
-    return sampled_accuracy(model, tokenizer, task, problems, greedy=True)
+
+def group_distinct_correct(answers: List[str], rewards: torch.Tensor) -> float:
+    """Mean over groups of the number of different correct answers; ``answers`` prompt-major."""
+    g, k = rewards.shape
+    counts = [len({answers[i * k + j] for j in range(k) if rewards[i, j] > 0}) for i in range(g)]
+    return sum(counts) / g
 
 
 def run_inprocess(method: Method, cfg: RLConfig, model_path: str,
                   on_row: Optional[Callable[[Dict], None]] = None, progress: bool = True,
-                  desc: Optional[str] = None) -> Dict:
+                  desc: Optional[str] = None, start_eval: Optional[Dict] = None) -> Dict:
     """Train ``model_path``'s model with ``method`` for ``cfg.steps`` steps; return a summary.
 
-    ``on_row`` receives one metrics dict per step (write it out as it arrives).
+    ``on_row`` receives one metrics dict per step (write it out as it arrives), preceded by a
+    step-0 row with the held-out metrics of the starting model. ``start_eval`` may pass those in
+    (they are the same for every method of a seed) instead of computing them again.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from openrlhf_lpo.demo.heldout import evaluate_heldout
     from openrlhf_lpo.demo.policy import decode, encode_prompts, sample_responses, token_logprobs
-    from openrlhf_lpo.demo.task import get_task, score
-    from openrlhf_lpo.demo.warmup import _EVAL_SEED_OFFSET, _bar
+    from openrlhf_lpo.demo.task import extract_answer, get_task
+    from openrlhf_lpo.demo.warmup import _bar
 
     cfg.validate()
     task = get_task(cfg.task)
@@ -111,15 +150,24 @@ def run_inprocess(method: Method, cfg: RLConfig, model_path: str,
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-    # Same prompts for every method and seed pairing: the stream depends on cfg.seed only.
-    stream = task.stream(cfg.seed + 17)
-    eval_set = task.problems(cfg.eval_prompts, _EVAL_SEED_OFFSET + 1)
+    # Same prompts for every method: the stream depends on cfg.seed only.
+    stream = task.stream(cfg.seed + 17, split="train")
+    heldout_cfg = cfg.heldout()
+    eval_steps = set(cfg.eval_steps())
     k, g = cfg.k, cfg.prompts_per_step
     g_mb = g // cfg.mini_batches
     t0 = time.time()
     rows = []
+
+    def emit(row):
+        rows.append(row)
+        if on_row is not None:
+            on_row(row)
+
+    if 0 in eval_steps:
+        ev = dict(start_eval) if start_eval is not None else evaluate_heldout(model, tokenizer, task, heldout_cfg)
+        emit({"method": method.name, "step": 0, "backend": "inprocess", "elapsed_s": time.time() - t0, **ev})
     bar = _bar(cfg.steps, desc or method.name, progress)
-    greedy0 = greedy_eval(model, tokenizer, task, eval_set)
     try:
         for step in range(1, cfg.steps + 1):
             ts = time.time()
@@ -129,8 +177,8 @@ def run_inprocess(method: Method, cfg: RLConfig, model_path: str,
             model.eval()
             responses, mask = sample_responses(model, tokenizer, prompt_ids, prompt_mask, k,
                                                task.max_answer_chars + 2, cfg.sampling_temperature)
-            texts = decode(tokenizer, responses)
-            rewards = torch.tensor([score(t, problems[i // k][1]) for i, t in enumerate(texts)],
+            answers = [extract_answer(t) for t in decode(tokenizer, responses)]
+            rewards = torch.tensor([float(task.is_correct(a, problems[i // k][1])) for i, a in enumerate(answers)],
                                    dtype=torch.float32).view(g, k)
             ids_rep = prompt_ids.repeat_interleave(k, dim=0)
             att_rep = prompt_mask.repeat_interleave(k, dim=0)
@@ -139,7 +187,7 @@ def run_inprocess(method: Method, cfg: RLConfig, model_path: str,
             model.train()
             tau = listwise.group_temperature(rewards, method.temperature)
             target = listwise.gibbs_target(rewards, tau)
-            advantages = (listwise.pg_advantages(rewards, method.estimator) if not method.is_lpo else None)
+            advantages = listwise.pg_advantages(rewards, method.estimator) if not method.is_lpo else None
             grad_norms, entropies, losses = [], [], []
             for mb in range(cfg.mini_batches):
                 gs = slice(mb * g_mb, (mb + 1) * g_mb)
@@ -160,27 +208,29 @@ def run_inprocess(method: Method, cfg: RLConfig, model_path: str,
             with torch.no_grad():
                 new_logp = token_logprobs(model, ids_rep, att_rep, responses, cfg.sampling_temperature)
                 s_after = _seq_mean(new_logp - old_logp, mask).view(g, k)
-                matched = listwise.gibbs_target(rewards, listwise.group_temperature(rewards, "std"))
-                kl = listwise.listwise_divergence(s_after, matched, "fwd").mean().item()
+                kl = listwise.listwise_divergence(s_after, target, "fwd").mean().item()
+            informative = 1.0 - listwise.degenerate_groups(rewards).float().mean().item()
             row = {
                 "method": method.name, "step": step, "reward": rewards.mean().item(),
                 "entropy": sum(entropies) / len(entropies), "grad_norm": sum(grad_norms) / len(grad_norms),
                 "kl_target": kl, "loss": sum(losses) / len(losses),
                 "response_length": mask.sum(-1).float().mean().item(),
-                "degenerate_groups": listwise.degenerate_groups(rewards).float().mean().item(),
+                "degenerate_groups": 1.0 - informative, "informative_groups": informative,
+                "group_distinct_correct": group_distinct_correct(answers, rewards),
+                "prompt_digest": digest(*[q for q, _ in problems]), "rollout_digest": digest(responses),
                 "step_s": time.time() - ts, "elapsed_s": time.time() - t0, "backend": "inprocess",
             }
-            if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
-                row["greedy_accuracy"] = greedy_eval(model, tokenizer, task, eval_set)
-            rows.append(row)
-            if on_row is not None:
-                on_row(row)
+            if step in eval_steps:
+                row.update(evaluate_heldout(model, tokenizer, task, heldout_cfg))
+            emit(row)
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(reward=f"{row['reward']:.2f}", kl=f"{kl:.3f}")
     finally:
         if bar is not None:
             bar.close()
-    return {"method": method.name, "config": asdict(cfg), "greedy_accuracy_start": greedy0,
-            "greedy_accuracy_end": rows[-1].get("greedy_accuracy", math.nan) if rows else math.nan,
-            "wall_s": time.time() - t0, "steps": len(rows)}
+    last = [r for r in rows if "heldout_greedy" in r]
+    return {"method": method.name, "config": asdict(cfg),
+            "greedy_accuracy_start": last[0]["heldout_greedy"] if last and last[0]["step"] == 0 else math.nan,
+            "greedy_accuracy_end": last[-1]["heldout_greedy"] if last else math.nan,
+            "wall_s": time.time() - t0, "steps": sum(1 for r in rows if r["step"] > 0)}

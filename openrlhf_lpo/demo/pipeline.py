@@ -42,6 +42,7 @@ METRIC_KEYS = {
     "response_length": ("rollout/response_length_mean",),
     "degenerate_groups": ("lpo/degenerate_frac",),
     "step_s": ("timing/step_total",),
+    "rollout_fingerprint": ("rollout_fingerprint",),
 }
 
 _STEP_LINE = re.compile(r"Global step (\d+): (\{.*\})")
@@ -94,13 +95,20 @@ def to_row(method: str, upstream: Dict, elapsed_s: float) -> Dict:
             if k in upstream and math.isfinite(upstream[k]):
                 row[col] = upstream[k]
                 break
+    if "degenerate_groups" in row:
+        row["informative_groups"] = 1.0 - row["degenerate_groups"]
     row["upstream"] = {k: v for k, v in upstream.items() if k != "step"}
     return row
 
 
 def pipeline_argv(method: Method, cfg: RLConfig, model_path: str, dataset: str, out_dir: Path,
                   max_new_tokens: int) -> List[str]:
-    """The ``lpo-train`` flags of one demo method (same for every method but the estimator flags)."""
+    """The ``lpo-train`` flags of one demo method (same for every method but the estimator flags).
+
+    With held-out evaluation on, the actor saves an HF checkpoint every ``cfg.eval_every`` steps
+    (``<out_dir>/ckpt/global_step<N>_hf``, no DeepSpeed state); :func:`evaluate_checkpoints` scores
+    them after the job, in the demo's process, with the same code as the in-process loop.
+    """
     rollout = cfg.prompts_per_step * cfg.k
     train_batch = rollout // cfg.mini_batches
     micro = min(train_batch, 4 * cfg.k)
@@ -125,6 +133,8 @@ def pipeline_argv(method: Method, cfg: RLConfig, model_path: str, dataset: str, 
         "--logger.tensorboard_dir", str(out_dir / "tb"), "--logger.logging_steps", "1",
         "--ckpt.path", str(out_dir / "ckpt"), "--ckpt.output_dir", str(out_dir / "final"),
     ]
+    if cfg.eval_every:
+        argv += ["--ckpt.save_steps", str(cfg.eval_every), "--ckpt.save_hf", "--ckpt.disable_ds"]
     return argv + method.pipeline_flags()
 
 
@@ -179,7 +189,7 @@ def run_pipeline(method: Method, cfg: RLConfig, model_path: str, out_dir: Path,
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     dataset = write_prompt_dataset(str(out_dir / "prompts.jsonl"), task, cfg.steps * cfg.prompts_per_step,
-                                   cfg.seed + 17)
+                                   cfg.seed + 17, split="train")
     argv = pipeline_argv(method, cfg, model_path, dataset, out_dir, task.max_answer_chars + 2)
     (out_dir / "command.txt").write_text("lpo-train " + " ".join(argv) + "\n")
     env = dict(os.environ)
@@ -236,22 +246,46 @@ def run_pipeline(method: Method, cfg: RLConfig, model_path: str, out_dir: Path,
     final = out_dir / "final"
     if (final / "model.safetensors").exists():
         summary["final_model"] = str(final)
-        summary["greedy_accuracy_end"] = held_out_greedy_accuracy(str(final), cfg)
     return summary
 
 
-def held_out_greedy_accuracy(model_path: str, cfg: RLConfig) -> float:
-    """Greedy accuracy of a saved model on the demo's held-out problems (the warm-up's eval set)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def checkpoint_for_step(out_dir: Path, step: int, last_step: int) -> Optional[Path]:
+    """The HF model directory holding the weights after ``step`` (the final model for the last step)."""
+    out_dir = Path(out_dir)
+    candidates = [out_dir / "ckpt" / f"global_step{step}_hf"]
+    if step == last_step:
+        candidates.append(out_dir / "final")
+    for path in candidates:
+        if (path / "config.json").exists() and any(path.glob("*.safetensors")):
+            return path
+    return None
 
+
+def evaluate_checkpoints(out_dir: Path, cfg: RLConfig, steps_done: int,
+                         progress: bool = True) -> Dict[int, Dict[str, float]]:
+    """Held-out metrics (:func:`openrlhf_lpo.demo.heldout.evaluate_checkpoint`) of every checkpoint
+    a finished job saved at ``cfg.eval_steps()``; ``{step: metrics}``. Steps without a checkpoint are
+    left out (a job that stopped early)."""
+    from openrlhf_lpo.demo.heldout import evaluate_checkpoint
     from openrlhf_lpo.demo.task import get_task
-    from openrlhf_lpo.demo.warmup import _EVAL_SEED_OFFSET, sampled_accuracy
+    from openrlhf_lpo.demo.warmup import _bar
 
     task = get_task(cfg.task)
-    tok = AutoTokenizer.from_pretrained(model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    return sampled_accuracy(model, tok, task, task.problems(cfg.eval_prompts, _EVAL_SEED_OFFSET + 1), greedy=True)
+    steps = [s for s in cfg.eval_steps() if 0 < s <= steps_done]
+    found = [(s, checkpoint_for_step(out_dir, s, steps_done)) for s in steps]
+    found = [(s, p) for s, p in found if p is not None]
+    bar = _bar(len(found), "held-out evaluation", progress)
+    out = {}
+    try:
+        for s, path in found:
+            out[s] = {**evaluate_checkpoint(str(path), task, cfg.heldout(), threads=cfg.threads),
+                      "heldout_checkpoint": str(path)}
+            if bar is not None:
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+    return out
 
 
 def _kill_session(proc: subprocess.Popen) -> None:

@@ -1,16 +1,24 @@
-"""Synthetic verifiable tasks for the CPU demo: prompts, reference answers and a 0/1 reward.
+"""Synthetic verifiable tasks for the CPU demo: prompts, labels, every correct answer, a 0/1 reward.
 
-The default task is 2-digit addition (``a+b`` with ``a, b`` in [10, 99]): a tiny character-level
-Qwen3 learns it in a few minutes of supervised warm-up on 2 CPU cores, and RL with a rule-based
-reward then visibly raises the sampled accuracy (see ``docs/demo.md``).
+Two tasks are registered in :data:`TASKS` (the demo's ``--task`` flag looks them up):
 
-A task is a small object registered by name in :data:`TASKS`; the demo's ``--task`` flag looks it
-up there. Each task must be usable by three consumers that never share state:
+* ``addition``: 2-digit addition (``12+34`` -> ``46``), one correct answer per prompt;
+* ``pairsum``: five distinct digits and a target (``3 8 1 6 5:9``); the answer names two of the
+  digits that add up to the target (``8+1``, ``1+8``, ``3+6`` or ``6+3``). Every prompt has exactly
+  four correct answers (two disjoint pairs, both orders), so a policy can keep several of them or
+  collapse onto one: response diversity and Pass@k can move independently of accuracy. A fifth of
+  the (digit set, target) problems is reserved for held-out evaluation and never trained on.
 
-* the warm-up trainer (``prompt`` + ``answer`` text pairs),
-* the prompt dataset written for the ``lpo-train`` pipeline (jsonl rows ``{"prompt", "label"}``),
-* the reward function (:func:`score`), also exposed to OpenRLHF through
-  ``openrlhf_lpo/demo/reward_func.py``.
+A task is a small frozen object; each consumer uses only its public methods and never shares state:
+
+* the warm-up trainer (:meth:`Task.sft_stream`: question + one correct answer drawn uniformly),
+* the prompt dataset of the ``lpo-train`` pipeline (jsonl rows ``{"prompt", "label"}``),
+* the reward (:func:`score`), also exposed to OpenRLHF through ``openrlhf_lpo/demo/reward_func.py``,
+* the held-out evaluation (:meth:`Task.problems` with ``split="heldout"``, :meth:`Task.solutions`).
+
+A label carries what the reward needs. ``addition`` keeps its historical label, the reference answer
+itself (``"46"``); other tasks write ``"<task>:<payload>"`` (``"pairsum:38165:9"``) so that one reward
+file scores every task.
 """
 
 from __future__ import annotations
@@ -19,10 +27,13 @@ import json
 import os
 import random
 import re
+import zlib
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, List, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 TASKS: Dict[str, "Task"] = {}
+
+SPLITS = ("all", "train", "heldout")
 
 
 def register_task(task: "Task") -> "Task":
@@ -45,24 +56,74 @@ def get_task(name: str) -> "Task":
 class Task:
     """A verifiable toy task.
 
-    ``sample(rng)`` returns ``(question, answer)`` strings; the question is the user message
-    of a one-turn chat, the answer is exactly what the assistant must write before ``<|im_end|>``.
+    ``draw(rng)`` returns ``(question, label)``: the question is the user message of a one-turn chat;
+    ``solutions(label)`` lists every string the assistant may write before ``<|im_end|>`` to be
+    right (sorted, non-empty); ``check(answer, label)`` decides one answer (``answer in solutions``
+    when not given). ``heldout_fraction`` > 0 reserves that fraction of problems for evaluation,
+    chosen by a hash of the label (:meth:`split_of`); 0 means one pool (held-out problems are then
+    only drawn with another seed).
     """
 
     name: str
-    sample: Callable[[random.Random], Tuple[str, str]]
+    draw: Callable[[random.Random], Tuple[str, str]]
+    solutions: Callable[[str], Tuple[str, ...]]
     max_answer_chars: int
     description: str
+    check: Optional[Callable[[str, str], bool]] = None
+    heldout_fraction: float = 0.0
+    example: str = ""
 
-    def problems(self, n: int, seed: int) -> List[Tuple[str, str]]:
-        """``n`` problems drawn with a private RNG seeded by ``seed`` (reproducible)."""
+    def is_correct(self, answer: str, label: str) -> bool:
+        if self.check is not None:
+            return bool(self.check(answer, label))
+        return answer in self.solutions(label)
+
+    def split_of(self, label: str) -> str:
+        """``"heldout"`` or ``"train"`` (deterministic in the label; ``"train"`` without a split)."""
+        if self.heldout_fraction <= 0:
+            return "train"
+        bucket = zlib.crc32(_canonical(label).encode()) % 10_000
+        return "heldout" if bucket < self.heldout_fraction * 10_000 else "train"
+
+    def _draw_split(self, rng: random.Random, split: str) -> Tuple[str, str]:
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        if split == "all" or self.heldout_fraction <= 0:
+            return self.draw(rng)
+        while True:
+            question, label = self.draw(rng)
+            if self.split_of(label) == split:
+                return question, label
+
+    def problems(self, n: int, seed: int, split: str = "all") -> List[Tuple[str, str]]:
+        """``n`` ``(question, label)`` problems drawn with a private RNG seeded by ``seed``."""
         rng = random.Random(seed)
-        return [self.sample(rng) for _ in range(n)]
+        return [self._draw_split(rng, split) for _ in range(n)]
 
-    def stream(self, seed: int) -> Iterator[Tuple[str, str]]:
+    def stream(self, seed: int, split: str = "all") -> Iterator[Tuple[str, str]]:
         rng = random.Random(seed)
         while True:
-            yield self.sample(rng)
+            yield self._draw_split(rng, split)
+
+    def sft_stream(self, seed: int, split: str = "train") -> Iterator[Tuple[str, str]]:
+        """``(question, answer)`` pairs for supervised warm-up: each answer is drawn uniformly from
+        the problem's solutions with a second RNG, so the problem stream equals :meth:`stream`."""
+        answer_rng = random.Random(f"{self.name}-answers-{seed}")
+        for question, label in self.stream(seed, split):
+            sols = self.solutions(label)
+            yield question, sols[0] if len(sols) == 1 else answer_rng.choice(sols)
+
+
+def _canonical(label: str) -> str:
+    """The label up to the order of listed digits (``pairsum:38165:9`` -> ``pairsum:13568:9``):
+    held-out problems differ from training ones as digit sets, not as permutations of one."""
+    m = _PAIRSUM_LABEL.fullmatch(label)
+    if m:
+        return f"pairsum:{''.join(sorted(m.group(1)))}:{m.group(2)}"
+    return label
+
+
+# ----------------------------------------------------------------------------- addition
 
 
 def _addition(rng: random.Random) -> Tuple[str, str]:
@@ -73,11 +134,74 @@ def _addition(rng: random.Random) -> Tuple[str, str]:
 register_task(
     Task(
         name="addition",
-        sample=_addition,
+        draw=_addition,
+        solutions=lambda label: (str(label).strip(),),
         max_answer_chars=3,
-        description="2-digit addition a+b (a, b in [10, 99]); reward 1 for the exact sum",
+        description="2-digit addition a+b (a, b in [10, 99]); one correct answer, the exact sum",
+        example="12+34 -> 46",
     )
 )
+
+# ----------------------------------------------------------------------------- pairsum
+
+PAIRSUM_DIGITS = 5
+_PAIRSUM_LABEL = re.compile(r"pairsum:(\d{5}):(\d{1,2})")
+_PAIRSUM_ANSWER = re.compile(r"(\d)\+(\d)")
+
+
+def _pairsum_parse(label: str) -> Tuple[str, int]:
+    m = _PAIRSUM_LABEL.fullmatch(str(label).strip())
+    if not m:
+        raise ValueError(f"not a pairsum label: {label!r} (expected 'pairsum:<5 digits>:<target>')")
+    return m.group(1), int(m.group(2))
+
+
+def pairsum_pairs(digits: str, target: int) -> List[Tuple[int, int]]:
+    """Ordered pairs ``(a, b)`` of two different listed digits with ``a + b == target``."""
+    ds = [int(c) for c in digits]
+    return [(a, b) for a in ds for b in ds if a != b and a + b == target]
+
+
+def _pairsum(rng: random.Random) -> Tuple[str, str]:
+    """Five distinct digits in random order and a target in [3, 15] that two disjoint pairs reach
+    (rejection sampling; five distinct digits hold at most two such pairs, so exactly four answers)."""
+    while True:
+        ds = rng.sample(range(10), PAIRSUM_DIGITS)
+        target = rng.randint(3, 15)
+        digits = "".join(map(str, ds))
+        if len(pairsum_pairs(digits, target)) == 4:
+            return f"{' '.join(digits)}:{target}", f"pairsum:{digits}:{target}"
+
+
+def _pairsum_solutions(label: str) -> Tuple[str, ...]:
+    digits, target = _pairsum_parse(label)
+    return tuple(sorted(f"{a}+{b}" for a, b in pairsum_pairs(digits, target)))
+
+
+def _pairsum_check(answer: str, label: str) -> bool:
+    digits, target = _pairsum_parse(label)
+    m = _PAIRSUM_ANSWER.fullmatch(answer)
+    if not m:
+        return False
+    a, b = int(m.group(1)), int(m.group(2))
+    return a != b and str(a) in digits and str(b) in digits and a + b == target
+
+
+register_task(
+    Task(
+        name="pairsum",
+        draw=_pairsum,
+        solutions=_pairsum_solutions,
+        check=_pairsum_check,
+        max_answer_chars=3,
+        description="five distinct digits and a target: name two listed digits that add up to it "
+                    "(exactly 4 correct answers per prompt; 20% of problems held out)",
+        heldout_fraction=0.2,
+        example="3 8 1 6 5:9 -> 8+1, 1+8, 3+6 or 6+3",
+    )
+)
+
+# ----------------------------------------------------------------------------- reward
 
 # Special tokens the model may emit around its answer; the reward ignores them and surrounding
 # whitespace, nothing else (no partial credit, no number extraction from longer text).
@@ -90,20 +214,34 @@ def extract_answer(response: str) -> str:
     return _STRIP.sub("", head).strip()
 
 
+def task_of_label(label: str) -> Task:
+    """The task a label belongs to: ``"<task>:..."`` names it; a bare label is an addition answer."""
+    prefix = str(label).split(":", 1)[0]
+    if ":" in str(label):
+        if prefix not in TASKS:
+            raise ValueError(f"label {label!r} names an unknown task {prefix!r}; known: {sorted(TASKS)}")
+        return TASKS[prefix]
+    return TASKS["addition"]
+
+
 def score(response: str, label: str) -> float:
-    """1.0 if the response (up to end of turn) is exactly the reference answer, else 0.0."""
-    return 1.0 if extract_answer(response) == str(label).strip() else 0.0
+    """1.0 if the response (up to end of turn) is a correct answer for ``label``, else 0.0.
+
+    For ``addition`` (bare labels) that is the exact reference string; for other tasks the task's
+    checker decides.
+    """
+    return 1.0 if task_of_label(label).is_correct(extract_answer(response), str(label).strip()) else 0.0
 
 
-def write_prompt_dataset(path: str, task: Task, n: int, seed: int) -> str:
-    """Write ``n`` problems as jsonl rows ``{"prompt": question, "label": answer}`` atomically.
+def write_prompt_dataset(path: str, task: Task, n: int, seed: int, split: str = "train") -> str:
+    """Write ``n`` problems as jsonl rows ``{"prompt": question, "label": label}`` atomically.
 
     The pipeline reads it with ``--data.input_key prompt --data.label_key label`` and applies
-    the tokenizer's chat template to the prompt.
+    the tokenizer's chat template to the prompt. ``split="train"`` never writes held-out problems.
     """
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w") as f:
-        for question, answer in task.problems(n, seed):
-            f.write(json.dumps({"prompt": question, "label": answer}) + "\n")
+        for question, label in task.problems(n, seed, split):
+            f.write(json.dumps({"prompt": question, "label": label}) + "\n")
     os.replace(tmp, path)
     return path

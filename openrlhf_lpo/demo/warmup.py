@@ -96,7 +96,7 @@ _EVAL_SEED_OFFSET = 1_000_003
 
 def sampled_accuracy(model, tokenizer, task, questions_answers, temperature: float = 1.0,
                      greedy: bool = False) -> float:
-    """Fraction of problems answered exactly (one sample each, or greedy)."""
+    """Fraction of ``(question, label)`` problems answered correctly (one sample each, or greedy)."""
     import torch
 
     from openrlhf_lpo.demo.policy import decode, encode_prompts, greedy_responses, sample_responses
@@ -144,8 +144,10 @@ def train_warmup(cfg: WarmupConfig, out_dir: Path, progress: bool = True,
     def lr_at(step: int) -> float:  # linear warm-up, then constant
         return cfg.lr * min(1.0, (step + 1) / max(1, cfg.warmup_steps))
 
-    train_stream = task.stream(cfg.seed)
-    eval_set = task.problems(cfg.eval_prompts, cfg.seed + _EVAL_SEED_OFFSET)
+    # training problems never come from the task's held-out split; answers are drawn uniformly
+    # among each problem's correct answers (a diverse starting policy)
+    train_stream = task.sft_stream(cfg.seed)
+    eval_set = task.problems(cfg.eval_prompts, cfg.seed + _EVAL_SEED_OFFSET, split="heldout")
     history = []
     bar = _bar(cfg.max_steps, "warm-up (SFT)", progress)
     accuracy, step, loss_ema = 0.0, 0, math.nan

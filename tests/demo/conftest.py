@@ -1,6 +1,14 @@
-"""Fixtures for the demo tests: a private warm-up cache and a micro warm-up configuration."""
+"""Fixtures for the demo tests: a private warm-up cache and a micro warm-up configuration; puts this
+directory on sys.path for the shared run checks (``demo_checks``)."""
+
+import os
+import sys
 
 import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
 
 from openrlhf_lpo.demo.warmup import WarmupConfig
 

@@ -30,11 +30,17 @@ def test_parse_step_line_non_literal_values():
 
 
 def test_pipeline_argv_is_accepted_by_lpo_train_parser(tmp_path):
-    """The demo's flags for LPO-fwd and GRPO parse and validate in the real lpo-train CLI."""
+    """The demo's flags for every method parse and validate in the real lpo-train CLI."""
     from openrlhf_lpo.cli.train_ppo_ray import build_parser_and_parse
 
-    cfg = RLConfig(k=8, prompts_per_step=16, steps=40)
+    cfg = RLConfig(k=8, prompts_per_step=16, steps=40, eval_every=10)
     (tmp_path / "p.jsonl").write_text('{"prompt": "1+1", "label": "2"}\n')
+    upstream = {"grpo": "group_norm", "dr-grpo": "dr_grpo", "maxrl": "maxrl"}
+    for name, m in METHODS.items():
+        args = build_parser_and_parse(pipeline_argv(m, cfg, str(tmp_path), str(tmp_path / "p.jsonl"), tmp_path / name, 5))
+        assert args.algo.advantage.estimator == ("lpo" if m.is_lpo else upstream[name])
+        assert str(args.lpo.temperature) == m.temperature and args.lpo.end_kl
+        assert args.ckpt.save_steps == 10 and args.ckpt.save_hf and args.ckpt.disable_ds
     for name in ("lpo-fwd", "grpo"):
         argv = pipeline_argv(METHODS[name], cfg, str(tmp_path), str(tmp_path / "p.jsonl"), tmp_path / name, 5)
         args = build_parser_and_parse(argv)
@@ -80,7 +86,8 @@ def test_failed_method_keeps_finished_ones(tmp_path, monkeypatch, capsys):
         return {"steps": cfg.steps}
 
     monkeypatch.setattr(pipeline, "run_pipeline", fake_run)
-    rc = cli.run_demo(["--preset", "ci", "--run-dir", str(tmp_path / "run"), "--no-progress", "--steps", "3"])
+    rc = cli.run_demo(["--preset", "ci", "--run-dir", str(tmp_path / "run"), "--no-progress", "--steps", "3",
+                       "--eval-every", "0"])  # the faked warm-up has no model to evaluate
     assert rc == 1
     run = tmp_path / "run"
     status = json.loads((run / "status.json").read_text())
@@ -95,7 +102,8 @@ def test_failed_method_keeps_finished_ones(tmp_path, monkeypatch, capsys):
 
 def test_bad_flags_exit_with_message(tmp_path, capsys):
     for argv, msg in ([["--k", "1"], "--k"], [["--methods", "ppo"], "--methods"], [["--preset", "gpu"], "--preset"],
-                      [["--task", "chess"], "--task"]):
+                      [["--task", "chess"], "--task"], [["--eval-samples", "0"], "--eval-samples"],
+                      [["--eval-every", "-1"], "--eval-every"]):
         with pytest.raises(SystemExit) as e:
             cli.run_demo(argv + ["--run-dir", str(tmp_path / "r")])
         assert e.value.code == 2
@@ -122,7 +130,7 @@ def test_ray_start_failure_is_retried_once_and_resume_keeps_finished(tmp_path, m
         return {"steps": cfg.steps}
 
     monkeypatch.setattr(pipeline, "run_pipeline", fake_run)
-    argv = ["--preset", "ci", "--run-dir", str(tmp_path / "run"), "--no-progress", "--steps", "2"]
+    argv = ["--preset", "ci", "--run-dir", str(tmp_path / "run"), "--no-progress", "--eval-every", "0", "--steps", "2"]
     assert cli.run_demo(argv) == 1
     assert calls == ["lpo-fwd", "lpo-fwd", "grpo"]
     status = json.loads((tmp_path / "run" / "status.json").read_text())

@@ -1,5 +1,6 @@
 """The demo's sampling/log-prob helpers and its in-process RL loop, on a micro model."""
 
+import dataclasses
 import math
 
 import pytest
@@ -81,6 +82,11 @@ def test_methods_registry_and_flags():
                                                 "--lpo.temperature", "std", "--lpo.end_kl"]
     assert METHODS["lpo-rev"].pipeline_flags() == ["--algo.advantage.estimator", "lpo", "--lpo.divergence", "rev",
                                                    "--lpo.temperature", "std", "--lpo.end_kl"]
+    # every LPO method is paired with the baseline of its temperature
+    pairs = {n: m.baseline.name for n, m in METHODS.items()}
+    assert pairs["lpo-fwd"] == pairs["lpo-rev"] == pairs["lpo-js"] == pairs["grpo"] == "grpo"
+    assert pairs["lpo-fwd@one"] == pairs["lpo-rev@one"] == "dr-grpo" and METHODS["dr-grpo"].temperature == "one"
+    assert pairs["lpo-fwd@mean"] == pairs["lpo-rev@mean"] == "maxrl" and METHODS["maxrl"].temperature == "mean"
 
 
 @pytest.mark.parametrize("field,value,flag", [("k", 1, "--k"), ("steps", 0, "--steps"),
@@ -92,18 +98,41 @@ def test_rl_config_rejects_bad_values(field, value, flag):
         dataclasses.replace(RLConfig(), **{field: value}).validate()
 
 
-@pytest.mark.parametrize("name", ["lpo-fwd", "grpo"])
+@pytest.mark.parametrize("name", ["lpo-fwd", "grpo", "lpo-rev@mean", "maxrl", "dr-grpo"])
 def test_inprocess_rows(micro_model, name):
-    cfg = RLConfig(k=4, prompts_per_step=4, steps=2, mini_batches=2, threads=1, eval_every=2, eval_prompts=8)
+    cfg = RLConfig(task="pairsum", k=4, prompts_per_step=4, steps=2, mini_batches=2, threads=1, eval_every=2,
+                   eval_prompts=6, eval_samples=4)
     rows = []
     info = run_inprocess(METHODS[name], cfg, micro_model, on_row=rows.append, progress=False)
-    assert [r["step"] for r in rows] == [1, 2] and info["steps"] == 2
-    for r in rows:
+    assert [r["step"] for r in rows] == [0, 1, 2] and info["steps"] == 2
+    assert set(rows[0]) == {"method", "step", "backend", "elapsed_s", "heldout_pass@1", "heldout_pass@4",
+                            "heldout_distinct_correct", "heldout_coverage", "heldout_greedy"}
+    for r in rows[1:]:
         assert r["method"] == name
         # rewards are 0/1 over G*K = 16 samples; degenerate fraction is over G = 4 groups
         assert r["reward"] * 16 == pytest.approx(round(r["reward"] * 16))
         assert r["degenerate_groups"] * 4 == pytest.approx(round(r["degenerate_groups"] * 4))
+        assert r["informative_groups"] == pytest.approx(1 - r["degenerate_groups"])
+        assert 0 <= r["group_distinct_correct"] <= 4 * r["reward"] + 1e-9  # at most the correct ones
         assert 0.0 < r["entropy"] <= math.log(128) + 1e-6
         assert r["kl_target"] >= 0.0 and math.isfinite(r["grad_norm"])
         assert 1.0 <= r["response_length"] <= 5.0
-    assert "greedy_accuracy" in rows[-1]
+    assert "heldout_pass@4" in rows[-1] and "heldout_pass@1" not in rows[1]
+
+
+def test_methods_of_a_seed_share_prompts_and_step1_rollouts(micro_model):
+    """Pairing: same seed -> same prompts every step and the same rollouts at step 1."""
+    cfg = RLConfig(task="pairsum", k=2, prompts_per_step=4, steps=2, threads=1, eval_every=0)
+    runs = {}
+    for name in ("lpo-fwd", "grpo", "maxrl"):
+        rows = []
+        run_inprocess(METHODS[name], cfg, micro_model, on_row=rows.append, progress=False)
+        runs[name] = rows
+    ref = runs["grpo"]
+    for rows in runs.values():
+        assert [r["prompt_digest"] for r in rows] == [r["prompt_digest"] for r in ref]
+        assert rows[0]["rollout_digest"] == ref[0]["rollout_digest"] and rows[0]["reward"] == ref[0]["reward"]
+    other = dataclasses.replace(cfg, seed=1)
+    rows = []
+    run_inprocess(METHODS["grpo"], other, micro_model, on_row=rows.append, progress=False)
+    assert rows[0]["prompt_digest"] != ref[0]["prompt_digest"]

@@ -6,8 +6,8 @@ import struct
 
 import pytest
 
-from openrlhf_lpo.demo.report import (MetricsWriter, ema, load_run, method_stats, plot_run, read_metrics,
-                                      steps_to_reach, summarize)
+from openrlhf_lpo.demo.report import (MetricsWriter, ema, load_run, merge_step_metrics, method_stats, plot_run,
+                                      read_metrics, steps_to_reach, summarize)
 
 
 def _rows(method, rewards):
@@ -76,19 +76,39 @@ def test_summary_and_png(tmp_path):
             w(r)
         w.close()
     assert load_run(tmp_path) == {"grpo": runs["grpo"], "lpo-fwd": runs["lpo-fwd"]}
+    # held-out rows: step 0 (the warm-up) and the last step, merged into the files
+    for name, end in (("lpo-fwd", 0.8), ("grpo", 0.7)):
+        merged = merge_step_metrics(tmp_path / "metrics" / f"{name}.jsonl", {
+            0: {"heldout_pass@1": 0.4, "heldout_pass@4": 0.8, "heldout_distinct_correct": 3.0, "heldout_greedy": 0.5},
+            6: {"heldout_pass@1": end, "heldout_pass@4": 0.9, "heldout_distinct_correct": 2.0, "heldout_greedy": end}})
+        assert [r["step"] for r in merged] == [0, 1, 2, 3, 4, 5, 6]
+        assert merged[-1]["reward"] == runs[name][-1]["reward"] and merged[-1]["heldout_pass@1"] == end
+        assert merged[0] == {"method": name, "step": 0, "heldout_pass@1": 0.4, "heldout_pass@4": 0.8,
+                             "heldout_distinct_correct": 3.0, "heldout_greedy": 0.5}
+    runs = load_run(tmp_path)
+    assert method_stats(runs["grpo"], window=2)["steps"] == 6  # the step-0 row is not an RL step
     text = summarize(runs, {"grpo": {"state": "failed", "error": "Ray did not start"}}, window=2)
     grpo_final = (0.7 + 0.7) / 2
-    assert f"GRPO's final reward ({grpo_final:.3f})" in text
-    # lpo-fwd: 2-step means 0.55, 0.65 (step 3, < 0.7), 0.75 (step 4, >= 0.7)
-    assert "lpo-fwd   4" in text
+    # lpo-fwd: 2-step means 0.55, 0.65 (step 3, < 0.7), 0.75 (step 4, >= 0.7); grpo at step 6
+    assert f"steps to reach grpo's final reward ({grpo_final:.3f}): lpo-fwd 4, grpo 6" in text
+    assert "lpo-fwd       pass@ 1: 0.400->0.800   4: 0.800->0.900  distinct 3.00->2.00" in text
+    assert "greedy 0.700" in text
     assert "grpo: failed — Ray did not start" in text
+    assert "WARNING" not in text
     png = plot_run(runs, tmp_path / "comparison.png", title="t")
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = struct.unpack(">II", data[16:24])
-    assert width > 500 and height > 400
+    assert width > 900 and height > 400
     import matplotlib.image
 
     img = matplotlib.image.imread(str(png))
     assert img.shape[:2] == (height, width)
-    assert not list(tmp_path.glob(".*tmp*"))
+    assert not list(tmp_path.glob(".*tmp*")) and not list((tmp_path / "metrics").glob(".*tmp*"))
+
+
+def test_summary_warns_when_no_group_was_informative():
+    rows = [dict(r, informative_groups=0.0) for r in _rows("lpo-fwd", [0.0, 0.0, 0.0])]
+    assert "WARNING lpo-fwd: no informative group" in summarize({"lpo-fwd": rows})
+    rows = [dict(r, informative_groups=0.25) for r in _rows("lpo-fwd", [0.0, 0.1, 0.0])]
+    assert "WARNING" not in summarize({"lpo-fwd": rows})
