@@ -15,8 +15,8 @@ import sys
 
 import pytest
 
-from demo_checks import (check_heldout, check_informative, check_layout, check_pipeline_rows, check_same_start,
-                         check_warmup, load_rows)
+from demo_checks import (check_heldout, check_informative, check_layout, check_paired_rollouts, check_pipeline_rows,
+                         check_same_start, check_warmup, load_rows)
 
 
 @pytest.mark.timeout(1500)
@@ -40,3 +40,4 @@ def test_ci_preset_end_to_end(tmp_path):
         check_heldout(rows[name], config["rl"]["eval_samples"])
         assert (run / "pipeline" / name / "command.txt").read_text().startswith("lpo-train ")
     check_same_start(rows)
+    check_paired_rollouts(rows)  # same seed: same prompts and the same step-1 samples for every method
