@@ -92,7 +92,9 @@ def families(tiny_model_dir, tmp_path_factory):
             "--algo.dynamic_filtering_enable", "--algo.dynamic_filtering_range", "0.0", "1.0"]),
         # OpenRLHF's async recipe: partial rollout, behaviour log-probs from the engine, LPO's
         # listwise off-policy correction (token clip)
-        "async": _family(tiny_model_dir, root, "async", dp=1, extra=family_flags("async")),
+        "async": _family(tiny_model_dir, root, "async", dp=1, extra=[
+            *family_flags("async"), "--eval.dataset", str(root / "prompts6.jsonl"), "--eval.steps", "2",
+            "--eval.n_samples_per_prompt", "2"]),
         # a policy-gradient run with the listwise metrics, on both layouts
         "grpo_dp2": _family(tiny_model_dir, root, "grpo_dp2", dp=2, estimator=("group_norm", "--lpo.end_kl")),
         # ... and OpenRLHF's --eval.* path (every 2 steps) through our grader and the unbiased pass@k
@@ -126,6 +128,9 @@ def test_async_recipe_logs_the_behaviour_correction(families):
     # later batches were sampled by an older policy than the one that starts their update: s_t != 0
     assert max(tb["train/lpo/behaviour_abs_mean"].values()) > 1e-4
     assert all(0.0 < v <= 1.0 for v in tb["train/lpo/behaviour_ess"].values())
+    # the async generator's --eval.* rounds go through evaluation.training_eval too (maj/worst are ours)
+    evals = {k for k in tb if k.startswith("eval/")}
+    assert any(k.endswith("_pass2") for k in evals) and any("_worst2" in k for k in evals), evals
     print("\n[e2e family] async s_t: " + "; ".join(
         f"step {s}: mean|s_t| {tb['train/lpo/behaviour_abs_mean'][s]:.3g}, max {tb['train/lpo/behaviour_abs_max'][s]:.3g}, "
         f"ESS/K {tb['train/lpo/behaviour_ess'][s]:.3f}" for s in (1, 2, 3, 4)))
