@@ -28,6 +28,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shlex
 import sys
 import time
 import warnings
@@ -74,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="with --run-dir of an earlier run with the same settings: keep its finished methods, "
                         "run only the others")
+    p.add_argument("--pipeline-args", help="extra lpo-train flags for every pipeline job, appended last, e.g. "
+                   "\"--actor.num_gpus_per_node 2 --train.micro_batch_size 2\" (data-parallel ranks, layouts)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
 
@@ -86,7 +89,9 @@ def resolve(args: argparse.Namespace):
                                      prompts_per_step=args.prompts_per_step, lr=args.lr,
                                      mini_batches=args.mini_batches, seed=args.seed,
                                      eval_every=args.eval_every, eval_prompts=args.eval_prompts,
-                                     eval_samples=args.eval_samples).items() if v is not None}
+                                     eval_samples=args.eval_samples,
+                                     pipeline_args=tuple(shlex.split(args.pipeline_args)) if args.pipeline_args
+                                     else None).items() if v is not None}
     rl = dataclasses.replace(rl, **rl_over)
     wu_over = {k: v for k, v in dict(max_steps=args.warmup_max_steps,
                                      target_accuracy=args.warmup_target).items() if v is not None}
@@ -128,7 +133,8 @@ def run_demo(argv: Optional[List[str]] = None) -> int:
     (run_dir / "metrics").mkdir(parents=True, exist_ok=True)
     t_start = time.time()
     config = {"preset": args.preset, "backend": backend, "methods": [m.name for m in methods],
-              "warmup": dataclasses.asdict(wu), "rl": dataclasses.asdict(rl), "argv": argv or sys.argv[1:]}
+              "warmup": dataclasses.asdict(wu), "rl": dataclasses.asdict(rl) | {"pipeline_args": list(rl.pipeline_args)},
+              "argv": argv or sys.argv[1:]}
     previous = _resumable(run_dir, config) if args.resume else {}
     if args.resume and not previous:
         _log("--resume: no finished method with the same settings in this run directory; running all")

@@ -38,7 +38,7 @@ import hashlib
 import math
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -62,6 +62,7 @@ class RLConfig:
     eval_every: int = 10          # held-out evaluation every this many steps (and at steps 0 and last); 0 = off
     eval_prompts: int = 64        # held-out problems
     eval_samples: int = 16        # responses per held-out problem (Pass@k for k <= this)
+    pipeline_args: Tuple[str, ...] = ()  # extra lpo-train flags for every pipeline job (last: they override)
 
     def validate(self) -> None:
         from openrlhf_lpo.demo.task import get_task

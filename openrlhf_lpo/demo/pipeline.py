@@ -105,9 +105,10 @@ def pipeline_argv(method: Method, cfg: RLConfig, model_path: str, dataset: str, 
                   max_new_tokens: int) -> List[str]:
     """The ``lpo-train`` flags of one demo method (same for every method but the estimator flags).
 
-    With held-out evaluation on, the actor saves an HF checkpoint every ``cfg.eval_every`` steps
-    (``<out_dir>/ckpt/global_step<N>_hf``, no DeepSpeed state); :func:`evaluate_checkpoints` scores
-    them after the job, in the demo's process, with the same code as the in-process loop.
+    With held-out evaluation on, the actor saves a checkpoint every ``cfg.eval_every`` steps (DeepSpeed
+    state, so a job can resume, and ``<out_dir>/ckpt/global_step<N>_hf``); :func:`evaluate_checkpoints`
+    scores the HF ones after the job, in the demo's process, with the same code as the in-process loop.
+    ``cfg.pipeline_args`` come last, so they override (e.g. data-parallel ranks).
     """
     rollout = cfg.prompts_per_step * cfg.k
     train_batch = rollout // cfg.mini_batches
@@ -134,8 +135,8 @@ def pipeline_argv(method: Method, cfg: RLConfig, model_path: str, dataset: str, 
         "--ckpt.path", str(out_dir / "ckpt"), "--ckpt.output_dir", str(out_dir / "final"),
     ]
     if cfg.eval_every:
-        argv += ["--ckpt.save_steps", str(cfg.eval_every), "--ckpt.save_hf", "--ckpt.disable_ds"]
-    return argv + method.pipeline_flags()
+        argv += ["--ckpt.save_steps", str(cfg.eval_every), "--ckpt.save_hf"]
+    return argv + method.pipeline_flags() + list(cfg.pipeline_args)
 
 
 def _diagnose(tail: str, returncode: int, log_path: Path) -> str:
