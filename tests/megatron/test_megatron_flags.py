@@ -1,6 +1,8 @@
 """``lpo-train --backend megatron`` flags: parsed through the real CLI, bad layouts rejected
 with a message naming the numbers, and the policy actor group swapped only for megatron."""
 
+import re
+
 import pytest
 
 from openrlhf_lpo.tiny import build_tiny_model
@@ -139,7 +141,7 @@ def test_the_ray_actor_refuses_again_at_start_up(train, algo, needle):
 
     args = NS(train=NS(**train), algo=NS(advantage=NS(**algo)))
     actor = MegatronPolicyActor()
-    with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace(".", r"\.")):
+    with pytest.raises(ValueError, match=re.escape(needle)):
         actor.init_model_from_pretrained(NS(args=args), "unused")
     assert not dist.is_initialized()  # refused before any process group was created
 

@@ -8,12 +8,11 @@ the same weights; only the first then scores the probe sequence as the actor doe
 """
 
 import json
-import os
 import subprocess
 import sys
 
 PROBE = r"""
-import json, os, shutil, socket, sys
+import json, os, socket, sys
 model_dir, bad_dir, log_path = sys.argv[1:4]
 from openrlhf_lpo import cpu
 assert cpu.enable_cpu_mode()
