@@ -222,7 +222,7 @@ def main(argv=None) -> int:
                     rc, secs, out = run_tests(repo, tests, args.timeout)
                     status = {0: "SURVIVED", 1: "killed"}.get(rc, f"error (rc {rc})")
                     failed = [line.split(" ", 1)[1].split(" - ")[0] for line in out.splitlines()
-                              if line.startswith("FAILED ")]
+                              if line.startswith(("FAILED ", "ERROR "))]
                     results.append((m, tests, status, secs, failed))
                     print(f"tests: {' '.join(tests)}\n-> {status} in {secs:.0f}s"
                           + (f"; first failure: {failed[0]}" if failed else ""), flush=True)
