@@ -60,7 +60,7 @@ MUTATIONS = [
         "openrlhf_lpo/openrlhf/actor_trainer.py",
         's_win = prev[idx] if plan.mode == "shortcut" else self._log_ratios(items, idx.tolist(), prev_ctx)',
         "s_win = prev[idx]",
-        EXACTNESS,
+        [f"{INTERNALS}::test_partial_last_window_steps_once_and_is_exact"] + EXACTNESS,
     ),
     Mutation(
         "pre-pass-skipped-after-first-window",

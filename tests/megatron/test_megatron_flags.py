@@ -141,9 +141,10 @@ def test_the_ray_actor_refuses_again_at_start_up(train, algo, needle):
 
     args = NS(train=NS(**train), algo=NS(advantage=NS(**algo)))
     actor = MegatronPolicyActor()
+    before = dist.is_initialized()
     with pytest.raises(ValueError, match=re.escape(needle)):
         actor.init_model_from_pretrained(NS(args=args), "unused")
-    assert not dist.is_initialized()  # refused before any process group was created
+    assert dist.is_initialized() == before and not hasattr(actor, "actor")  # refused before any set-up
 
 
 def test_the_ray_actor_refuses_packed_sequences():
