@@ -40,6 +40,7 @@ __all__ = [
     "listwise_log_policy",
     "listwise_divergence",
     "listwise_coefficients",
+    "projection_coefficients",
     "listwise_loss",
     "listwise_surrogate",
     "pointwise_projection_loss",
@@ -420,6 +421,27 @@ def _pointwise_projection(log_ratio: Tensor, target: Tensor, divergence: str) ->
     _check_same_shape("target", target, "log_ratio", log_ratio)
     s = _wide(log_ratio)
     return -(_wide(target).to(s.dtype) * s).sum(dim=-1)
+
+
+def projection_coefficients(log_ratio: Tensor, target: Tensor, divergence: str = "fwd",
+                            projection: str = "listwise") -> Tensor:
+    """c = dL_g/ds per group, [G,K], for the projection's per-group loss L_g: the weights of the
+    two-pass surrogate sum_k stopgrad(c_k) s_k, whose gradient then equals the projection's.
+
+    ``listwise``: :func:`listwise_coefficients` (dD/ds); ``pointwise``: -w* (d/ds of -sum_k w*_k s_k);
+    any other registered projection: autograd of its per-group loss. Detached.
+    """
+    if projection == "listwise":
+        return listwise_coefficients(log_ratio, target, divergence)
+    fn = _lookup(PROJECTIONS, "projection", projection)
+    _check_groups("log_ratio", log_ratio)
+    _check_same_shape("target", target, "log_ratio", log_ratio)
+    if projection == "pointwise":
+        return -_wide(target.detach()).to(_wide(log_ratio).dtype)
+    s = _wide(log_ratio.detach()).clone().requires_grad_(True)
+    with torch.enable_grad():
+        (grad,) = torch.autograd.grad(fn(s, target.detach(), divergence).sum(), s)
+    return grad
 
 
 def listwise_loss(

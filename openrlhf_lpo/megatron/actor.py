@@ -355,13 +355,15 @@ class MegatronActor:
         return metrics
 
     def surrogate_coefficients(self, batch, spec: LossSpec) -> torch.Tensor:
-        """c_k = dD/ds_k (``listwise.listwise_coefficients``) from a no-grad pass at the current
-        parameters; the replica's batch holds whole groups."""
+        """c_k = dL/ds_k of the projection's loss (``listwise.projection_coefficients``: dD/ds for
+        ``listwise``, -w* for ``pointwise``) from a no-grad pass at the current parameters; the
+        replica's batch holds whole groups."""
         logp = self.log_probs(batch)
         s = listwise.sequence_log_ratio(logp, batch["old_log_probs"], batch["action_mask"], spec.clip_eps)
         K = spec.group_size
-        c = listwise.listwise_coefficients(
-            listwise.to_groups(s, K), listwise.to_groups(batch["target"].float(), K), spec.divergence
+        c = listwise.projection_coefficients(
+            listwise.to_groups(s, K), listwise.to_groups(batch["target"].float(), K), spec.divergence,
+            spec.projection,
         )
         return c.reshape(-1)
 

@@ -83,10 +83,12 @@ def _validate(args: argparse.Namespace) -> None:
         raise FlagError(f"--backend megatron: {e}") from None
     if m.vpp != 1:
         raise FlagError(f"--megatron.vpp {m.vpp}: virtual pipeline stages are not supported yet (use 1)")
+    # dynamic batching and ring attention first: the stock parser switches --ds.packing_samples on for
+    # both, and the message must name the flag the user gave
     unsupported = [
-        (args.ds.packing_samples, "--ds.packing_samples"),
         (args.train.dynamic_batch_enable, "--train.dynamic_batch_enable"),
         (args.ds.ring_attn_size > 1, "--ds.ring_attn_size > 1"),
+        (args.ds.packing_samples, "--ds.packing_samples"),
         (args.ds.tensor_parallel_size > 1, "--ds.tensor_parallel_size > 1 (use --megatron.tp)"),
         (args.ds.enable_sleep, "--ds.enable_sleep"),
         (args.train.enable_ema, "--train.enable_ema"),

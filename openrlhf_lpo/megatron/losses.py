@@ -96,7 +96,8 @@ def _listwise(log_probs, mb, spec: LossSpec) -> Tuple[torch.Tensor, torch.Tensor
 
 @register_policy_loss("listwise_surrogate")
 def _listwise_surrogate(log_probs, mb, spec: LossSpec):
-    """Two-pass LPO: K * sum_k stopgrad(c_k) s_k with c from ``listwise_coefficients``."""
+    """Two-pass LPO: K * sum_k stopgrad(c_k) s_k with c from ``projection_coefficients`` (the
+    gradient of the projection's loss: dD/ds for listwise, -w* for pointwise)."""
     s = listwise.sequence_log_ratio(log_probs, mb["old_log_probs"], mb["action_mask"], spec.clip_eps)
     sur = listwise.listwise_surrogate(s.unsqueeze(-1), mb["coefficients"].unsqueeze(-1))
     return sur.sum() * spec.group_size, _count(s.shape[0]), {"surrogate_sum": sur.detach().sum()}

