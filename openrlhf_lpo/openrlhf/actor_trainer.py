@@ -128,7 +128,7 @@ class LPOPolicyLoss(nn.Module):
             s_g = s.view(-1, K)
             w_g = ctx.target.to(s.device).view(-1, K)
             total = listwise.listwise_loss(s_g, w_g, self.divergence, self.projection) * s_g.shape[0]
-            coef = listwise.listwise_coefficients(s_g, w_g, self.divergence).reshape(-1)
+            coef = listwise.projection_coefficients(s_g, w_g, self.divergence, self.projection).reshape(-1)
         else:
             coef = ctx.coefficients.to(device=s.device, dtype=s.dtype)
             total = (coef.detach() * s).sum()
@@ -421,7 +421,8 @@ class LPOActorTrainer(ActorPPOTrainer):
                 s_win = prev[idx] if plan.mode == "shortcut" else self._log_ratios(items, idx.tolist(), prev_ctx)
                 order = sorted(range(len(idx)), key=lambda j: (gids[int(idx[j])], j))  # groups contiguous
                 o = torch.tensor(order)
-                c_sorted = listwise.listwise_coefficients(s_win[o].view(-1, K), target[idx[o]].view(-1, K), div)
+                c_sorted = listwise.projection_coefficients(s_win[o].view(-1, K), target[idx[o]].view(-1, K), div,
+                                                            self.actor_loss_fn.projection)
                 coefficients = torch.empty(len(idx), dtype=torch.float64)
                 coefficients[o] = c_sorted.reshape(-1)
             offset = 0

@@ -293,3 +293,26 @@ def test_behaviour_statistics_are_logged(tiny_model_dir, gloo_world1):
     assert status["lpo/behaviour_abs_max"] == pytest.approx(float(d.abs().max()), rel=1e-9)
     assert status["lpo/behaviour_ess"] == pytest.approx(float((1 / (p * p).sum(1) / K).mean()), rel=1e-9)
     assert 0.0 < status["lpo/behaviour_ess"] < 1.0 and status["lpo/behaviour_abs_max"] > 0.01
+
+
+def test_a_registered_projection_trains_its_own_gradient_in_every_path(tiny_model_dir, gloo_world1):
+    """A new projection (squared error between P and w*): one pass (micro-batches of whole groups) and
+    the detached surrogate with c from a pre-pass (micro-batches that split groups) give one gradient."""
+    from openrlhf_lpo import listwise
+
+    name = "l2_test_projection"
+    if name not in listwise.PROJECTIONS:
+        @listwise.register_projection(name)
+        def _l2(log_ratio, target, divergence):
+            return ((torch.softmax(log_ratio, -1) - target) ** 2).sum(-1)
+    try:
+        grads = {}
+        for micro, extra in ((4, []), (2, ["--lpo.force_two_pass"])):
+            args = parse_args(tiny_model_dir, micro=micro, extra=["--lpo.projection", name, *extra])
+            actor = make_actor(tiny_model_dir)
+            exps = make_experiences(args, CPUStrategy(args), actor, make_rollout_samples(G, K, seed=15))
+            grads[micro], status, _ = run_lpo_step(args, actor, exps)
+        assert max_abs(grads[4][0]) > 1e-4
+        assert max_abs_diff(grads[4][0], grads[2][0]) < 1e-6 * max_abs(grads[4][0])
+    finally:
+        listwise.PROJECTIONS.pop(name, None)
