@@ -47,6 +47,7 @@ from openrlhf.utils.loss_utils import iter_grad_accum_global_norm
 from openrlhf_lpo import listwise
 from openrlhf_lpo.metrics import distributed_listwise_stats, listwise_update_metrics
 from openrlhf_lpo.openrlhf.experience_maker import LPO_INFO_KEYS
+from openrlhf_lpo.openrlhf.vlm import mm_forward_kwargs
 
 __all__ = ["LPOActorTrainer", "LPOPolicyLoss", "LPOMicroBatch", "plan_windows", "lpo_group_stats"]
 
@@ -206,6 +207,7 @@ class LPOActorTrainer(ActorPPOTrainer):
             experience.action_mask,
             attention_mask=experience.attention_mask,
             ring_attn_group=self.strategy.ring_attn_group,
+            **mm_forward_kwargs(self.actor, experience),  # VLM: the images (else s is wrong)
         )
         return listwise.sequence_log_ratio(
             log_probs.double(), experience.action_log_probs.double(), experience.action_mask,

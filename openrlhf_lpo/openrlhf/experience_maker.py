@@ -39,6 +39,7 @@ from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
 from openrlhf.trainer.ppo_utils.length_penalty import apply_length_penalties
 
 from openrlhf_lpo import listwise
+from openrlhf_lpo.openrlhf.vlm import group_key
 
 __all__ = ["LPOExperienceMaker", "LPO_INFO_KEYS", "group_dp_layout"]
 
@@ -100,10 +101,10 @@ class LPOExperienceMaker(RemoteExperienceMaker):
             sample.index = [i]
             sample.info["lpo_gid"] = torch.tensor([i // K], dtype=torch.long)
         for g in range(n_groups):
-            prompts = {tuple(rollout_samples[g * K + k].prompts) for k in range(K)}
+            prompts = {group_key(rollout_samples[g * K + k]) for k in range(K)}  # text and images
             if len(prompts) != 1:
                 raise ValueError(
-                    f"rollout samples {g * K}..{g * K + K - 1} do not share one prompt; LPO expects each "
+                    f"rollout samples {g * K}..{g * K + K - 1} do not share one prompt (text and images); LPO expects each "
                     "prompt's K responses to be consecutive (as OpenRLHF's SamplesGenerator returns them)"
                 )
         groups_per_chunk = max(1, self.args.rollout.micro_batch_size // K)
