@@ -6,6 +6,11 @@
 * MATH follows the verl template: the problem, a space, then
   ``Let's think step by step and output the final answer within \\boxed{}.``, sent as the
   user turn of the model's chat template (``--data.apply_chat_template``).
+* Geometry3k follows verl's ``geo3k`` preprocessing (the paper uses verl's official templates): the
+  problem (which starts with ``<image>``), a space, then the instruction to think inside
+  ``<think> </think>`` and put the final answer in ``\\boxed{}``; options, when a problem has them,
+  follow the problem as ``Choices: A. .. B. ..``. ``geometry-short`` is a short instruction for
+  tiny CPU models (the full one is ~215 character tokens).
 
 Templates are a registry so a new task adds one entry; ``render(name, **fields)`` fills one.
 """
@@ -29,6 +34,35 @@ COUNTDOWN_TEMPLATE = (
 MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
 
 
+GEOMETRY_INSTRUCTION = (
+    "You FIRST think about the reasoning process as an internal monologue and then provide the final answer. "
+    "The reasoning process MUST BE enclosed within <think> </think> tags. The final answer MUST BE put in \\boxed{}."
+)
+GEOMETRY_SHORT_INSTRUCTION = "Answer in \\boxed{}."
+
+
+def _with_choices(problem: str, choices=None) -> str:
+    if not choices:
+        return problem
+    letters = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+    return problem + " Choices: " + " ".join(f"{letters[i]}. {c}" for i, c in enumerate(choices))
+
+
+def _with_image(problem: str) -> str:
+    """Geometry3k problems start with ``<image>`` (OpenRLHF's image placeholder); add it if missing."""
+    return problem if "<image>" in problem else "<image>" + problem
+
+
+def geometry_prompt(problem: str, choices=None) -> str:
+    """The user-turn text for a Geometry3k problem (verl geo3k template)."""
+    return f"{_with_choices(_with_image(problem), choices)} {GEOMETRY_INSTRUCTION}"
+
+
+def geometry_short_prompt(problem: str, choices=None) -> str:
+    """Geometry prompt with a short instruction (tiny CPU models)."""
+    return f"{_with_choices(_with_image(problem), choices)} {GEOMETRY_SHORT_INSTRUCTION}"
+
+
 def countdown_prompt(nums, target) -> str:
     """The Countdown prompt for ``nums`` (rendered as a Python list, e.g. ``[2, 54, 17]``) and ``target``."""
     return COUNTDOWN_TEMPLATE.format(nums=[int(n) for n in nums], target=int(target))
@@ -42,14 +76,16 @@ def math_prompt(problem: str) -> str:
 TEMPLATES: Dict[str, Callable[..., str]] = {
     "countdown": countdown_prompt,
     "math": math_prompt,
+    "geometry": geometry_prompt,
+    "geometry-short": geometry_short_prompt,
 }
 
 # Whether the rendered text is a user turn (the chat template is applied by OpenRLHF).
-USES_CHAT_TEMPLATE: Dict[str, bool] = {"countdown": False, "math": True}
+USES_CHAT_TEMPLATE: Dict[str, bool] = {"countdown": False, "math": True, "geometry": True, "geometry-short": True}
 
 
 def render(name: str, **fields) -> str:
-    """Fill template ``name`` (``countdown``: nums, target; ``math``: problem)."""
+    """Fill template ``name`` (``countdown``: nums, target; ``math``: problem; ``geometry*``: problem, choices)."""
     if name not in TEMPLATES:
         raise ValueError(f"template {name!r} is unknown; choose one of {sorted(TEMPLATES)}")
     return TEMPLATES[name](**fields)

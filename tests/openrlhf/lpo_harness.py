@@ -40,6 +40,7 @@ from openrlhf_lpo import listwise
 from openrlhf_lpo.cli.train_ppo_ray import build_parser_and_parse
 from openrlhf_lpo.openrlhf.actor_trainer import LPOActorTrainer
 from openrlhf_lpo.openrlhf.experience_maker import LPOExperienceMaker
+from openrlhf_lpo.openrlhf.vlm import mm_forward_kwargs
 from openrlhf_lpo.tiny import build_tiny_model
 
 MODEL_KW = dict(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64)
@@ -179,7 +180,7 @@ def make_experiences(args, strategy, actor, samples, noise=0.05, seed=1, maker_c
     g = torch.Generator().manual_seed(seed)
     for e in exps:
         with torch.no_grad():
-            lp = actor(e.sequences, e.action_mask, attention_mask=e.attention_mask)
+            lp = actor(e.sequences, e.action_mask, attention_mask=e.attention_mask, **mm_forward_kwargs(actor, e))
         if noise:
             lp = lp + noise * torch.randn(lp.shape, generator=g, dtype=lp.dtype) * e.action_mask
         e.action_log_probs = lp
@@ -225,7 +226,8 @@ def full_batch_listwise_grads(args, model_dir, state_dict, experiences, divergen
         items.extend(remove_padding_in_sequences(split_experience_batch(copy.deepcopy(e))))
     items.sort(key=lambda it: int(it.info["lpo_gid"]))
     batch = make_experience_batch(items)
-    lp = actor(batch.sequences, batch.action_mask, attention_mask=batch.attention_mask)
+    lp = actor(batch.sequences, batch.action_mask, attention_mask=batch.attention_mask,
+               **mm_forward_kwargs(actor, batch))
     s = listwise.sequence_log_ratio(lp.double(), batch.action_log_probs.double(), batch.action_mask, args.actor.eps_clip_low_high)
     target = torch.stack([torch.as_tensor(t) for t in batch.info["lpo_target"]]).double()
     loss = listwise.listwise_loss(s.view(-1, K), target.view(-1, K), divergence, projection)
@@ -251,27 +253,29 @@ def micro_cases(K):
     return (1, K // 2, K, 2 * K)
 
 
-def gradient_matrix(model_dir, dp=1, rank=0, K=4, G=4, seed=0):
+def gradient_matrix(model_dir, dp=1, rank=0, K=4, G=4, seed=0, samples_fn=None, packing_cases=PACKING_CASES,
+                    divergences=DIVERGENCE_CASES):
     """Run every (packing, micro, divergence) case of one optimizer step on this rank.
 
     Returns {case: {"grads": [...], "two_pass": float}} and, on rank 0, the references
     {divergence: grads} of the full-batch listwise loss (one autograd call).
+    ``samples_fn(G, K, seed)`` makes the rollout samples (default: text, make_rollout_samples).
     """
-    samples = make_rollout_samples(G, K, seed=seed)
+    samples = (samples_fn or make_rollout_samples)(G, K, seed=seed)
     base = make_actor(model_dir, packing=False)
     state = {k: v.clone() for k, v in base.model.state_dict().items()}
-    actors = {False: base, True: make_actor(model_dir, packing=True)}
+    actors = {p: (base if not p else make_actor(model_dir, packing=True)) for p in packing_cases}
     results, refs = {}, {}
     exps_by_div = {}
-    for div in DIVERGENCE_CASES:
+    for div in divergences:
         args = parse_args(model_dir, K=K, G=G, micro=K, dp=dp, extra=["--lpo.divergence", div])
         base.model.load_state_dict(state)
         exps_by_div[div] = make_experiences(args, CPUStrategy(args), base, samples, seed=seed + 1)
         if rank == 0:
             refs[div], _ = full_batch_listwise_grads(args, model_dir, state, exps_by_div[div], div)
-    for packing in PACKING_CASES:
+    for packing in packing_cases:
         for micro in micro_cases(K):
-            for div in DIVERGENCE_CASES:
+            for div in divergences:
                 args = parse_args(model_dir, K=K, G=G, micro=micro, dp=dp, packing=packing,
                                   extra=["--lpo.divergence", div])
                 actor = actors[packing]
@@ -295,7 +299,8 @@ def reference_listwise_stats(actor, experiences, K, temperature, eps_low_high):
     rows = []
     for e in experiences:
         with torch.no_grad():
-            lp = actor(e.sequences, e.action_mask, attention_mask=e.attention_mask).double()
+            lp = actor(e.sequences, e.action_mask, attention_mask=e.attention_mask,
+                       **mm_forward_kwargs(actor, e)).double()
         m = e.action_mask.double()
         ratio = (lp - e.action_log_probs.double()).clamp(lo, hi) * m
         s = ratio.sum(1) / m.sum(1).clamp(min=1.0)
