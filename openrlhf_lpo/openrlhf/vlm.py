@@ -56,3 +56,54 @@ def group_key(sample) -> Tuple:
     """Prompt text and image references of a single-sample experience (equal within a group)."""
     images = getattr(sample, "images", None) or []
     return tuple(sample.prompts), tuple(image_fingerprint(i) for i in images)
+
+
+# ----------------------------------------------------------------------------- CPU-mode weight sync
+
+
+def syncs_param(actor, param) -> bool:
+    """Whether the weight sync sends ``param``: for a VLM only trainable ones (upstream's rule in
+    ``broadcast_to_vllm``; a frozen vision tower stays as loaded on both sides), else all."""
+    return bool(param.requires_grad) or not getattr(actor, "is_vlm", False)
+
+
+PROBE_QUESTION = "Find x."
+
+
+def image_probe(processor, size: int = 112):
+    """A fixed image prompt for the actor/engine parity check of a VLM: ``(ids, [PIL image], mm)``,
+    the ids expanded by ``processor`` exactly as OpenRLHF's rollout executor does."""
+    from openrlhf.utils.vlm_utils import process_prompt_with_images
+
+    from openrlhf_lpo.data.geometry import draw_problem
+
+    image, _, _ = draw_problem("triangle_angle", 0, size)
+    chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": PROBE_QUESTION}]}]
+    prompt = processor.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    ids, mm, images = process_prompt_with_images(processor, prompt + "x = 34", [image])
+    return ids, images, mm
+
+
+def actor_image_log_probs(actor, ids, mm):
+    """The actor's log-probs of ``ids[1:]`` with the probe's image (eval mode, no grad), float64."""
+    import torch
+
+    device = next(actor.parameters()).device
+    seq = torch.tensor([ids], dtype=torch.long, device=device)
+    action_mask = torch.ones((1, len(ids) - 1), dtype=torch.bool, device=device)
+    was_training = actor.training
+    actor.eval()
+    with torch.no_grad():
+        out = actor(seq, action_mask, attention_mask=torch.ones_like(seq),
+                    **{k: v.to(device) for k, v in mm.items()})
+    if was_training:
+        actor.train()
+    return out[0].double().cpu()
+
+
+def check_image_parity(trainer, check_engine_parity, **record) -> float:
+    """After a CPU-mode weight sync of a VLM: the engines' log-probs of :func:`image_probe` (through
+    their vision tower) must equal the actor's; ``check_engine_parity`` raises otherwise."""
+    ids, images, mm = image_probe(trainer.tokenizer)
+    return check_engine_parity(trainer.vllm_engines, ids, actor_image_log_probs(trainer.actor, ids, mm),
+                               float(trainer.actor.temperature), images=images, probe="image", **record)
