@@ -324,7 +324,8 @@ PROBE_TEXT = "Using the numbers [3, 5, 7], make 22: <answer> 3 * 5 + 7 </answer>
 
 def probe_sequence(tokenizer, length: int = 48) -> List[int]:
     """A fixed token sequence on which the actor and the engines must agree after a sync."""
-    ids = tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]
+    tok = getattr(tokenizer, "tokenizer", tokenizer)  # a VLM's processor: its text tokenizer
+    ids = tok(PROBE_TEXT, add_special_tokens=False)["input_ids"]
     return list(ids)[:length]
 
 
@@ -343,14 +344,16 @@ def _actor_log_probs(actor, ids: List[int]):
     return out[0].double()
 
 
-def check_engine_parity(engines, ids: List[int], actor_log_probs, temperature: float, **record) -> float:
+def check_engine_parity(engines, ids: List[int], actor_log_probs, temperature: float, images=None,
+                        **record) -> float:
     """After a weight sync: every engine's log-probs of the probe sequence ``ids`` must equal the
     actor's (max |diff| <= ``LPO_CPU_PARITY_TOL``, default 1e-4; a failure raises). The result
     is appended as one JSON line to ``LPO_CPU_PARITY_LOG`` when set. Returns the max |diff|."""
     import ray
     import torch
 
-    engine_lps = ray.get([engine.log_probs_of.remote(ids, temperature) for engine in engines])
+    mm = {"images": images} if images else {}  # a VLM's image probe (openrlhf_lpo/openrlhf/vlm.py)
+    engine_lps = ray.get([engine.log_probs_of.remote(ids, temperature, **mm) for engine in engines])
     tol = float(os.environ.get("LPO_CPU_PARITY_TOL", "1e-4"))
     diffs = [float((torch.tensor(lp, dtype=torch.float64) - actor_log_probs).abs().max()) for lp in engine_lps]
     log_path = os.environ.get("LPO_CPU_PARITY_LOG")
@@ -363,7 +366,8 @@ def check_engine_parity(engines, ids: List[int], actor_log_probs, temperature: f
     if max(diffs) > tol:
         raise RuntimeError(
             f"CPU rollout engine log-probs differ from the actor's after the weight sync: max |diff| "
-            f"{max(diffs):.3g} > LPO_CPU_PARITY_TOL={tol:g} (engine {os.environ.get('LPO_CPU_ENGINE', 'hf')}, "
+            f"{max(diffs):.3g} > LPO_CPU_PARITY_TOL={tol:g} ({record.get('probe', 'text')} probe, "
+            f"engine {os.environ.get('LPO_CPU_ENGINE', 'hf')}, "
             f"{record.get('backend', 'deepspeed')} actor)"
         )
     return max(diffs)
@@ -381,12 +385,16 @@ def cpu_broadcast_to_engines(self) -> None:
     import ray
     import torch
 
+    from openrlhf_lpo.openrlhf.vlm import check_image_parity, syncs_param
+
     args = self.strategy.args
     model = self.actor.model.module
     rank = torch.distributed.get_rank()
     zero3 = args.ds.zero_stage == 3
     state = {}
     for name, param in model.named_parameters():
+        if not syncs_param(self.actor, param):  # VLM: trainable only, as upstream
+            continue
         with deepspeed.zero.GatheredParameters([param], enabled=zero3):
             if rank == 0:
                 state[name] = param.data.detach().to(_DEVICE).clone()
@@ -398,6 +406,8 @@ def cpu_broadcast_to_engines(self) -> None:
         check_engine_parity(self.vllm_engines, ids, _actor_log_probs(self.actor, ids),
                             float(self.actor.temperature), sync_s=time.time() - t0, num_tensors=len(state),
                             weights_abs_sum=float(sum(t.double().abs().sum() for t in state.values())))
+        if getattr(self.actor, "is_vlm", False):
+            check_image_parity(self, check_engine_parity, sync_s=time.time() - t0, num_tensors=len(state))
     torch.distributed.barrier()
 
 

@@ -322,8 +322,12 @@ class CPURolloutEngine:
         agent_func_path: Optional[str] = None,
         remote_rm_url=None,
         attn_implementation: str = "sdpa",
+        mm_pad_token_ids=None,
+        limit_mm_per_prompt=None,
     ):
         from openrlhf.utils.agent import SingleTurnAgentExecutor
+
+        from openrlhf_lpo.engines.cpu_vlm import vlm_backend_name  # registers the -vlm backends
 
         try:  # the CPU mode in this worker even without the Ray setup hook
             from openrlhf_lpo.cpu import enable_cpu_mode
@@ -334,9 +338,11 @@ class CPURolloutEngine:
         name = backend or os.environ.get("LPO_CPU_ENGINE", "hf")
         if name not in BACKENDS:
             raise ValueError(f"LPO_CPU_ENGINE={name!r} is unknown; choose one of {sorted(BACKENDS)}")
+        name = vlm_backend_name(name, model_path)  # images: hf-vlm / vllm-vlm (engines/cpu_vlm.py)
         self.backend_name = name
         self.backend = BACKENDS[name](
-            model_path, seed=seed, max_model_len=max_model_len, attn_implementation=attn_implementation
+            model_path, seed=seed, max_model_len=max_model_len, attn_implementation=attn_implementation,
+            mm_pad_token_ids=mm_pad_token_ids, limit_mm_per_prompt=limit_mm_per_prompt,
         )
         self.executor = _load_agent_executor(agent_func_path) if agent_func_path else SingleTurnAgentExecutor(remote_rm_url)
         self._unfinished = 0
@@ -348,10 +354,10 @@ class CPURolloutEngine:
     async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None):
         """One request; concurrent requests (a prompt's K samples, other prompts' calls) are
         collected for ``BATCH_WINDOW_S`` and generated as one batch by the backend."""
-        if multi_modal_data:
-            raise ValueError("the CPU rollout engine does not support multi-modal prompts")
+        if multi_modal_data and not self.backend_name.endswith("-vlm"):
+            raise ValueError(f"a multi-modal prompt for {self.backend_name!r}: the model has no vision_config")
         future = asyncio.get_running_loop().create_future()
-        self._queue.append((list(prompt_token_ids), sampling_params, future))
+        self._queue.append((list(prompt_token_ids), sampling_params, future, multi_modal_data))
         self._unfinished += 1
         if self._server is None or self._server.done():
             self._server = asyncio.ensure_future(self._serve())
@@ -371,13 +377,14 @@ class CPURolloutEngine:
             batch, self._queue = self._queue, []
             self.batch_sizes.append(len(batch))
             try:
-                results = self.backend.generate_many([(ids, sp) for ids, sp, _ in batch])
+                results = self.backend.generate_many([(ids, sp) if mm is None else (ids, sp, mm)
+                                                      for ids, sp, _, mm in batch])
             except Exception as e:  # every waiting request sees the error
-                for _, _, future in batch:
+                for _, _, future, _ in batch:
                     if not future.done():
                         future.set_exception(e)
                 continue
-            for (_, _, future), result in zip(batch, results):
+            for (_, _, future, _), result in zip(batch, results):
                 if not future.done():
                     future.set_result(result)
 
@@ -406,7 +413,9 @@ class CPURolloutEngine:
         self.num_weight_updates += 1
         return self.num_weight_updates
 
-    def log_probs_of(self, token_ids, temperature: float = 1.0) -> List[float]:
+    def log_probs_of(self, token_ids, temperature: float = 1.0, images=None) -> List[float]:
+        if images:  # a VLM probe with its image(s) (openrlhf_lpo/cpu_vlm.py)
+            return self.backend.log_probs_of(list(token_ids), float(temperature), images=images)
         return self.backend.log_probs_of(list(token_ids), float(temperature))
 
     def backend_info(self) -> dict:
@@ -453,8 +462,6 @@ class _Launcher:
         self.ray_options = ray_options
 
     def remote(self, *args, **kwargs):
-        if kwargs.get("limit_mm_per_prompt"):
-            raise ValueError("--data.max_images_per_prompt > 0: the CPU rollout engine has no multi-modal support")
         if int(kwargs.get("tensor_parallel_size", 1)) != 1:
             raise ValueError("--vllm.tensor_parallel_size must be 1 with the CPU rollout engine")
         model = kwargs.get("model") or (args[0] if args else None)
@@ -464,6 +471,8 @@ class _Launcher:
             max_model_len=int(kwargs.get("max_model_len") or 2048),
             agent_func_path=kwargs.get("agent_func_path"),
             remote_rm_url=kwargs.get("remote_rm_url"),
+            mm_pad_token_ids=kwargs.get("mm_pad_token_ids"),
+            limit_mm_per_prompt=kwargs.get("limit_mm_per_prompt"),
         )
 
 
@@ -486,8 +495,6 @@ def create_cpu_engines(
     **_ignored,
 ):
     """Drop-in for ``openrlhf.trainer.ray.create_vllm_engines``: ``num_engines`` CPU engines."""
-    if max_images_per_prompt > 0:
-        raise ValueError("--data.max_images_per_prompt > 0: the CPU rollout engine has no multi-modal support")
     if tensor_parallel_size != 1:
         raise ValueError(f"--vllm.tensor_parallel_size {tensor_parallel_size}: the CPU engine runs with 1")
     return [
@@ -497,6 +504,7 @@ def create_cpu_engines(
             max_model_len=max_model_len,
             agent_func_path=agent_func_path,
             remote_rm_url=remote_rm_url,
+            limit_mm_per_prompt={"image": max_images_per_prompt} if max_images_per_prompt > 0 else None,
         )
         for i in range(num_engines)
     ]
