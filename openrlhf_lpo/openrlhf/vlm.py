@@ -9,14 +9,20 @@ splitting, batching and the gradient pass. Two LPO places need them too:
   these kwargs a VLM embeds ``<|image_pad|>`` as text and s is wrong (not 0 at the rollout policy);
 * :func:`group_key`: what the K members of a prompt group must share, the prompt text *and* its
   images (Geometry3k repeats "Find x." across different diagrams).
+
+Also here: the CPU-mode weight sync of a VLM (:func:`syncs_param`, :func:`check_image_parity`:
+trainable parameters only, as upstream, and a parity probe that goes through the vision tower)
+and :func:`save_processor_files` (checkpoints a VLM can be evaluated from).
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 from typing import Dict, Tuple
 
-__all__ = ["mm_forward_kwargs", "group_key", "image_fingerprint"]
+__all__ = ["mm_forward_kwargs", "group_key", "image_fingerprint", "syncs_param", "image_probe",
+           "actor_image_log_probs", "check_image_parity", "save_processor_files"]
 
 
 def mm_forward_kwargs(actor, experience, device=None) -> Dict:
@@ -104,6 +110,48 @@ def actor_image_log_probs(actor, ids, mm):
 def check_image_parity(trainer, check_engine_parity, **record) -> float:
     """After a CPU-mode weight sync of a VLM: the engines' log-probs of :func:`image_probe` (through
     their vision tower) must equal the actor's; ``check_engine_parity`` raises otherwise."""
-    ids, images, mm = image_probe(trainer.tokenizer)
+    processor = trainer.tokenizer
+    if not hasattr(processor, "image_processor"):  # the policy actor holds the text tokenizer
+        processor = getattr(trainer, "_lpo_probe_processor", None)
+        if processor is None:
+            from transformers import AutoProcessor
+
+            processor = AutoProcessor.from_pretrained(trainer.strategy.args.actor.model_name_or_path,
+                                                      trust_remote_code=True)
+            trainer._lpo_probe_processor = processor
+    ids, images, mm = image_probe(processor)
     return check_engine_parity(trainer.vllm_engines, ids, actor_image_log_probs(trainer.actor, ids, mm),
                                float(trainer.actor.temperature), images=images, probe="image", **record)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
+                   "chat_template.json", "chat_template.jinja")
+
+
+def save_processor_files(pretrain: str, output_dir: str) -> list:
+    """Put the VLM processor of ``pretrain`` next to saved weights in ``output_dir``.
+
+    OpenRLHF 0.11.2's policy actor saves only the text tokenizer with a checkpoint, so
+    ``AutoProcessor`` (``lpo-eval``, vLLM) cannot load a trained VLM from it. A local model
+    directory's processor files (and remote-code ``processing_*.py``) that are missing are copied; a hub model's
+    processor is saved with ``save_pretrained``. Returns the file names written.
+    """
+    import shutil
+
+    if not os.path.isdir(output_dir):
+        return []
+    written = []
+    if os.path.isdir(pretrain):
+        for name in sorted(os.listdir(pretrain)):
+            if name in PROCESSOR_FILES or (name.startswith("processing_") and name.endswith(".py")):
+                if not os.path.exists(os.path.join(output_dir, name)):
+                    shutil.copy(os.path.join(pretrain, name), os.path.join(output_dir, name))
+                    written.append(name)
+        return written
+    from transformers import AutoProcessor
+
+    before = set(os.listdir(output_dir))
+    AutoProcessor.from_pretrained(pretrain, trust_remote_code=True).save_pretrained(output_dir)
+    return sorted(set(os.listdir(output_dir)) - before)
