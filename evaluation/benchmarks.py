@@ -11,6 +11,9 @@ Gold extraction per benchmark:
 * OlympiadBench: ``final_answer`` is a list of strings with ``$`` math delimiters: delimiters removed,
   elements joined with ", ".
 * MMLU-Pro / ARC-c / GPQA: an option letter (ARC has 22 rows with digit labels 1-4).
+* Geometry3k (images): ``answer`` (a value; an option letter of the original JSON layout is resolved
+  to its value); its own reader (:mod:`evaluation.vision`): HF parquet / snapshot / hub name, or the
+  JSON + PNG folders.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class Problem:
     gold: str
     kind: str
     choices: str | None = None
+    images: tuple[str, ...] = ()  # data-URI images of a vision benchmark (evaluation/vision.py)
 
 
 class FieldMissing(ValueError):
@@ -217,6 +221,7 @@ class BenchmarkSpec:
     row_filter: Callable[[dict], bool] | None = None
     aliases: tuple[str, ...] = ()
     note: str = ""
+    read: Callable[[str | None], tuple[list[dict], str]] | None = None  # own reader: source -> (rows, label)
 
 
 BENCHMARKS: dict[str, BenchmarkSpec] = {}
@@ -254,6 +259,24 @@ for _spec in (
     ),
 ):
     register_benchmark(_spec)
+
+
+def _read_geometry3k(source: str | None) -> tuple[list[dict], str]:
+    from .vision import read_geometry3k_rows
+
+    return read_geometry3k_rows(source)
+
+
+def _conv_geometry3k(row: dict, i: int) -> Problem:
+    from .vision import geometry3k_problem
+
+    return geometry3k_problem(row, i)
+
+
+register_benchmark(BenchmarkSpec(
+    "geometry3k", "math", "vision", 16, _conv_geometry3k, None, aliases=("geo3k", "geometry_3k"), read=_read_geometry3k,
+    note="the 601-problem test split, read from hiyouga/geometry3k (network) or a local copy: --data geometry3k=PATH",
+))
 
 
 def get_benchmark(name: str) -> BenchmarkSpec:
@@ -329,7 +352,9 @@ def load_benchmark(name: str, source: str | None = None, limit: int | None = Non
     keeps the first ``limit`` problems. Raises ValueError naming the missing file or field.
     """
     spec = get_benchmark(name)
-    if source is None:
+    if spec.read is not None:
+        rows, label = spec.read(source)
+    elif source is None:
         if spec.staged is None:
             raise ValueError(f"benchmark {spec.name!r} has no staged copy: {spec.note}")
         path = benchmarks_dir() / spec.staged
@@ -361,5 +386,10 @@ def load_benchmark(name: str, source: str | None = None, limit: int | None = Non
         if limit < 1:
             raise ValueError(f"--limit must be >= 1, got {limit}")
         problems = problems[:limit]
-    data_sha = sha256_text(canonical_json([p.__dict__ for p in problems]))
+    # text problems hash as before images existed (their job keys, and so resume, stay valid)
+    data_sha = sha256_text(canonical_json([{k: v for k, v in p.__dict__.items() if k != "images" or v}
+                                           for p in problems]))
     return LoadedBenchmark(spec, problems, label, data_sha)
+
+
+from . import vision as _vision  # noqa: E402,F401  (geometry3k's reader, the verl-geo3k template, the -vlm engines)
