@@ -4,7 +4,7 @@ The same exactness check as test_lpo_gradient_exactness.py, on image batches: a 
 Qwen2.5-VL (float64 parameters), 4 prompt groups x K=4 (three diagrams of 4, 9 and 16 image tokens
 under the same question text, plus one text-only group), micro-batch sizes 1, K/2 (groups split
 across micro-batches: the two-pass path, whose no-grad pass must see the images), K and 2K,
-divergences fwd/rev/js at dp 1 (in process), fwd/rev at dp 2 (two gloo processes). The reference is one
+divergences fwd/rev/js at dp 1 (in process), fwd at dp 2 (two gloo processes). The reference is one
 autograd call of the full-batch listwise loss through the same Actor with the batch's images.
 Gradients cover every parameter, the vision tower included.
 """
@@ -23,7 +23,7 @@ from conftest import HERE, free_port
 K = 4
 MICRO = (1, K // 2, K, 2 * K)
 DIVS = ("fwd", "rev", "js")
-DIVS_DP2 = ("fwd", "rev")  # lpo_dp_worker.py ... vlm
+DIVS_DP2 = ("fwd",)  # lpo_dp_worker.py ... vlm
 TOL = 1e-12  # absolute, on gradients of size ~1e-1 (measured ~5e-17)
 
 
