@@ -64,6 +64,11 @@ PATCH_POINTS: List[PatchPoint] = [
                "LPOPolicyLoss mirrors its signature and return value"),
     PatchPoint("window-normaliser", "openrlhf.utils.loss_utils", "iter_grad_accum_global_norm", "contract",
                "gives each micro-batch of a gas-window the stock global normalisers (KL/entropy terms)"),
+    PatchPoint("vlm-merge", "openrlhf.utils.vlm_utils", "merge_mm_train_inputs", "contract",
+               "LPO's no-grad passes batch a micro-batch's images as training_step does (openrlhf/vlm.py)"),
+    PatchPoint("vlm-rollout", "openrlhf.utils.agent", "SingleTurnAgentExecutor.execute", "contract",
+               "tokenizes image prompts with the processor (process_prompt_with_images) and calls "
+               "llm_engine.generate(ids, params, multi_modal_data={'image': [...]}) (engines/cpu_vlm.py)"),
 ]
 
 _active: Dict[Tuple[str, str], Tuple[object, object]] = {}
@@ -150,6 +155,13 @@ def check_contracts() -> None:
     for name, (fn, params) in expected.items():
         if _params(fn) != params:
             raise RuntimeError(f"patch point {name}: signature {_params(fn)} != {params}")
+    from openrlhf.utils import agent, vlm_utils
+
+    if _params(vlm_utils.merge_mm_train_inputs) != ["mm_train_inputs_list", "device"]:
+        raise RuntimeError("patch point vlm-merge: merge_mm_train_inputs(mm_train_inputs_list, device) changed")
+    exec_src = inspect.getsource(agent.SingleTurnAgentExecutor.execute)
+    if "multi_modal_data=" not in exec_src or "process_prompt_with_images" not in exec_src:
+        raise RuntimeError("patch point vlm-rollout: the executor no longer hands images to llm_engine.generate")
     src = inspect.getsource(ppo_actor.ActorPPOTrainer.training_step)
     if "self.actor_loss_fn(" not in src:
         raise RuntimeError("patch point training-step: training_step no longer calls self.actor_loss_fn")
