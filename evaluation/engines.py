@@ -59,6 +59,9 @@ def register_engine(name: str):
 
 
 def make_engine(name: str, model_path: str, **kwargs) -> Engine:
+    from .vision import vlm_engine_name  # a vision-language checkpoint gets the name's -vlm engine
+
+    name = vlm_engine_name(name, model_path)
     if name not in ENGINES:
         raise ValueError(f"unknown --engine {name!r}; choose from {', '.join(ENGINES)}")
     return ENGINES[name](model_path, **kwargs)

@@ -243,7 +243,8 @@ def run_job(engine, job: dict, opts: GenOptions) -> Path:
             chunk = todo[start : start + max(1, opts.batch_problems)]
             prompts = [render_prompt(opts.template, p.question, p.kind, engine.tokenizer) for p in chunk]
             seeds = [problem_seed(opts.seed, cfg["benchmark"], p.id) for p in chunk]
-            outs = engine.generate(prompts, n, sampling, seeds)
+            images = {"images": [p.images for p in chunk]} if any(p.images for p in chunk) else {}  # vision.py
+            outs = engine.generate(prompts, n, sampling, seeds, **images)
             lines = []
             for p, prompt, comps in zip(chunk, prompts, outs):
                 if len(comps) != n:

@@ -42,4 +42,8 @@ def test_chat_templates_use_the_tokenizer(tmp_path):
         render_prompt("chat", Q, "math", None)
     with pytest.raises(ValueError, match="unknown --template"):
         render_prompt("qwen", Q, "math")
-    assert set(TEMPLATES) == {"qwen-boxed", "qwen25-math-cot", "verl-math", "r1", "chat", "none", "prime"}  # prime: code_benchmarks
+    import evaluation.benchmarks  # noqa: F401  (registers the code and vision benchmarks' templates)
+
+    assert set(TEMPLATES) == {"qwen-boxed", "qwen25-math-cot", "verl-math", "r1", "chat", "none",
+                              "prime",  # code_benchmarks
+                              "verl-geo3k"}  # vision
