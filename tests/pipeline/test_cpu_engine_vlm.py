@@ -78,7 +78,8 @@ def test_batched_image_sampling_matches_reference(backend, reference):
     if the prefill saw the pixels and each decode step got the right M-RoPE position."""
     proc = backend.processor
     reqs = [image_request(proc, kind, seed=i) for i, kind in enumerate(SIZES)] + [(text_request(proc), None)]
-    outs = backend.generate_many([(ids, sp(max_tokens=16, logprobs=1)) + ((mm,) if mm else ()) for ids, mm in reqs])
+    outs = backend.generate_many([(ids, sp(max_tokens=16, logprobs=1), i) + ((mm,) if mm else ())
+                                  for i, (ids, mm) in enumerate(reqs)])
     vision, worst, expected_vision = set(backend.suppress), 0.0, 0.0
     for (ids, mm), out in zip(reqs, outs):
         res = out.outputs[0]
@@ -97,9 +98,10 @@ def test_batched_image_sampling_matches_reference(backend, reference):
 def test_greedy_batched_equals_alone(backend):
     proc = backend.processor
     reqs = [image_request(proc, kind, seed=7 + i) for i, kind in enumerate(SIZES)]
-    batched = backend.generate_many([(ids, sp(temperature=0.0, max_tokens=m), mm) for (ids, mm), m in zip(reqs, (5, 8, 3))])
+    batched = backend.generate_many([(ids, sp(temperature=0.0, max_tokens=m), 0, mm)
+                                     for (ids, mm), m in zip(reqs, (5, 8, 3))])
     for (ids, mm), m, out in zip(reqs, (5, 8, 3), batched):
-        alone = backend.generate_many([(ids, sp(temperature=0.0, max_tokens=m), mm)])[0]
+        alone = backend.generate_many([(ids, sp(temperature=0.0, max_tokens=m), 0, mm)])[0]
         assert out.outputs[0].token_ids == alone.outputs[0].token_ids and len(alone.outputs[0].token_ids) == m
 
 
@@ -163,7 +165,74 @@ def test_wrong_image_token_count_is_a_clear_error(backend):
     pad = backend.image_token_id
     cut = ids.index(pad)
     with pytest.raises(ValueError, match="image pad tokens"):
-        backend.generate_many([(ids[:cut] + ids[cut + 1:], sp(), mm)])
+        backend.generate_many([(ids[:cut] + ids[cut + 1:], sp(), 0, mm)])
+
+
+def test_media_key_and_request_seed_see_the_image():
+    """Two diagrams of one size under the same text give the same prompt ids: only the image tells
+    their requests apart, so it is part of the per-request seed."""
+    from openrlhf_lpo.engines.cpu_engine import media_key, request_seed
+
+    a, b = draw_problem("triangle_angle", 0, 56)[0], draw_problem("triangle_angle", 1, 56)[0]
+    assert media_key(None) == media_key({"image": []}) == ""
+    assert media_key({"image": [a]}) == media_key({"image": [a.copy()]}) != media_key({"image": [b]})
+    ids = [5, 6, 7]
+    seeds = {request_seed(0, ids, 0, None, media_key(mm)) for mm in (None, {"image": [a]}, {"image": [b]})}
+    assert len(seeds) == 3
+    assert request_seed(0, ids, 0) == request_seed(0, ids, 0, None, "")  # text seeds unchanged
+
+
+SEED_PROBE = r"""
+import asyncio, json, sys
+from types import SimpleNamespace
+from transformers import AutoProcessor
+from openrlhf_lpo.data.geometry import draw_problem
+from openrlhf_lpo.engines.cpu_engine import CPURolloutEngine
+
+vlm = sys.argv[1]
+proc = AutoProcessor.from_pretrained(vlm, trust_remote_code=True)
+chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Find x."}]}]
+prompt = proc.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+images = [draw_problem("triangle_angle", s, 56)[0] for s in (0, 1)]  # same size: same prompt ids
+ids = [proc(text=[prompt], images=[im], add_special_tokens=False)["input_ids"][0] for im in images]
+assert list(ids[0]) == list(ids[1])
+params = SimpleNamespace(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=6, min_tokens=0, logprobs=None, seed=None)
+K = 3
+
+def engine():
+    eng = CPURolloutEngine(vlm, seed=7, backend="hf")
+    eng.backend.stop_ids = set()
+    return eng
+
+async def together(eng):  # both diagrams' K samples in one batch
+    outs = await asyncio.gather(*[eng.generate(list(ids[i]), params, multi_modal_data={"image": [images[i]]})
+                                  for i in range(2) for _ in range(K)])
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+async def one_by_one(eng):  # alone, the second diagram first
+    outs = {}
+    for k in range(K):
+        for i in (1, 0):
+            out = await eng.generate(list(ids[i]), params, multi_modal_data={"image": [images[i]]})
+            outs[(i, k)] = list(out.outputs[0].token_ids)
+    return [outs[(i, k)] for i in range(2) for k in range(K)]
+
+a, b = engine(), engine()
+ta, tb = asyncio.run(together(a)), asyncio.run(one_by_one(b))
+print(json.dumps({"same": ta == tb, "batches_a": a.batch_sizes, "batches_b": len(b.batch_sizes),
+                  "distinct": len({tuple(t) for t in ta})}))
+"""
+
+
+def test_same_seed_same_image_samples_whatever_the_batching(tiny_vlm_dir):
+    """Per-request seeds with images: K samples of two diagrams with identical prompt ids, in one
+    batch or one request at a time in another order, are the same samples (the image is in the seed)."""
+    out = subprocess.run([sys.executable, "-c", SEED_PROBE, tiny_vlm_dir], capture_output=True, text=True,
+                         timeout=300, env=dict(os.environ, LPO_CPU_THREADS="1"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["batches_a"] == [6] and res["batches_b"] == 6
+    assert res["same"] and res["distinct"] > 3
 
 
 ENGINE_PROBE = r"""
@@ -235,8 +304,8 @@ for kind, size in (("triangle_angle", 56), ("segment_sum", 112), ("read_number",
     ids = proc(text=[prompt], images=[image], add_special_tokens=False)["input_ids"][0]
     reqs.append((list(ids), {"image": [image]}))
 sps = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (4, 6, 3)]
-outs = eng.generate_many([(ids, s, mm) for (ids, mm), s in zip(reqs, sps)])
-ref = hf.generate_many([(ids, s, mm) for (ids, mm), s in zip(reqs, sps)])
+outs = eng.generate_many([(ids, s, 0, mm) for (ids, mm), s in zip(reqs, sps)])
+ref = hf.generate_many([(ids, s, 0, mm) for (ids, mm), s in zip(reqs, sps)])
 ids, mm = reqs[1]
 seq = ids + list(outs[1].outputs[0].token_ids)
 diff = lambda: max(abs(a - b) for a, b in zip(eng.log_probs_of(seq, images=mm["image"]), hf.log_probs_of(seq, images=mm["image"])))

@@ -5,9 +5,10 @@ One module-scoped run of ``python -m openrlhf_lpo.cli.train_ppo_ray --algo.advan
 Ray, OpenRLHF 0.11.2's trainer and actors with the LPO subclasses, DeepSpeed ZeRO-2 on the CPU, the
 processor in the rollout executor, the CPU engine's ``hf-vlm`` backend, the geometry reward (plus a
 small shaping term, tests/pipeline/vlm_e2e_reward.py, so groups are not degenerate). Two iterations
-of 2 prompts x K=4, micro-batches of 2 (groups split: the two-pass path, whose no-grad pass must see
-the images), ``--lpo.end_kl``, a weight sync with text and image parity probes after each, a
-checkpoint (DeepSpeed and HF, the HF one with the processor) after each. The vision tower trains (not frozen), so the synced tower changes too.
+of 2 prompts x K=4, two optimizer windows of one group each and micro-batches of 2 (groups split: the
+first window takes c from s_t, the second from a no-grad pre-pass that must see the images),
+``--lpo.end_kl``, a weight sync with text and image parity probes after each, a checkpoint
+(DeepSpeed and HF, the HF one with the processor) after each. The vision tower trains (not frozen), so the synced tower changes too.
 """
 
 import json
@@ -37,7 +38,7 @@ def vlm_args(model: str, data: str, out: Path):
         "--actor.num_nodes", "1", "--actor.num_gpus_per_node", "1",
         "--algo.kl.init_coef", "0", "--algo.advantage.estimator", "lpo", "--lpo.divergence", "fwd", "--lpo.end_kl",
         "--rollout.batch_size", "2", "--rollout.n_samples_per_prompt", "4",
-        "--train.batch_size", "8", "--train.micro_batch_size", "2", "--rollout.micro_batch_size", "4",
+        "--train.batch_size", "4", "--train.micro_batch_size", "2", "--rollout.micro_batch_size", "4",
         "--rollout.max_new_tokens", "12", "--data.max_len", "256", "--data.max_samples", "4",
         "--train.num_episodes", "1", "--ds.zero_stage", "2", "--ds.attn_implementation", "sdpa",
         "--actor.adam.lr", "0.01", "--actor.adam.weight_decay", "0.5",
@@ -86,10 +87,13 @@ def test_two_lpo_iterations_with_images(vlm_e2e):
     assert "Global step 1:" in log and "Global step 2:" in log and "Global step 3:" not in log
     assert "LPOTrainer" in log and "CPURolloutEngine" in log
     s = tb_scalars(vlm_e2e["out"] / "tb")
-    for key in ("train/lpo/groups", "train/lpo/two_pass", "train/lpo/abs_coef_mean", "train/lpo/kl_end",
-                "train/actor_grad_norm"):
+    for key in ("train/lpo/groups", "train/lpo/shortcut_windows", "train/lpo/pre_pass_windows",
+                "train/lpo/abs_coef_mean", "train/lpo/kl_end", "train/actor_grad_norm"):
         assert sorted(s.get(key, {})) == [1, 2], f"{key} not logged per step; keys: {sorted(s)}"
-    assert set(s["train/lpo/groups"].values()) == {2.0} and set(s["train/lpo/two_pass"].values()) == {1.0}
+    assert set(s["train/lpo/groups"].values()) == {2.0}
+    # per rollout batch: the first window from s_t (no forward), the second from an image pre-pass
+    assert set(s["train/lpo/shortcut_windows"].values()) == {1.0}
+    assert set(s["train/lpo/pre_pass_windows"].values()) == {1.0}
     assert set(s["train/rollout/num_samples"].values()) == {8.0}
     # non-degenerate groups: a real listwise gradient through the image forward
     assert min(s["train/lpo/abs_coef_mean"].values()) > 0 and min(s["train/actor_grad_norm"].values()) > 0
