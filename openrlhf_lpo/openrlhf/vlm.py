@@ -5,10 +5,12 @@ its processor outputs (``Experience.mm_train_inputs``: ``pixel_values``, ``image
 splitting, batching and the gradient pass. Two LPO places need them too:
 
 * :func:`mm_forward_kwargs`: the image inputs of a (micro-)batch for an ``Actor`` forward. LPO's
-  no-grad passes (s of the two-pass window, ``--lpo.end_kl``) call the actor themselves; without
-  these kwargs a VLM embeds ``<|image_pad|>`` as text and s is wrong (not 0 at the rollout policy);
+  no-grad passes (a later window's pre-pass s, ``--lpo.end_kl``: ``LPOActorTrainer._log_ratio``)
+  call the actor themselves; without these kwargs a VLM embeds ``<|image_pad|>`` as text and s is
+  wrong;
 * :func:`group_key`: what the K members of a prompt group must share, the prompt text *and* its
-  images (Geometry3k repeats "Find x." across different diagrams).
+  images (Geometry3k repeats "Find x." across different diagrams), and so the key of the canonical
+  group order (``LPOExperienceMaker.split_rollout_samples``).
 
 Also here: which parameters the CPU-mode weight sync of a VLM sends (:func:`syncs_param`:
 trainable ones only, as upstream; the image parity probe is in :mod:`openrlhf_lpo.parity`) and

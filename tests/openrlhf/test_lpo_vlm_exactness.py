@@ -138,9 +138,9 @@ def test_no_grad_pass_sees_the_images(tiny_vlm_dir, gloo_world1):
 
 
 def _group_images(experiences):
-    from openrlhf_lpo.openrlhf.vlm import group_key
-
     from openrlhf.trainer.ppo_utils.experience import split_experience_batch
+
+    from openrlhf_lpo.openrlhf.vlm import group_key
 
     return [group_key(it)[1] for e in experiences for it in split_experience_batch(copy.deepcopy(e))][::K]
 
