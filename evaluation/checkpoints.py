@@ -44,7 +44,10 @@ GENERIC_DIRS = {
 }
 _STEP_RE = re.compile(r"(?:global_step|checkpoint|iter|step)[_-]?(\d+)", re.IGNORECASE)
 _HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*(?:@[\w./-]+)?$")
-_ID_FILES = ("config.json", "generation_config.json", "tokenizer_config.json", "chat_template.jinja", "tokenizer.json")
+# files whose content enters the checkpoint id; the processor files of a vision-language checkpoint (pixel
+# limits: how many tokens an image becomes) change its outputs on image benchmarks
+_ID_FILES = ("config.json", "generation_config.json", "tokenizer_config.json", "chat_template.jinja", "tokenizer.json",
+             "processor_config.json", "preprocessor_config.json", "chat_template.json")
 SEARCH_DEPTH = 4
 
 

@@ -11,6 +11,11 @@ a token id, because engines decode with special tokens skipped and would never s
 
 No remote code unless asked: ``trust_remote_code`` is False by default (``--trust-remote-code``), as
 in transformers and OpenRLHF, so a downloaded checkpoint cannot run its own Python.
+
+Images: an image benchmark's problems carry images (``generate(..., images=)``, one tuple per prompt);
+the text engines refuse them. :data:`ENGINE_ROUTES` lets a module send a kind of checkpoint to its own
+engine (:mod:`evaluation.vision`: a vision-language checkpoint runs on ``hf-vlm`` / ``vllm-vlm`` when
+``--engine`` says ``hf`` / ``vllm``).
 """
 
 from __future__ import annotations
@@ -73,12 +78,17 @@ class Completion:
 class Engine(Protocol):
     tokenizer: Any
 
+    # ``images=`` (one tuple of image refs per prompt) is passed only for image benchmarks
     def generate(self, prompts: list[str], n: int, sampling: Sampling, seeds: list[int]) -> list[list[Completion]]: ...
 
     def close(self) -> None: ...
 
 
 ENGINES: dict[str, Callable[..., Engine]] = {}
+
+# fn(engine name, checkpoint path, trust_remote_code) -> the engine that checkpoint runs on (evaluation.vision
+# adds one); make_engine applies them in order.
+ENGINE_ROUTES: list[Callable[[str, str, bool], str]] = []
 
 
 def register_engine(name: str):
@@ -92,9 +102,18 @@ def register_engine(name: str):
 
 
 def make_engine(name: str, model_path: str, **kwargs) -> Engine:
+    for route in ENGINE_ROUTES:
+        name = route(name, model_path, bool(kwargs.get("trust_remote_code", False)))
     if name not in ENGINES:
         raise ValueError(f"unknown --engine {name!r}; choose from {', '.join(ENGINES)}")
     return ENGINES[name](model_path, **kwargs)
+
+
+def no_images(engine: str, images) -> None:
+    """The text engines' answer to an image benchmark: a clear error, never a text-only evaluation."""
+    if images and any(images):
+        raise ValueError(f"--engine {engine}: this benchmark's problems have images and the checkpoint is a text model "
+                         "(its config has no vision_config): evaluate a vision-language checkpoint")
 
 
 def default_engine() -> str:
@@ -113,6 +132,26 @@ def default_engine() -> str:
     return "hf"
 
 
+class _StopInNewText:
+    """A transformers stopping criterion: a row is done once a stop string appears in its *new* text.
+
+    (transformers' ``stop_strings`` also match a string that starts in the prompt, e.g. ``"\\n\\n"`` after
+    a prompt ending in ``"\\n"``, and would stop where vLLM does not.) Only the last ``window`` new tokens
+    are decoded per step; a stop it misses only costs tokens, since ``_completion`` cuts the full text."""
+
+    def __init__(self, tokenizer: Any, prompt_len: int, stops: list[str]):
+        self.tokenizer, self.prompt_len, self.stops = tokenizer, prompt_len, stops
+        self.window = max(len(x) for x in stops) + 16
+
+    def __call__(self, input_ids, scores, **kwargs):
+        import torch
+
+        start = max(self.prompt_len, input_ids.shape[1] - self.window)
+        done = [cut_at_stop(self.tokenizer.decode(row[start:], skip_special_tokens=True), self.stops)[1]
+                for row in input_ids.tolist()]
+        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+
+
 @register_engine("hf")
 class HFEngine:
     """transformers ``generate``, one problem at a time (n samples via ``num_return_sequences``).
@@ -124,7 +163,6 @@ class HFEngine:
     def __init__(self, model_path: str, dtype: str = "float32", device: str | None = None,
                  trust_remote_code: bool = False, **_ignored):
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
 
         logging.getLogger("transformers").setLevel(logging.ERROR)
         if dtype == "auto":
@@ -133,24 +171,37 @@ class HFEngine:
         if not isinstance(torch_dtype, torch.dtype):
             raise ValueError(f"--dtype {dtype!r} is not a torch dtype (e.g. float32, bfloat16)")
         self.torch = torch
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype, trust_remote_code=trust_remote_code)
+        self._load(model_path, torch_dtype, trust_remote_code)
         if device:
             self.model.to(device)
         self.model.eval()
+        tok = self.text_tokenizer
         eos = self.model.generation_config.eos_token_id
         if eos is None:
-            eos = self.tokenizer.eos_token_id
+            eos = tok.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else next(iter(self.eos_ids), 0)
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else next(iter(self.eos_ids), 0)
 
-    def generate(self, prompts: list[str], n: int, sampling: Sampling, seeds: list[int]) -> list[list[Completion]]:
+    def _load(self, model_path: str, torch_dtype, trust_remote_code: bool) -> None:
+        """Sets ``tokenizer`` (what prompts are encoded with), ``text_tokenizer`` (decoding) and ``model``."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.tokenizer = self.text_tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype, trust_remote_code=trust_remote_code)
+
+    def encode(self, prompt: str, images: tuple = ()):
+        """The model inputs of one prompt (``images``: its image refs; text models take none)."""
+        no_images("hf", [images])
+        return self.tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
+
+    def generate(self, prompts: list[str], n: int, sampling: Sampling, seeds: list[int],
+                 images: list[tuple] | None = None) -> list[list[Completion]]:
         torch = self.torch
-        stop_ids = self.eos_ids | set(stop_token_ids(self.tokenizer, sampling.stop))
+        stop_ids = self.eos_ids | set(stop_token_ids(self.text_tokenizer, sampling.stop))
         text_stops = [s for s in sampling.stop if s not in self._specials()]
         out: list[list[Completion]] = []
-        for prompt, seed in zip(prompts, seeds):
-            enc = self.tokenizer(prompt, return_tensors="pt", add_special_tokens=False).to(self.model.device)
+        for j, (prompt, seed) in enumerate(zip(prompts, seeds)):
+            enc = self.encode(prompt, images[j] if images else ()).to(self.model.device)
             kw: dict[str, Any] = dict(
                 max_new_tokens=sampling.max_tokens,
                 num_return_sequences=n,
@@ -158,7 +209,7 @@ class HFEngine:
                 eos_token_id=sorted(stop_ids) or None,
             )
             if text_stops:
-                kw.update(stop_strings=text_stops, tokenizer=self.tokenizer)
+                kw.update(stopping_criteria=[_StopInNewText(self.text_tokenizer, enc["input_ids"].shape[1], text_stops)])
             if sampling.temperature > 0:
                 kw.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p,
                           top_k=max(0, sampling.top_k))
@@ -172,9 +223,9 @@ class HFEngine:
         return out
 
     def _specials(self) -> set[str]:
-        specials = set(getattr(self.tokenizer, "all_special_tokens", []) or [])
+        specials = set(getattr(self.text_tokenizer, "all_special_tokens", []) or [])
         try:
-            specials |= set(self.tokenizer.get_added_vocab())
+            specials |= set(self.text_tokenizer.get_added_vocab())
         except Exception:
             pass
         return specials
@@ -182,13 +233,13 @@ class HFEngine:
     def _completion(self, toks: list[int], stop_ids: set[int], text_stops: list[str], max_tokens: int) -> Completion:
         stop = next((j for j, t in enumerate(toks) if t in stop_ids), None)
         body = toks if stop is None else toks[:stop]
-        text = self.tokenizer.decode(body, skip_special_tokens=True)
+        text = self.text_tokenizer.decode(body, skip_special_tokens=True)
         cut_text, found = cut_at_stop(text, text_stops)
         if found:  # fewest tokens whose text holds the stop string (texts of prefixes grow monotonically)
             lo, hi = 1, len(body)
             while lo < hi:
                 mid = (lo + hi) // 2
-                if cut_at_stop(self.tokenizer.decode(body[:mid], skip_special_tokens=True), text_stops)[1]:
+                if cut_at_stop(self.text_tokenizer.decode(body[:mid], skip_special_tokens=True), text_stops)[1]:
                     hi = mid
                 else:
                     lo = mid + 1
@@ -234,13 +285,24 @@ class VLLMEngine:
             max_model_len=max_model_len,
             gpu_memory_utilization=gpu_memory_utilization,
             trust_remote_code=trust_remote_code,
+            **self._llm_kwargs(),
         )
-        self.tokenizer = self.llm.get_tokenizer()
+        self.tokenizer = self.text_tokenizer = self.llm.get_tokenizer()
 
-    def generate(self, prompts: list[str], n: int, sampling: Sampling, seeds: list[int]) -> list[list[Completion]]:
+    def _llm_kwargs(self) -> dict:
+        """Extra ``LLM(...)`` arguments of a subclass (the -vlm engine's image limits)."""
+        return {}
+
+    def _inputs(self, prompts: list[str], images: list[tuple] | None) -> list:
+        """What ``LLM.generate`` gets per prompt (text engines: the prompt; images are refused)."""
+        no_images("vllm", images)
+        return list(prompts)
+
+    def generate(self, prompts: list[str], n: int, sampling: Sampling, seeds: list[int],
+                 images: list[tuple] | None = None) -> list[list[Completion]]:
         from vllm import SamplingParams
 
-        stop_ids = stop_token_ids(self.tokenizer, sampling.stop)
+        stop_ids = stop_token_ids(self.text_tokenizer, sampling.stop)
         params = [
             SamplingParams(
                 n=n,
@@ -255,7 +317,7 @@ class VLLMEngine:
             )
             for seed in seeds
         ]
-        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        outs = self.llm.generate(self._inputs(prompts, images), params, use_tqdm=False)
         result = []
         for o in outs:
             comps = sorted(o.outputs, key=lambda c: c.index)

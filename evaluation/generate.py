@@ -3,9 +3,9 @@
 Layout: ``OUT/<checkpoint_id>/<benchmark>-<config_sha[:12]>/`` holding ``config.json``,
 ``problems.jsonl`` (question, rendered prompt and gold per problem) and ``generations.jsonl``
 (``generations.jsonl.partial`` while running). A job is keyed by checkpoint id, benchmark and the hash
-of everything that changes its outputs (data, n, template, system prompt, chat-template arguments, the
-rendered prompts, sampling including stop strings, seed, engine, dtype, max model length, TP size,
-remote code); a finished job is skipped. The partial file only ever grows by whole problems (all n
+of everything that changes its outputs (data with an image benchmark's images, n, template, system
+prompt, chat-template arguments, the rendered prompts, sampling including stop strings, seed, engine,
+dtype, max model length, TP size, remote code); a finished job is skipped. The partial file only ever grows by whole problems (all n
 samples, one write + fsync); on restart a torn tail is cut off and only the missing problems are
 generated, each with its own seed, so the finished file is byte-identical to an uninterrupted run. It
 is renamed into place atomically.
@@ -139,7 +139,7 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
 def job_config(ck: Checkpoint, ckpt_id: str, loaded: LoadedBenchmark, n: int, k: int, opts: GenOptions,
                stop: list[str], prompts_sha: str) -> dict:
     """The generation config of one job; its hash is the job key (versions are recorded, not keyed)."""
-    vllm = opts.engine == "vllm"
+    vllm = opts.engine.startswith("vllm")  # vllm, vllm-vlm
     return {
         "checkpoint": ckpt_id,
         "checkpoint_path": str(Path(ck.path).resolve()),
@@ -267,7 +267,8 @@ def run_job(engine, job: Job, opts: GenOptions) -> Path:
             chunk = todo[start : start + max(1, opts.batch_problems)]
             prompts = [prompt for _, prompt in chunk]
             seeds = [problem_seed(opts.seed, cfg["benchmark"], p.id) for p, _ in chunk]
-            outs = engine.generate(prompts, n, sampling, seeds)
+            images = [p.images for p, _ in chunk]  # image benchmarks (evaluation.vision): one tuple per problem
+            outs = engine.generate(prompts, n, sampling, seeds, **({"images": images} if any(images) else {}))
             lines = []
             for (p, prompt), comps in zip(chunk, outs):
                 if len(comps) != n:
@@ -376,7 +377,7 @@ def generate(ckpts: list[str], opts: GenOptions) -> GenReport:
         resolve_n_k(b, opts)
     checkpoints, bad = resolve_checkpoints(ckpts)
     report = GenReport(failed=[f"{path}: {why}" for path, why in bad])
-    isolate = opts.isolate == "always" or (opts.isolate == "auto" and opts.engine == "vllm")
+    isolate = opts.isolate == "always" or (opts.isolate == "auto" and opts.engine.startswith("vllm"))
     for ck in checkpoints:
         if not isolate:
             report.merge(generate_checkpoint(ck, opts))

@@ -100,7 +100,9 @@ def _instruction(kind: str) -> str:
     return INSTRUCTIONS[kind][0]
 
 
-def _apply_chat(ctx: PromptContext, user: str, template_name: str) -> str:
+def apply_chat(ctx: PromptContext, user: str | list, template_name: str) -> str:
+    """``user`` (text, or a content list with image items) as the user turn through the tokenizer's chat
+    template, after ``--system-prompt`` if given, with ``--chat-template-kwargs``."""
     tok = ctx.tokenizer
     if tok is None or not getattr(tok, "chat_template", None):
         raise ValueError(
@@ -145,7 +147,7 @@ def _qwen25_math_cot(question: str, kind: str, ctx: PromptContext) -> str:
 
 @register_template("verl-math", uses_chat_template=True, system_prompt=True)
 def _verl_math(question: str, kind: str, ctx: PromptContext) -> str:
-    return _apply_chat(ctx, f"{question} {INSTRUCTIONS[kind][1]}", "verl-math")
+    return apply_chat(ctx, f"{question} {INSTRUCTIONS[kind][1]}", "verl-math")
 
 
 @register_template("r1")
@@ -155,12 +157,12 @@ def _r1(question: str, kind: str, ctx: PromptContext) -> str:
 
 @register_template("chat", uses_chat_template=True, system_prompt=True)
 def _chat(question: str, kind: str, ctx: PromptContext) -> str:
-    return _apply_chat(ctx, f"{question}\n{_instruction(kind)}", "chat")
+    return apply_chat(ctx, f"{question}\n{_instruction(kind)}", "chat")
 
 
 @register_template("chat-plain", uses_chat_template=True, system_prompt=True)
 def _chat_plain(question: str, kind: str, ctx: PromptContext) -> str:
-    return _apply_chat(ctx, question, "chat-plain")
+    return apply_chat(ctx, question, "chat-plain")
 
 
 @register_template("none")
@@ -174,7 +176,7 @@ def _prime(question: str, kind: str, ctx: PromptContext) -> str:
     ctx = replace(ctx, system_prompt=PRIME_SYSTEM_PROMPT if ctx.system_prompt is None else ctx.system_prompt)
     user = f"{question.rstrip()}\n\n{instr}"
     if ctx.tokenizer is not None and getattr(ctx.tokenizer, "chat_template", None):
-        return _apply_chat(ctx, user, "prime")
+        return apply_chat(ctx, user, "prime")
     if ctx.chat_template_kwargs:
         raise ValueError("--chat-template-kwargs: the tokenizer has no chat template, so --template prime writes ChatML "
                          "itself and cannot pass them")

@@ -385,7 +385,7 @@ def adjust_args(args) -> List[str]:
 
 
 # the parity check lives in a neutral module (the Megatron actor uses it too)
-from openrlhf_lpo.parity import PROBE_TEXT, check_engine_parity, probe_sequence  # noqa: E402,F401
+from openrlhf_lpo.parity import PROBE_TEXT, check_engine_parity, check_image_parity, probe_sequence  # noqa: E402,F401
 
 
 def _actor_log_probs(actor, ids: List[int]):
@@ -415,12 +415,16 @@ def cpu_broadcast_to_engines(self) -> None:
     import ray
     import torch
 
+    from openrlhf_lpo.openrlhf.vlm import syncs_param
+
     args = self.strategy.args
     model = self.actor.model.module
     rank = torch.distributed.get_rank()
     zero3 = args.ds.zero_stage == 3
     state = {}
     for name, param in model.named_parameters():
+        if not syncs_param(self.actor, param):  # VLM: trainable only, as upstream
+            continue
         with deepspeed.zero.GatheredParameters([param], enabled=zero3):
             if rank == 0:
                 state[name] = param.data.detach().to(_DEVICE).clone()
@@ -432,6 +436,8 @@ def cpu_broadcast_to_engines(self) -> None:
         check_engine_parity(self.vllm_engines, ids, _actor_log_probs(self.actor, ids),
                             float(self.actor.temperature), sync_s=time.time() - t0, num_tensors=len(state),
                             weights_abs_sum=float(sum(t.double().abs().sum() for t in state.values())))
+        if getattr(self.actor, "is_vlm", False):
+            check_image_parity(self, sync_s=time.time() - t0, num_tensors=len(state))
     torch.distributed.barrier()
 
 

@@ -35,18 +35,23 @@ CHAT_TEMPLATE = (
 ARCHS = ("qwen3", "qwen2", "llama", "mistral")
 
 
-def build_tokenizer(out_dir: str | os.PathLike):
-    """Write a character-level fast tokenizer with a chat template to ``out_dir``; return it."""
+def build_tokenizer(out_dir: str | os.PathLike, extra_special_tokens=(), chat_template: str = CHAT_TEMPLATE):
+    """Write a character-level fast tokenizer with a chat template to ``out_dir``; return it.
+
+    ``extra_special_tokens`` get ids right after the four base specials (the tiny VLM's vision
+    tokens, :mod:`openrlhf_lpo.tiny_vlm`); ``chat_template`` replaces the text-only template.
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    specials = list(SPECIAL_TOKENS) + [t for t in extra_special_tokens if t not in SPECIAL_TOKENS]
+    vocab = {tok: i for i, tok in enumerate(specials)}
     for ch in CHARSET:
         vocab.setdefault(ch, len(vocab))
     core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK_TOKEN))
     core.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
     core.decoder = decoders.Fuse()
-    core.add_special_tokens(SPECIAL_TOKENS)
+    core.add_special_tokens(specials)
     tok = PreTrainedTokenizerFast(
         tokenizer_object=core,
         pad_token=PAD_TOKEN,
@@ -55,7 +60,7 @@ def build_tokenizer(out_dir: str | os.PathLike):
         bos_token=None,
         model_max_length=4096,
     )
-    tok.chat_template = CHAT_TEMPLATE
+    tok.chat_template = chat_template
     tok.save_pretrained(str(out_dir))
     return tok
 

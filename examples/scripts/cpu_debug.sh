@@ -3,15 +3,23 @@
 # Ray pipeline with DeepSpeed on the CPU, the CPU rollout engine (LPO_CPU_ENGINE=hf|vllm) and a tiny
 # random Qwen3 built offline; two LPO iterations, a checkpoint each, weight-sync parity checked.
 #   bash examples/scripts/cpu_debug.sh              # METHOD=lpo_rev / grpo / ... to switch method
+#   TASK=geometry bash examples/scripts/cpu_debug.sh   # images: a tiny Qwen2.5-VL on PIL-drawn diagrams
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 WORK="${WORK:-/tmp/lpo_cpu_debug}"
 METHOD="${METHOD:-lpo_fwd}"
+TASK="${TASK:-countdown}"
 source "$ROOT/configs/methods/$METHOD.sh"
+case "$TASK" in
+  countdown) MODEL_DIR="$WORK/tiny-qwen3"; DATA_FILE="$WORK/countdown.jsonl"; TASK_FLAGS=() ;;
+  geometry) MODEL_DIR="$WORK/tiny-qwen2.5-vl"; DATA_FILE="$WORK/geometry.jsonl"
+    TASK_FLAGS=(--data.image_key images --data.max_images_per_prompt 1 --data.apply_chat_template) ;;
+  *) echo "unknown TASK=$TASK (countdown or geometry)" >&2; exit 2 ;;
+esac
 
 ARGS=(
-  --actor.model_name_or_path "$WORK/tiny-qwen3"
-  --data.prompt_dataset "$WORK/countdown.jsonl" --data.input_key prompt --data.label_key label
+  --actor.model_name_or_path "$MODEL_DIR"
+  --data.prompt_dataset "$DATA_FILE" --data.input_key prompt --data.label_key label "${TASK_FLAGS[@]}"
   --reward.remote_url "$ROOT/openrlhf_lpo/rewards/reward_func.py"
   --actor.num_nodes 1 --actor.num_gpus_per_node 1 --ref.num_nodes 1 --ref.num_gpus_per_node 1
   --vllm.num_engines 1 --vllm.sync_backend gloo
@@ -26,17 +34,24 @@ ARGS=(
 )
 if [ "${LPO_PRINT_ARGS:-0}" = "1" ]; then printf '%s\n' "${ARGS[@]}"; exit 0; fi
 source "$ROOT/examples/scripts/lib/python.sh"
+build_model_and_data() {  # the tiny model and a 4-prompt data file of $TASK
+  if [ "$TASK" = geometry ]; then
+    [ -f "$MODEL_DIR/config.json" ] || "$PY" -c "from openrlhf_lpo.tiny_vlm import build_tiny_vlm; build_tiny_vlm('$MODEL_DIR')"
+    [ -f "$DATA_FILE" ] || "$PY" -m openrlhf_lpo.data.prepare geometry --n 4 --seed 0 --template geometry-short --out "$DATA_FILE"
+  else
+    [ -f "$MODEL_DIR/config.json" ] || "$PY" -c "from openrlhf_lpo.tiny import build_tiny_model; build_tiny_model('$MODEL_DIR')"
+    [ -f "$DATA_FILE" ] || "$PY" -m openrlhf_lpo.data.prepare countdown --n 4 --seed 0 --num-counts 3 --out "$DATA_FILE"
+  fi
+}
 if [ "${LPO_DRY_RUN:-0}" = "1" ]; then  # validate and print the plan; builds only the tiny model and data
   mkdir -p "$WORK"
-  [ -f "$WORK/tiny-qwen3/config.json" ] || "$PY" -c "from openrlhf_lpo.tiny import build_tiny_model; build_tiny_model('$WORK/tiny-qwen3')"
-  [ -f "$WORK/countdown.jsonl" ] || "$PY" -m openrlhf_lpo.data.prepare countdown --n 8 --seed 0 --num-counts 3 --out "$WORK/countdown.jsonl"
+  build_model_and_data
   exec "$PY" -m openrlhf_lpo.cli.train_ppo_ray "${ARGS[@]}" --dry-run
 fi
 
 rm -rf "$WORK"; mkdir -p "$WORK"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" LPO_CPU_PARITY_LOG="$WORK/parity.jsonl"
-"$PY" -c "from openrlhf_lpo.tiny import build_tiny_model; build_tiny_model('$WORK/tiny-qwen3')"
-"$PY" -m openrlhf_lpo.data.prepare countdown --n 4 --seed 0 --num-counts 3 --out "$WORK/countdown.jsonl"
+build_model_and_data
 "$PY" -m openrlhf_lpo.cli.train_ppo_ray "${ARGS[@]}" 2>&1 | tee "$WORK/run.log"
 echo "[cpu_debug] done; weight-sync parity per step:"; cat "$WORK/parity.jsonl" | "$PY" -c \
-  "import json,sys; [print(' max|diff|', json.loads(l)['max_abs_diff']) for l in sys.stdin]"
+  "import json,sys; [print(' max|diff|', json.loads(l).get('probe', 'text'), json.loads(l)['max_abs_diff']) for l in sys.stdin]"

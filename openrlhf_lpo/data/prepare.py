@@ -5,6 +5,11 @@
     python -m openrlhf_lpo.data.prepare math --src /path/MATH/train.jsonl --out data/math_train.jsonl
     python -m openrlhf_lpo.data.prepare prime-code --src PRIME-RL/Eurus-2-RL-Data --out data/prime_code_train.jsonl
     python -m openrlhf_lpo.data.prepare humaneval --out data/humaneval.jsonl        # or mbpp --src PATH
+    python -m openrlhf_lpo.data.prepare geometry3k --src /path/geometry3k --split train --out data/geo3k_train.jsonl
+    python -m openrlhf_lpo.data.prepare geometry --n 512 --seed 0 --out data/geometry_synth.jsonl   # PIL diagrams
+
+Geometry rows also carry ``images`` (one data-URI image each): train with ``--data.image_key images
+--data.max_images_per_prompt 1`` (configs/tasks/geometry_qwen2.5-vl-3b.sh).
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ import sys
 from openrlhf_lpo.data.code import PRIME_HUB_NAME, load_humaneval, load_mbpp, load_prime_code
 from openrlhf_lpo.data.countdown import generate_problems
 from openrlhf_lpo.data.loaders import load_countdown, load_math, write_jsonl
+
+GEOMETRY_TEMPLATES = ("geometry", "geometry-short")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,6 +60,20 @@ def build_parser() -> argparse.ArgumentParser:
     mb.add_argument("--split", default="test")
     mb.add_argument("--limit", type=int, default=None)
     mb.add_argument("--out", required=True)
+    g = sub.add_parser("geometry3k", help="Geometry3k (HF parquet/snapshot/hub name, or the JSON+PNG folders)")
+    g.add_argument("--src", required=True, help="parquet file, directory, or hub name (hiyouga/geometry3k)")
+    g.add_argument("--split", default="train", choices=["train", "validation", "test"])
+    g.add_argument("--template", default="geometry", choices=GEOMETRY_TEMPLATES)
+    g.add_argument("--limit", type=int, default=None)
+    g.add_argument("--out", required=True)
+    s = sub.add_parser("geometry", help="synthetic diagrams drawn with PIL (exact integer answers)")
+    s.add_argument("--n", type=int, default=512)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--kinds", default=None, help="comma list of kinds (default: all; see openrlhf_lpo.data.geometry)")
+    s.add_argument("--size", type=int, default=112, help="image side in pixels (112 = 16 image tokens)")
+    s.add_argument("--template", default="geometry", choices=GEOMETRY_TEMPLATES)
+    s.add_argument("--image-dir", default=None, help="write PNG files here instead of embedding data URIs")
+    s.add_argument("--out", required=True)
     return p
 
 
@@ -69,6 +90,22 @@ def main(argv=None) -> int:
             rows = generate_problems(
                 args.n, seed=args.seed, num_counts=counts, max_number=args.max_number, max_target=args.max_target
             )
+    elif args.task == "geometry3k":
+        from openrlhf_lpo.data.geometry3k import load_geometry3k
+
+        try:
+            rows = load_geometry3k(args.src, args.split, args.template, limit=args.limit)
+        except ValueError as e:
+            raise SystemExit(f"geometry3k --src {args.src}: {e}")
+    elif args.task == "geometry":
+        from openrlhf_lpo.data.geometry import KINDS, generate_geometry_problems
+
+        kinds = [k.strip() for k in args.kinds.split(",") if k.strip()] if args.kinds else list(KINDS)
+        try:
+            rows = generate_geometry_problems(args.n, seed=args.seed, kinds=kinds, size=args.size,
+                                              template=args.template, image_dir=args.image_dir)
+        except ValueError as e:
+            raise SystemExit(f"geometry: {e}")
     elif args.task == "math":
         rows = load_math(
             args.src, args.split, args.problem_key, args.answer_key or None, args.solution_key, limit=args.limit

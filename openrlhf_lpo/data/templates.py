@@ -10,6 +10,11 @@
   ([ASSESS] ... [OUTPUT]) and, as the user turn, the problem followed by
   ``\n\nWrite Python code to solve the problem. Present the code in \n```python\nYour code\n```\nat the end.``;
   the rows hold the two chat messages (``--data.apply_chat_template``).
+* Geometry3k follows verl's ``geo3k`` preprocessing (the paper uses verl's official templates): the
+  problem (which starts with ``<image>``), a space, then the instruction to think inside
+  ``<think> </think>`` and put the final answer in ``\\boxed{}``; options, when a problem has them,
+  follow the problem as ``Choices: A. .. B. ..``. ``geometry-short`` is a short instruction for
+  tiny CPU models (the full one is ~215 character tokens).
 
 Templates are a registry so a new task adds one entry; ``render(name, **fields)`` fills one.
 """
@@ -43,6 +48,35 @@ PRIME_SYSTEM_PROMPT = (
 CODE_INSTRUCTION = "\n\nWrite Python code to solve the problem. Present the code in \n```python\nYour code\n```\nat the end."
 
 
+GEOMETRY_INSTRUCTION = (
+    "You FIRST think about the reasoning process as an internal monologue and then provide the final answer. "
+    "The reasoning process MUST BE enclosed within <think> </think> tags. The final answer MUST BE put in \\boxed{}."
+)
+GEOMETRY_SHORT_INSTRUCTION = "Answer in \\boxed{}."
+
+
+def _with_choices(problem: str, choices=None) -> str:
+    if not choices:
+        return problem
+    letters = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+    return problem + " Choices: " + " ".join(f"{letters[i]}. {c}" for i, c in enumerate(choices))
+
+
+def _with_image(problem: str) -> str:
+    """Geometry3k problems start with ``<image>`` (OpenRLHF's image placeholder); add it if missing."""
+    return problem if "<image>" in problem else "<image>" + problem
+
+
+def geometry_prompt(problem: str, choices=None) -> str:
+    """The user-turn text for a Geometry3k problem (verl geo3k template)."""
+    return f"{_with_choices(_with_image(problem), choices)} {GEOMETRY_INSTRUCTION}"
+
+
+def geometry_short_prompt(problem: str, choices=None) -> str:
+    """Geometry prompt with a short instruction (tiny CPU models)."""
+    return f"{_with_choices(_with_image(problem), choices)} {GEOMETRY_SHORT_INSTRUCTION}"
+
+
 def countdown_prompt(nums, target) -> str:
     """The Countdown prompt for ``nums`` (rendered as a Python list, e.g. ``[2, 54, 17]``) and ``target``."""
     return COUNTDOWN_TEMPLATE.format(nums=[int(n) for n in nums], target=int(target))
@@ -70,14 +104,18 @@ TEMPLATES: Dict[str, Callable[..., str]] = {
     "countdown": countdown_prompt,
     "math": math_prompt,
     "code": code_prompt,
+    "geometry": geometry_prompt,
+    "geometry-short": geometry_short_prompt,
 }
 
 # Whether the rendered text is a user turn (the chat template is applied by OpenRLHF).
-USES_CHAT_TEMPLATE: Dict[str, bool] = {"countdown": False, "math": True, "code": True}
+USES_CHAT_TEMPLATE: Dict[str, bool] = {"countdown": False, "math": True, "code": True, "geometry": True,
+                                       "geometry-short": True}
 
 
 def render(name: str, **fields) -> str:
-    """Fill template ``name`` (``countdown``: nums, target; ``math`` / ``code``: problem)."""
+    """Fill template ``name`` (``countdown``: nums, target; ``math`` / ``code``: problem; ``geometry*``:
+    problem, choices)."""
     if name not in TEMPLATES:
         raise ValueError(f"template {name!r} is unknown; choose one of {sorted(TEMPLATES)}")
     return TEMPLATES[name](**fields)

@@ -3,15 +3,17 @@
 OpenRLHF's trainer talks to its rollout engines (``RolloutRayActor``, vLLM on GPUs) through
 a handful of Ray methods; :class:`CPURolloutEngine` implements the same ones:
 
-* ``generate(prompt_token_ids, sampling_params)`` -> an object shaped like vLLM's
-  ``RequestOutput`` (``outputs[0].token_ids / finish_reason / logprobs``), awaited by
+* ``generate(prompt_token_ids, sampling_params, multi_modal_data=None)`` -> an object shaped like
+  vLLM's ``RequestOutput`` (``outputs[0].token_ids / finish_reason / logprobs``), awaited by
   OpenRLHF's agent executors (single-turn with the reward function, or a custom agent);
-  requests that arrive together are generated as one batch (``generate_many``);
+  requests that arrive together are generated as one batch (``generate_many`` over
+  ``(ids, sampling_params, seed[, multi_modal_data])`` tuples; each request has its own seed,
+  :func:`request_seed`; images go to the ``-vlm`` backends of :mod:`openrlhf_lpo.engines.cpu_vlm`);
 * ``generate_responses(...)`` (K samples of one prompt through the executor, as upstream),
   ``get_num_unfinished_requests``, and no-op ``sleep / wake_up / pause_generation /
   resume_generation / reset_prefix_cache / init_process_group``;
 * for the CPU weight sync (:func:`openrlhf_lpo.cpu.cpu_broadcast_to_engines`):
-  ``update_weights(state_dict)`` and ``log_probs_of(token_ids, temperature)``.
+  ``update_weights(state_dict)`` and ``log_probs_of(token_ids, temperature, images=None)``.
 
 Backends (``LPO_CPU_ENGINE`` or ``backend=``) are a registry:
 
@@ -69,17 +71,38 @@ def _stop_ids(model_path: str, config) -> set:
     return ids
 
 
-def request_seed(engine_seed: int, prompt_ids: Sequence[int], occurrence: int, user_seed: Optional[int] = None) -> int:
+def request_seed(engine_seed: int, prompt_ids: Sequence[int], occurrence: int, user_seed: Optional[int] = None,
+                 media: str = "") -> int:
     """Seed of one request: a hash of the engine seed (or the request's own ``SamplingParams.seed``),
-    the prompt's tokens and how many times this engine has seen that prompt before. The samples
-    then do not depend on which requests happen to be generated in one batch (like vLLM's
-    per-request seeds), so runs with the same seed get the same rollouts."""
+    the prompt's tokens (and images, ``media`` = :func:`media_key`) and how many times this engine
+    has seen that prompt before. The samples then do not depend on which requests happen to be
+    generated in one batch (like vLLM's per-request seeds), so runs with the same seed get the same
+    rollouts."""
     import hashlib
 
     base = engine_seed if user_seed is None else user_seed
-    digest = hashlib.blake2b(repr((int(base), tuple(int(t) for t in prompt_ids), int(occurrence))).encode(),
-                             digest_size=8).digest()
+    key = (int(base), tuple(int(t) for t in prompt_ids), int(occurrence)) + ((media,) if media else ())
+    digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def media_key(multi_modal_data) -> str:
+    """A digest of a request's images (``{"image": [PIL images]}`` as OpenRLHF's executor sends them;
+    "" for a text prompt): two prompts with the same tokens but different diagrams (Geometry3k's
+    "Find x.", whose pad-token count depends only on the image size) get their own seeds."""
+    import hashlib
+
+    images = (multi_modal_data or {}).get("image") or []
+    if not images:
+        return ""
+    h = hashlib.blake2b(digest_size=16)
+    for image in images if isinstance(images, (list, tuple)) else [images]:
+        if hasattr(image, "tobytes"):  # PIL
+            h.update(repr((image.mode, image.size)).encode())
+            h.update(image.tobytes())
+        else:
+            h.update(repr(image).encode())
+    return h.hexdigest()
 
 
 def _engine_dtype() -> str:
@@ -148,13 +171,13 @@ class HFBackend:
         return self.generate_many([(prompt_ids, sp, seed)])[0]
 
     def generate_many(self, requests: Sequence) -> List[SimpleNamespace]:
-        """``[(prompt_ids, sampling_params, seed)] -> [RequestOutput-like]``: requests that share
+        """``[(prompt_ids, sampling_params, seed[, mm])] -> [RequestOutput-like]``: requests that share
         temperature / top-p / top-k / logprobs are sampled together in one left-padded batch
         (per-request max_tokens, min_tokens and random generator, so the batch does not change
         any request's samples)."""
         results: List[Optional[SimpleNamespace]] = [None] * len(requests)
         groups: Dict[tuple, List[int]] = {}
-        for i, (_, sp, _seed) in enumerate(requests):
+        for i, (_, sp, *_rest) in enumerate(requests):
             key = (float(_param(sp, "temperature", 1.0)), float(_param(sp, "top_p", 1.0)),
                    int(_param(sp, "top_k", -1)), getattr(sp, "logprobs", None) is not None)
             groups.setdefault(key, []).append(i)
@@ -310,7 +333,7 @@ class VLLMBackend:
         from vllm.inputs import TokensPrompt
 
         prompts, params = [], []
-        for ids, sp, seed in requests:
+        for ids, sp, seed, *_ in requests:
             prompts.append(TokensPrompt(prompt_token_ids=list(ids)))
             sp = copy.copy(sp)
             sp.seed = int(seed)
@@ -346,9 +369,13 @@ class CPURolloutEngine:
         agent_func_path: Optional[str] = None,
         remote_rm_url=None,
         attn_implementation: str = "sdpa",
+        mm_pad_token_ids=None,
+        limit_mm_per_prompt=None,
     ):
         import torch
         from openrlhf.utils.agent import SingleTurnAgentExecutor
+
+        from openrlhf_lpo.engines.cpu_vlm import vlm_backend_name  # registers the -vlm backends
 
         threads = int(os.environ.get("LPO_CPU_THREADS", "1"))  # the actor's thread count: same numbers
         if threads > 0:
@@ -356,9 +383,11 @@ class CPURolloutEngine:
         name = backend or os.environ.get("LPO_CPU_ENGINE", "hf")
         if name not in BACKENDS:
             raise ValueError(f"LPO_CPU_ENGINE={name!r} is unknown; choose one of {sorted(BACKENDS)}")
+        name = vlm_backend_name(name, model_path)  # images: hf-vlm / vllm-vlm (engines/cpu_vlm.py)
         self.backend_name = name
         self.backend = BACKENDS[name](
-            model_path, seed=seed, max_model_len=max_model_len, attn_implementation=attn_implementation
+            model_path, seed=seed, max_model_len=max_model_len, attn_implementation=attn_implementation,
+            mm_pad_token_ids=mm_pad_token_ids, limit_mm_per_prompt=limit_mm_per_prompt,
         )
         self.executor = _load_agent_executor(agent_func_path) if agent_func_path else SingleTurnAgentExecutor(remote_rm_url)
         self._unfinished = 0
@@ -372,15 +401,16 @@ class CPURolloutEngine:
     async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None):
         """One request; concurrent requests (a prompt's K samples, other prompts' calls) are
         collected for ``BATCH_WINDOW_S`` and generated as one batch by the backend."""
-        if multi_modal_data:
-            raise ValueError("the CPU rollout engine does not support multi-modal prompts")
+        if multi_modal_data and not self.backend_name.endswith("-vlm"):
+            raise ValueError(f"a multi-modal prompt for {self.backend_name!r}: the model has no vision_config")
         future = asyncio.get_running_loop().create_future()
         ids = list(prompt_token_ids)
-        key = tuple(ids)
+        media = media_key(multi_modal_data)  # a prompt's images are part of its identity
+        key = (tuple(ids), media)
         occurrence = self._seen.get(key, 0)
         self._seen[key] = occurrence + 1
-        seed = request_seed(self.seed, ids, occurrence, getattr(sampling_params, "seed", None))
-        self._queue.append((ids, sampling_params, seed, future))
+        seed = request_seed(self.seed, ids, occurrence, getattr(sampling_params, "seed", None), media)
+        self._queue.append((ids, sampling_params, seed, multi_modal_data or None, future))
         self._unfinished += 1
         if self._server is None or self._server.done():
             self._server = asyncio.ensure_future(self._serve())
@@ -400,7 +430,8 @@ class CPURolloutEngine:
             batch, self._queue = self._queue, []
             self.batch_sizes.append(len(batch))
             try:
-                results = self.backend.generate_many([(ids, sp, seed) for ids, sp, seed, _ in batch])
+                results = self.backend.generate_many([(ids, sp, seed) if mm is None else (ids, sp, seed, mm)
+                                                      for ids, sp, seed, mm, _ in batch])
             except Exception as e:  # every waiting request sees the error
                 for *_, future in batch:
                     if not future.done():
@@ -435,7 +466,9 @@ class CPURolloutEngine:
         self.num_weight_updates += 1
         return self.num_weight_updates
 
-    def log_probs_of(self, token_ids, temperature: float = 1.0) -> List[float]:
+    def log_probs_of(self, token_ids, temperature: float = 1.0, images=None) -> List[float]:
+        if images:  # a VLM probe with its image(s) (engines/cpu_vlm.py)
+            return self.backend.log_probs_of(list(token_ids), float(temperature), images=images)
         return self.backend.log_probs_of(list(token_ids), float(temperature))
 
     def backend_info(self) -> dict:
@@ -482,8 +515,6 @@ class _Launcher:
         self.ray_options = ray_options
 
     def remote(self, *args, **kwargs):
-        if kwargs.get("limit_mm_per_prompt"):
-            raise ValueError("--data.max_images_per_prompt > 0: the CPU rollout engine has no multi-modal support")
         if int(kwargs.get("tensor_parallel_size", 1)) != 1:
             raise ValueError("--vllm.tensor_parallel_size must be 1 with the CPU rollout engine")
         model = kwargs.get("model") or (args[0] if args else None)
@@ -493,6 +524,8 @@ class _Launcher:
             max_model_len=int(kwargs.get("max_model_len") or 2048),
             agent_func_path=kwargs.get("agent_func_path"),
             remote_rm_url=kwargs.get("remote_rm_url"),
+            mm_pad_token_ids=kwargs.get("mm_pad_token_ids"),
+            limit_mm_per_prompt=kwargs.get("limit_mm_per_prompt"),
         )
 
 
@@ -515,8 +548,6 @@ def create_cpu_engines(
     **_ignored,
 ):
     """Drop-in for ``openrlhf.trainer.ray.create_vllm_engines``: ``num_engines`` CPU engines."""
-    if max_images_per_prompt > 0:
-        raise ValueError("--data.max_images_per_prompt > 0: the CPU rollout engine has no multi-modal support")
     if tensor_parallel_size != 1:
         raise ValueError(f"--vllm.tensor_parallel_size {tensor_parallel_size}: the CPU engine runs with 1")
     return [
@@ -526,6 +557,7 @@ def create_cpu_engines(
             max_model_len=max_model_len,
             agent_func_path=agent_func_path,
             remote_rm_url=remote_rm_url,
+            limit_mm_per_prompt={"image": max_images_per_prompt} if max_images_per_prompt > 0 else None,
         )
         for i in range(num_engines)
     ]

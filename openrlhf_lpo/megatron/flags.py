@@ -73,6 +73,13 @@ def _validate(args: argparse.Namespace) -> None:
         hf_config = AutoConfig.from_pretrained(args.actor.model_name_or_path)
     except Exception as e:  # noqa: BLE001
         raise FlagError(f"--backend megatron: cannot read the HF config of --actor.model_name_or_path: {e}") from None
+    if hasattr(hf_config, "vision_config") or args.data.max_images_per_prompt > 0:
+        raise FlagError(
+            f"--backend megatron does not support vision-language models (model_type {hf_config.model_type!r}, "
+            f"--data.max_images_per_prompt {args.data.max_images_per_prompt}): the Megatron actor has no vision "
+            "tower. Train VLMs such as Qwen2.5-VL on the DeepSpeed backend (drop --backend megatron; "
+            "configs/tasks/geometry_qwen2.5-vl-3b.sh)"
+        )
     if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
         raise FlagError(
             f"--backend megatron supports model_type {SUPPORTED_MODEL_TYPES}, got {hf_config.model_type!r}"

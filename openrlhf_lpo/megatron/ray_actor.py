@@ -230,6 +230,10 @@ class MegatronPolicyActor:
     def forward(self, sequences, action_mask=None, attention_mask=None, packed_seq_lens=None, mm_train_inputs_list=None):
         if packed_seq_lens is not None:
             raise ValueError("--backend megatron does not support --ds.packing_samples")
+        if mm_train_inputs_list and any(m is not None for item in mm_train_inputs_list
+                                        for m in (item if isinstance(item, list) else [item])):
+            raise ValueError("--backend megatron does not support image inputs (vision-language models): "
+                             "use the DeepSpeed backend")
         if not isinstance(action_mask, torch.Tensor):
             raise ValueError("--backend megatron needs the action mask as a tensor")
         batch = {

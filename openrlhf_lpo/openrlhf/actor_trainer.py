@@ -60,6 +60,7 @@ from openrlhf_lpo.openrlhf import layout
 from openrlhf_lpo.openrlhf.experience_maker import LPO_INFO_KEYS
 from openrlhf_lpo.openrlhf.offpolicy import (BehaviourCorrection, behaviour_stats, correction_from_args,
                                              token_keep_mask)
+from openrlhf_lpo.openrlhf.vlm import mm_forward_kwargs
 
 __all__ = ["LPOActorTrainer", "LPOPolicyLoss", "LPOMicroBatch", "WindowPlan", "lpo_group_stats",
            "detached_entropy"]
@@ -253,13 +254,6 @@ class LPOActorTrainer(ActorPPOTrainer):
             engine.set_gradient_accumulation_boundary(is_boundary)
 
     # -- forward helpers
-    def _mm_inputs(self, experience) -> dict:
-        if getattr(experience, "mm_train_inputs", None) and getattr(self.actor, "is_vlm", False):
-            from openrlhf.utils.vlm_utils import merge_mm_train_inputs
-
-            return merge_mm_train_inputs(experience.mm_train_inputs, experience.sequences.device)
-        return {}
-
     @torch.no_grad()
     def _log_ratio(self, experience, prev: Optional[torch.Tensor]) -> torch.Tensor:
         log_probs = self.actor(
@@ -267,7 +261,7 @@ class LPOActorTrainer(ActorPPOTrainer):
             experience.action_mask,
             attention_mask=experience.attention_mask,
             ring_attn_group=self.strategy.ring_attn_group,
-            **self._mm_inputs(experience),
+            **mm_forward_kwargs(self.actor, experience),  # VLM: the images (else s is wrong)
         )
         return lpo_log_ratio(log_probs, experience.action_log_probs, experience.action_mask,
                              experience.rollout_log_probs, prev, tuple(self.args.actor.eps_clip_low_high),

@@ -48,6 +48,7 @@ from openrlhf_lpo import listwise
 from openrlhf_lpo.openrlhf import layout
 from openrlhf_lpo.openrlhf.config import dp_size, listwise_metrics_enabled
 from openrlhf_lpo.openrlhf.offpolicy import behaviour_log_ratio, correction_from_args
+from openrlhf_lpo.openrlhf.vlm import group_key
 
 __all__ = ["LPOExperienceMaker", "LPO_INFO_KEYS", "rank_experiences"]
 
@@ -88,14 +89,14 @@ class LPOExperienceMaker(RemoteExperienceMaker):
             )
         groups = [rollout_samples[g * K:(g + 1) * K] for g in range(n // K)]
         for g, members in enumerate(groups):
-            if len({tuple(m.prompts) for m in members}) != 1:
+            if len({group_key(m) for m in members}) != 1:  # prompt text and images
                 raise ValueError(
-                    f"rollout samples {g * K}..{g * K + K - 1} do not share one prompt; LPO expects each "
+                    f"rollout samples {g * K}..{g * K + K - 1} do not share one prompt (text and images); LPO expects each "
                     "prompt's K responses to be consecutive (as OpenRLHF's SamplesGenerator returns them)"
                 )
         # groups arrive in completion order (ray.wait): a canonical order makes the layout, and so the
         # update, independent of which prompt finished first (reproducible runs and resumes)
-        groups.sort(key=lambda members: (str(members[0].prompts), str(members[0].labels)))
+        groups.sort(key=lambda members: (str(group_key(members[0])), str(members[0].labels)))
         rollout_samples = [m for members in groups for m in members]
         dp = dp_size(args)
         used, dropped = layout.ranked_groups(n // K, dp)

@@ -83,6 +83,11 @@ PATCH_POINTS: List[PatchPoint] = [
     PatchPoint("dynamic-step-flags", "openrlhf.trainer.ppo_utils.replay_buffer",
                "NaiveReplayBuffer.setup_dynamic_batch", "contract",
                "training_step reads replay_buffer.dynamic_optimizer_step[step]; lpo fills it from its own plan"),
+    PatchPoint("vlm-merge", "openrlhf.utils.vlm_utils", "merge_mm_train_inputs", "contract",
+               "LPO's no-grad passes batch a micro-batch's images as training_step does (openrlhf/vlm.py)"),
+    PatchPoint("vlm-rollout", "openrlhf.utils.agent", "SingleTurnAgentExecutor.execute", "contract",
+               "tokenizes image prompts with the processor (process_prompt_with_images) and calls "
+               "llm_engine.generate(ids, params, multi_modal_data={'image': [...]}) (engines/cpu_vlm.py)"),
 ]
 
 _active: Dict[Tuple[str, str], Tuple[object, object]] = {}
@@ -170,6 +175,13 @@ def check_contracts() -> None:
     for name, (fn, params) in expected.items():
         if _params(fn) != params:
             raise RuntimeError(f"patch point {name}: signature {_params(fn)} != {params}")
+    from openrlhf.utils import agent, vlm_utils
+
+    if _params(vlm_utils.merge_mm_train_inputs) != ["mm_train_inputs_list", "device"]:
+        raise RuntimeError("patch point vlm-merge: merge_mm_train_inputs(mm_train_inputs_list, device) changed")
+    exec_src = inspect.getsource(agent.SingleTurnAgentExecutor.execute)
+    if "multi_modal_data=" not in exec_src or "process_prompt_with_images" not in exec_src:
+        raise RuntimeError("patch point vlm-rollout: the executor no longer hands images to llm_engine.generate")
     src = inspect.getsource(ppo_actor.ActorPPOTrainer.training_step)
     for needle, why in (("self.actor_loss_fn(", "calls self.actor_loss_fn"),
                         ("dynamic_optimizer_step[step]", "reads replay_buffer.dynamic_optimizer_step[step]"),

@@ -2,7 +2,8 @@
 
 Public names (stable):
     LPOPolicyActor      subclass of the class behind ``@ray.remote PolicyModelActor``; builds
-                        ``LPOActorTrainer`` instead of ``ActorPPOTrainer``
+                        ``LPOActorTrainer`` instead of ``ActorPPOTrainer``; saves a VLM's processor
+                        files with its HF checkpoints
     LPOTrainer          subclass of the class behind ``@ray.remote PPOTrainer`` (sync training)
     LPOTrainingActor    subclass of the async trainer's ``TrainingActor``
     LPOTrainerAsync     subclass of ``PPOTrainerAsync``; starts ``LPOTrainingActor``
@@ -22,6 +23,7 @@ groups (``rank_experiences``) where the stock ``balance_experiences`` would scat
 
 from __future__ import annotations
 
+import os
 from unittest import mock
 
 import ray
@@ -34,6 +36,7 @@ from openrlhf.utils.logging_utils import init_logger
 from openrlhf_lpo.openrlhf.actor_trainer import LPOActorTrainer
 from openrlhf_lpo.openrlhf.config import dp_size
 from openrlhf_lpo.openrlhf.experience_maker import LPOExperienceMaker, rank_experiences
+from openrlhf_lpo.openrlhf.vlm import save_processor_files
 
 __all__ = ["LPOPolicyActor", "LPOTrainer", "LPOTrainingActor", "LPOGenerateSamplesActor", "LPOTrainerAsync",
            "RemoteLPOPolicyActor",
@@ -66,6 +69,21 @@ class LPOPolicyActor(_StockPolicyActor):
         # ppo_actor.py looks ActorPPOTrainer up at call time: swap it for this call only.
         with mock.patch.object(_ppo_actor_mod, "ActorPPOTrainer", LPOActorTrainer):
             return super().init_model_from_pretrained(*args, **kwargs)
+
+    # VLM checkpoints: the processor next to the weights (upstream saves only the text tokenizer)
+    def _save_processor(self, output_dir: str) -> None:
+        if getattr(self.actor, "is_vlm", False) and self.strategy.is_rank_0():
+            save_processor_files(self.strategy.args.actor.model_name_or_path, output_dir)
+
+    def save_model(self):
+        super().save_model()
+        self._save_processor(self.strategy.args.ckpt.output_dir)
+
+    def save_checkpoint(self, tag, *args, **kwargs):
+        result = super().save_checkpoint(tag, *args, **kwargs)
+        if self.strategy.args.ckpt.save_hf:
+            self._save_processor(os.path.join(self.strategy.args.ckpt.path, f"{tag}_hf"))
+        return result
 
 
 class _LPOTrainerMixin:

@@ -7,6 +7,8 @@ calls ``reward_func(queries, prompts, labels)`` from a worker thread after each 
 Labels (written by :mod:`openrlhf_lpo.data`) name their task, and tasks are a registry:
 
 * ``{"task": "countdown", "nums": [..], "target": t}`` -> :func:`grade_countdown`;
+* ``{"task": "geometry", "answer": "...", "choices": [...] | null}`` -> :func:`geometry_reward`
+  (Geometry3k and the synthetic diagrams; an option letter or the value, graded by the math grader);
 * ``{"task": "math", "answer": "..."}`` or any label that is not a JSON object -> :func:`math_reward`
   (so MATH-style datasets whose label column is the bare gold answer work unchanged);
 * ``{"task": "code", "tests": {...}}`` -> :func:`openrlhf_lpo.rewards.code.code_reward` (the response's
@@ -61,6 +63,13 @@ def _code(response: str, label: dict) -> Tuple[float, str]:
 
     reward, status = code_reward(response, label["tests"])
     return reward, ("no_answer" if status == "no_code" else status)
+
+
+@register_reward("geometry")
+def _geometry(response: str, label: dict) -> Tuple[float, str]:
+    from openrlhf_lpo.rewards.geometry import geometry_reward
+
+    return geometry_reward(response, label)
 
 
 def parse_label(label) -> dict:

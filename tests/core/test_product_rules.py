@@ -63,7 +63,9 @@ def test_rooms_import_one_way():
     assert edges["openrlhf"] <= {"listwise", "metrics", "evaluation"}, edges["openrlhf"]
     assert not edges.get("engines"), edges.get("engines")
     assert not ({"cpu", "cpu_megatron", "openrlhf", "demo"} & edges["megatron"]), edges["megatron"]
-    assert not ({"openrlhf", "cli", "demo", "megatron", "cpu", "engines"} & edges["evaluation"]), edges["evaluation"]
+    # evaluation reads benchmark data through the product's readers (data: code sets, Geometry3k with its
+    # images) and grades with the shared grader (rewards); nothing else of the product
+    assert edges["evaluation"] <= {"data", "rewards"}, edges["evaluation"]
 
 
 def _code_lines(path: Path):

@@ -86,6 +86,20 @@ def test_text_stop_strings_and_truncation(tiny_ckpt):
     assert full.n_tokens == 12  # truncated: it hit max_tokens
 
 
+def test_stop_string_never_matches_into_the_prompt(tiny_ckpt):
+    """A stop string is searched in the completion only (as vLLM does): "\\n" + the first character, after a
+    prompt that ends in "\\n", does not stop the completion at its first token."""
+    eng = HFEngine(tiny_ckpt)
+    prompt = render_prompt("qwen-boxed", "Say something", "math")
+    assert prompt.endswith("\n")
+    s = dict(temperature=1.0, top_p=1.0, max_tokens=12)
+    seed, full = next((seed, c) for seed in range(50) for c in eng.generate([prompt], 1, Sampling(**s), [seed])[0]
+                      if len(c.text) >= 8 and c.finish_reason == "length" and "\n" not in c.text)
+    stop = "\n" + full.text[0]  # spans the prompt's last character and the completion's first
+    (kept,) = eng.generate([prompt], 1, Sampling(**s, stop=(stop,)), [seed])[0]
+    assert kept == full
+
+
 def _remote_code_model(src: str, dst: Path, marker: Path) -> str:
     shutil.copytree(src, dst)
     code = (

@@ -42,7 +42,10 @@ def test_chat_templates_use_the_tokenizer(tmp_path):
         render_prompt("chat", Q, "math", None)
     with pytest.raises(ValueError, match="unknown --template"):
         render_prompt("qwen", Q, "math")
-    assert set(TEMPLATES) == {"qwen-boxed", "qwen25-math-cot", "verl-math", "r1", "chat", "chat-plain", "none", "prime"}
+    import evaluation.benchmarks  # noqa: F401  (registers the vision benchmark's template)
+
+    assert set(TEMPLATES) == {"qwen-boxed", "qwen25-math-cot", "verl-math", "r1", "chat", "chat-plain", "none", "prime",
+                              "verl-geo3k"}  # vision
     assert render_prompt("chat-plain", "12+34", "math", tok) == "<|im_start|>user\n12+34<|im_end|>\n<|im_start|>assistant\n"
 
 

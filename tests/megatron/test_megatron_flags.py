@@ -211,3 +211,22 @@ def test_megatron_group_returns_one_result_per_replica(monkeypatch):
     assert refs == [(0, [10, 11]), (2, [12, 13])]
     assert sorted(c[0] for c in calls) == [0, 1, 2, 3]  # every rank of each replica ran
     assert calls[1] == (1, "forward", [10, 11]) and calls[3] == (3, "forward", [12, 13])
+
+
+@pytest.fixture(scope="module")
+def tiny_vlm(tmp_path_factory):
+    from openrlhf_lpo.tiny_vlm import build_tiny_vlm
+
+    return build_tiny_vlm(tmp_path_factory.mktemp("vlm") / "qwen2.5-vl")
+
+
+@pytest.mark.parametrize("images", [False, True])
+def test_megatron_refuses_vision_language_models(tiny_dir, tiny_vlm, capsys, images):
+    """A Qwen2.5-VL checkpoint, or image data with a text model: exit 2 naming the reason and the way out."""
+    extra = ["--data.max_images_per_prompt", "1"] if images else []
+    with pytest.raises(SystemExit) as e:
+        _parse(_argv(tiny_dir if images else tiny_vlm, "--backend", "megatron", "--megatron.tp", "2", *extra))
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "does not support vision-language models" in err and "DeepSpeed backend" in err
+    assert _parse(_argv(tiny_vlm)).backend == "deepspeed"  # the same VLM parses on DeepSpeed

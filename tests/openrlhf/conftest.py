@@ -38,3 +38,11 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_dir(tmp_path_factory):
+    """The tiny random Qwen2.5-VL + processor (vlm_harness.py), built offline once per session."""
+    from vlm_harness import tiny_vlm
+
+    return tiny_vlm(str(tmp_path_factory.mktemp("openrlhf_tiny_vlm")))

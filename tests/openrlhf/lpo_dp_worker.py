@@ -1,4 +1,7 @@
-"""gloo worker for the dp=2 gradient-exactness test: python lpo_dp_worker.py RANK WORLD PORT MODEL_DIR OUT.
+"""gloo worker for the dp=2 gradient-exactness tests: python lpo_dp_worker.py RANK WORLD PORT MODEL_DIR OUT [vlm].
+
+With ``vlm`` the model is the tiny Qwen2.5-VL and the rollout batch holds images (vlm_harness.py:
+its cases, no packing, which OpenRLHF 0.11.2 does not support for VLMs).
 
 Every rank runs the real LPOActorTrainer on its OpenRLHF chunk of the rollout batch; rank 0
 writes, per case, the max abs difference between the DP-averaged step gradient and the
@@ -21,7 +24,12 @@ def main():
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=world, rank=rank)
     from lpo_harness import gradient_matrix
 
-    table = gradient_matrix(model_dir, dp=world, rank=rank)
+    kwargs = {}
+    if len(sys.argv) > 6 and sys.argv[6] == "vlm":
+        from vlm_harness import vlm_matrix_kwargs
+
+        kwargs = vlm_matrix_kwargs(model_dir, dp=world)
+    table = gradient_matrix(model_dir, dp=world, rank=rank, **kwargs)
     if rank == 0:
         tmp = out + ".tmp"
         with open(tmp, "w") as f:

@@ -40,6 +40,7 @@ from openrlhf_lpo import listwise
 from openrlhf_lpo.cli.train_ppo_ray import build_parser_and_parse
 from openrlhf_lpo.openrlhf.actor_trainer import LPOActorTrainer
 from openrlhf_lpo.openrlhf.experience_maker import LPOExperienceMaker
+from openrlhf_lpo.openrlhf.vlm import mm_forward_kwargs
 from openrlhf_lpo.tiny import build_tiny_model
 
 MODEL_KW = dict(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64)
@@ -198,7 +199,7 @@ def make_experiences(args, strategy, actor, samples, noise=0.0, seed=1, maker_cl
     g = torch.Generator().manual_seed(seed)
     for e in exps:
         with torch.no_grad():
-            lp = actor(e.sequences, e.action_mask, attention_mask=e.attention_mask)
+            lp = actor(e.sequences, e.action_mask, attention_mask=e.attention_mask, **mm_forward_kwargs(actor, e))
         if noise:
             lp = lp + noise * torch.randn(lp.shape, generator=g, dtype=lp.dtype) * e.action_mask
         if behaviour_noise:
@@ -296,6 +297,16 @@ def _divergence(div, w, log_p):
     return 0.5 * ((p * (log_p - m.log())).sum(-1) + (w * (w.log() - m.log())).sum(-1))
 
 
+def reference_image_inputs(batch) -> dict:
+    """The references' own batching of a (VLM) batch's images, independent of the trainer's helper:
+    every image sample's ``pixel_values`` and ``image_grid_thw`` concatenated in sample order
+    (text samples have none; a text model's batch gives {})."""
+    per_sample = [m for m in (getattr(batch, "mm_train_inputs", None) or []) if m is not None]
+    if not per_sample:
+        return {}
+    return {key: torch.cat([m[key] for m in per_sample]) for key in ("pixel_values", "image_grid_thw")}
+
+
 def flat_items(experiences):
     from openrlhf.trainer.ppo_utils.experience import remove_padding_in_sequences, split_experience_batch
 
@@ -344,7 +355,7 @@ def reference_steps(model_dir, state_dict, experiences, windows, *, K, divergenc
         members = [it for g in gids for it in by_gid[g]]
         batch = make_experience_batch(members)
         lp, out = actor(batch.sequences, batch.action_mask, attention_mask=batch.attention_mask, return_output=True,
-                        return_entropy=bool(entropy_coef))
+                        return_entropy=bool(entropy_coef), **reference_image_inputs(batch))
         lp = lp.double()
         keep = torch.zeros_like(lp, dtype=torch.bool)
         for j, (g, k) in enumerate((g, k) for g in gids for k in range(K)):
@@ -460,19 +471,23 @@ def matrix_cases(K, dp):
     return cases
 
 
-def gradient_matrix(model_dir, dp=1, rank=0, K=4, G=4, seed=0):
+def gradient_matrix(model_dir, dp=1, rank=0, K=4, G=4, seed=0, samples_fn=None, cases=None):
     """Every (packing, micro, divergence) case, plus off-policy corrections and temperatures.
 
     Each case is one ppo_train of the real LPOActorTrainer with SGD (lr 0.5): two windows per
     rollout batch, two epochs, so the steps after the first see updated parameters. Returns, on
-    rank 0, {case: {"err": max |step grad - reference| over steps, "scale", "modes"}}."""
-    samples = make_rollout_samples(G, K, seed=seed)
+    rank 0, {case: {"err": max |step grad - reference| over steps, "scale", "modes"}}.
+    ``samples_fn(G, K, seed=)`` makes the rollout samples (default: text, make_rollout_samples);
+    ``cases`` the (name, kwargs) list (default: matrix_cases(K, dp)); vlm_harness.py passes both."""
+    samples = (samples_fn or make_rollout_samples)(G, K, seed=seed)
     base = make_actor(model_dir, packing=False)
     state = {k: v.clone() for k, v in base.model.state_dict().items()}
-    actors = {False: base, True: make_actor(model_dir, packing=True)}
-    cases = matrix_cases(K, dp)
+    actors = {False: base}
+    cases = matrix_cases(K, dp) if cases is None else cases
     table = {}
     for name, kw in cases:
+        if kw["packing"] not in actors:
+            actors[kw["packing"]] = make_actor(model_dir, packing=kw["packing"])
         r = run_matrix_case(model_dir, state, actors[kw["packing"]], samples, K=K, G=G, dp=dp, rank=rank, **kw)
         whole = kw.get("whole")
         if rank == 0:
@@ -484,6 +499,7 @@ def gradient_matrix(model_dir, dp=1, rank=0, K=4, G=4, seed=0):
                 "modes": r["modes"],
                 "whole": kw["micro"] % K == 0 if whole is None else whole,
                 "kl_moved": abs(r["status"]["lpo/kl_last"] - r["status"]["lpo/kl_start"]),
+                "n_params": len(r["grads"][0]),
             }
     return table
 
@@ -501,7 +517,8 @@ def reference_listwise_stats(actor, experiences, K, temperature, eps_low_high):
     rows = []
     for e in experiences:
         with torch.no_grad():
-            lp = actor(e.sequences, e.action_mask, attention_mask=e.attention_mask).double()
+            lp = actor(e.sequences, e.action_mask, attention_mask=e.attention_mask,
+                       **reference_image_inputs(e)).double()
         m = e.action_mask.double()
         ratio = (lp - e.action_log_probs.double()).clamp(lo, hi) * m
         s = ratio.sum(1) / m.sum(1).clamp(min=1.0)

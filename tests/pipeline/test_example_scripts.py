@@ -43,7 +43,10 @@ EXPECTED_TASK = {
     "train_math_qwen3_8b_async.sh": (256, 128, 4096, "Qwen/Qwen3-8B-Base"),
     "train_math_qwen3_8b_megatron.sh": (256, 128, 4096, None),
     "train_math_qwen3_14b_megatron.sh": (256, 128, 4096, None),
+    "train_geometry_qwen2.5_vl_3b.sh": (128, 64, 1024, "Qwen/Qwen2.5-VL-3B-Instruct"),
 }
+# image recipes: OpenRLHF 0.11.2's VLM flags
+EXPECTED_IMAGES = {"train_geometry_qwen2.5_vl_3b.sh"}
 EXPECTED_DEFAULT_MODEL = {
     "train_math_qwen3_8b_megatron.sh": "Qwen/Qwen3-8B-Base",
     "train_math_qwen3_14b_megatron.sh": "Qwen/Qwen3-14B-Base",
@@ -58,7 +61,7 @@ EXPECTED_MEGATRON = {
 def script_args(name, method, **env):
     run_env = {k: v for k, v in os.environ.items()
                if k not in ("MODEL", "DATA", "EXTRA_ARGS", "METHOD", "BACKEND", "MEGATRON_TP", "MEGATRON_PP", "NNODES",
-                            "GPUS_PER_NODE", "VLLM_ENGINES", "VLLM_TP", "ACTOR_NODES", "ACTOR_GPUS")}
+                            "GPUS_PER_NODE", "VLLM_ENGINES", "VLLM_TP", "ACTOR_NODES", "ACTOR_GPUS", "TASK")}
     run_env.update(LPO_PRINT_ARGS="1", METHOD=method, **env)
     out = subprocess.run(["bash", str(SCRIPTS_DIR / name)], env=run_env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
@@ -108,6 +111,12 @@ def test_recipe_parses_with_paper_settings(script, method, request):
     assert args.rollout.batch_size == prompts and args.train.batch_size == mini * 8
     assert args.rollout.max_new_tokens == tokens and args.actor.model_name_or_path == (model or env["MODEL"])
     assert args.data.max_len >= tokens
+    if script in EXPECTED_IMAGES:
+        assert (args.data.image_key, args.data.max_images_per_prompt) == ("images", 1)
+        assert args.data.apply_chat_template and not args.ds.packing_samples
+        assert args.data.max_len >= tokens + 1024  # room for the prompt with its image tokens
+    else:
+        assert args.data.max_images_per_prompt == 0
 
 
 def test_extra_args_override_and_bad_method():
@@ -129,12 +138,30 @@ def test_megatron_recipe_rejects_a_layout_the_model_cannot_split(megatron_layout
     assert "num_hidden_layers=4" in capsys.readouterr().err
 
 
+def test_image_recipe_refuses_the_megatron_backend(tmp_path, capsys):
+    """BACKEND=megatron on the Geometry3k recipe: the parse stops with the VLM refusal (a tiny offline
+    Qwen2.5-VL stands in for the hub model, whose config the Megatron check reads)."""
+    from openrlhf_lpo.tiny_vlm import build_tiny_vlm
+
+    model = build_tiny_vlm(tmp_path / "vlm")
+    argv = script_args("train_geometry_qwen2.5_vl_3b.sh", "lpo_fwd", BACKEND="megatron", MODEL=model)
+    with pytest.raises(SystemExit):
+        build_parser_and_parse(argv)
+    assert "does not support vision-language models" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("script", SMOKES)
 @pytest.mark.parametrize("method", ["lpo_fwd", "grpo"])
 def test_smoke_scripts_parse(script, method):
     args = build_parser_and_parse(script_args(script, method))
     assert args.algo.advantage.estimator == EXPECTED_METHOD[method][0]
     assert args.vllm.num_engines == 1 and args.ckpt.save_steps == 1
+
+
+def test_cpu_debug_geometry_task_parses():
+    args = build_parser_and_parse(script_args("cpu_debug.sh", "lpo_fwd", TASK="geometry"))
+    assert args.data.max_images_per_prompt == 1 and args.data.image_key == "images"
+    assert args.actor.model_name_or_path.endswith("tiny-qwen2.5-vl")
 
 
 @pytest.mark.parametrize("script", sorted(EXPECTED_DEFAULT_MODEL))
