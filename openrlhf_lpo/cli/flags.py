@@ -91,7 +91,7 @@ def dp_size(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------- LPO / MaxRL
 
 from openrlhf_lpo.openrlhf.config import (  # noqa: E402  (shared with the OpenRLHF extension)
-    EXTRA_ESTIMATORS, LPO_ESTIMATORS, PAIRED_TEMPERATURE, listwise_metrics_enabled, uses_lpo_classes)
+    EXTRA_ESTIMATORS, LPO_ESTIMATORS, PAIRED_TEMPERATURE, uses_lpo_classes)
 
 LPO_DEFAULTS = {"divergence": "fwd", "temperature": "std", "projection": "listwise"}
 

@@ -31,12 +31,9 @@ if not torch.cuda.is_available():
 
 from openrlhf.models import Actor
 from openrlhf.trainer.ppo_utils.experience import Experience, make_experience_batch
-from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
 from openrlhf.trainer.ppo_utils.kl_controller import FixedKLController
-from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
 from openrlhf.utils.deepspeed import DeepspeedStrategy
 
-from openrlhf_lpo import listwise
 from openrlhf_lpo.cli.train_ppo_ray import build_parser_and_parse
 from openrlhf_lpo.openrlhf.actor_trainer import LPOActorTrainer
 from openrlhf_lpo.openrlhf.experience_maker import LPOExperienceMaker
@@ -148,6 +145,35 @@ def make_actor(model_dir, packing=False, dtype=torch.float64):
     return actor
 
 
+def group_rewards(gi, K, g):
+    """Rewards of group ``gi``: group 0 all equal (degenerate), group 1 one success, others random."""
+    if gi == 0:
+        return torch.ones(K)
+    if gi == 1:
+        rewards = torch.zeros(K)
+        rewards[0] = 1.0
+        return rewards
+    return torch.rand(K, generator=g).round(decimals=2)
+
+
+def rollout_sample(prompt, response, reward, prompt_text, images=None, mm=None):
+    """One single-sample Experience as OpenRLHF's SamplesGenerator makes it."""
+    seq = torch.cat([prompt, response])
+    n, plen = seq.numel(), prompt.numel()
+    action_mask = torch.zeros(n - 1, dtype=torch.long)
+    action_mask[plen - 1:] = 1
+    r = float(reward)
+    return Experience(
+        sequences=seq.unsqueeze(0), attention_mask=torch.ones(1, n, dtype=torch.long),
+        action_mask=action_mask.unsqueeze(0), prompts=[prompt_text], labels=[""],
+        images=[images], mm_train_inputs=[mm],
+        rewards=torch.tensor([r]), scores=torch.tensor([r]),
+        response_length=torch.tensor([response.numel()]), truncated=torch.tensor([False]),
+        total_length=torch.tensor([float(n)]),
+        info={"reward": torch.tensor([r]), "response_clip_ratio": torch.tensor([False])},
+    )
+
+
 def make_rollout_samples(G, K, seed=0, vocab=(4, 90), pad_id=0):
     """Single-sample Experiences as SamplesGenerator makes them; group 0 has equal rewards."""
     g = torch.Generator().manual_seed(seed)
@@ -155,31 +181,22 @@ def make_rollout_samples(G, K, seed=0, vocab=(4, 90), pad_id=0):
     for gi in range(G):
         plen = int(torch.randint(3, 7, (1,), generator=g))
         prompt = torch.randint(*vocab, (plen,), generator=g)
-        if gi == 0:
-            rewards = torch.ones(K)
-        elif gi == 1:
-            rewards = torch.zeros(K)
-            rewards[0] = 1.0
-        else:
-            rewards = torch.rand(K, generator=g).round(decimals=2)
+        rewards = group_rewards(gi, K, g)
         for k in range(K):
             rlen = int(torch.randint(1, 10, (1,), generator=g))
             resp = torch.randint(*vocab, (rlen,), generator=g)
-            seq = torch.cat([prompt, resp])
-            n = seq.numel()
-            action_mask = torch.zeros(n - 1, dtype=torch.long)
-            action_mask[plen - 1:] = 1
-            r = float(rewards[k])
-            samples.append(Experience(
-                sequences=seq.unsqueeze(0), attention_mask=torch.ones(1, n, dtype=torch.long),
-                action_mask=action_mask.unsqueeze(0), prompts=[f"prompt-{gi}"], labels=[""],
-                images=[None], mm_train_inputs=[None],
-                rewards=torch.tensor([r]), scores=torch.tensor([r]),
-                response_length=torch.tensor([rlen]), truncated=torch.tensor([False]),
-                total_length=torch.tensor([float(n)]),
-                info={"reward": torch.tensor([r]), "response_clip_ratio": torch.tensor([False])},
-            ))
+            samples.append(rollout_sample(prompt, resp, rewards[k], f"prompt-{gi}"))
     return samples
+
+
+def check_matrix_row(row, rel_tol):
+    """One exactness case: a non-trivial reference, every step within ``rel_tol`` of it, the expected
+    source of c per window (two windows x two epochs), and P really moved between windows."""
+    assert row["scale"] > 1e-3, "reference gradient is trivially small; the check would be vacuous"
+    assert row["rel"] < rel_tol, f"max |grad - reference| = {row['err']:.3e} ({row['rel']:.1e} relative)"
+    expected = ["one_pass"] * 4 if row["whole"] else ["shortcut", "pre_pass", "pre_pass", "pre_pass"]
+    assert row["modes"] == expected
+    assert row["kl_moved"] > 1e-3, "the updates did not move P: later windows would not test fresh coefficients"
 
 
 class _Tok:

@@ -11,14 +11,11 @@ keep them whole. The reference (lpo_harness.reference_steps) recomputes
 the targets and s_t in numpy from the rewards and behaviour log-probs, one autograd call per window.
 """
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-from gloo_util import HERE, free_port
+from gloo_util import collect_dp2_matrix, kill_all, launch_dp2_matrix
+from lpo_harness import check_matrix_row
 
 K = 4
 # OpenRLHF's Actor casts logits to float32, so log-probs recomputed in a batch of another composition
@@ -31,17 +28,9 @@ REL_TOL = 1e-5
 @pytest.fixture(scope="module")
 def dp2_results(tiny_model_dir, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("dp2") / "dp2.json")
-    port = str(free_port())
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    procs = [
-        subprocess.Popen([sys.executable, os.path.join(HERE, "lpo_dp_worker.py"), str(r), "2", port, tiny_model_dir, out],
-                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for r in range(2)
-    ]
+    procs = launch_dp2_matrix(tiny_model_dir, out)
     yield procs, out
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
+    kill_all(procs)
 
 
 @pytest.fixture(scope="module")
@@ -55,15 +44,7 @@ def dp1_table(tiny_model_dir, gloo_world1, dp2_results):
 @pytest.fixture(scope="module")
 def dp2_table(dp2_results):
     procs, out = dp2_results
-    for p in procs:
-        try:
-            stdout, _ = p.communicate(timeout=1200)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            stdout, _ = p.communicate()
-        assert p.returncode == 0, f"dp=2 worker failed:\n{stdout[-3000:]}"
-    with open(out) as f:
-        return json.load(f)
+    return collect_dp2_matrix(procs, out)
 
 
 def _cases(dp):
@@ -73,13 +54,7 @@ def _cases(dp):
 
 
 def _check(table, name):
-    row = table[name]
-    assert row["scale"] > 1e-3, "reference gradient is trivially small; the check would be vacuous"
-    assert row["rel"] < REL_TOL, f"max |grad - reference| = {row['err']:.3e} ({row['rel']:.1e} relative)"
-    # windows per epoch: 2; the first window of a rollout batch needs no forward for c
-    expected = ["one_pass"] * 4 if row["whole"] else ["shortcut", "pre_pass", "pre_pass", "pre_pass"]
-    assert row["modes"] == expected
-    assert row["kl_moved"] > 1e-3, "the updates did not move P: later windows would not test fresh coefficients"
+    check_matrix_row(table[name], REL_TOL)
 
 
 @pytest.mark.parametrize("name", _cases(1))

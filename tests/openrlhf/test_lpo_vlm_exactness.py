@@ -12,15 +12,12 @@ targets and s_t recomputed in numpy. Gradients cover every parameter, the vision
 """
 
 import copy
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from gloo_util import HERE, free_port
+from gloo_util import collect_dp2_matrix, kill_all, launch_dp2_matrix
+from lpo_harness import check_matrix_row
 
 K = 4
 # Same tolerance and reason as test_lpo_gradient_exactness.py (float32 logits in OpenRLHF's Actor:
@@ -37,17 +34,9 @@ def _cases(dp):
 @pytest.fixture(scope="module")
 def vlm_dp2(tiny_vlm_dir, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("vlm_dp2") / "dp2.json")
-    port = str(free_port())
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    procs = [
-        subprocess.Popen([sys.executable, os.path.join(HERE, "lpo_dp_worker.py"), str(r), "2", port, tiny_vlm_dir, out,
-                          "vlm"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for r in range(2)
-    ]
+    procs = launch_dp2_matrix(tiny_vlm_dir, out, "vlm")
     yield procs, out
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
+    kill_all(procs)
 
 
 @pytest.fixture(scope="module")
@@ -62,24 +51,11 @@ def vlm_dp1(tiny_vlm_dir, gloo_world1, vlm_dp2):
 @pytest.fixture(scope="module")
 def vlm_dp2_table(vlm_dp2):
     procs, out = vlm_dp2
-    for p in procs:
-        try:
-            stdout, _ = p.communicate(timeout=900)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            stdout, _ = p.communicate()
-        assert p.returncode == 0, f"dp=2 VLM worker failed:\n{stdout[-3000:]}"
-    with open(out) as f:
-        return json.load(f)
+    return collect_dp2_matrix(procs, out)
 
 
 def _check(table, name):
-    row = table[name]
-    assert row["scale"] > 1e-3, "reference gradient is trivially small; the check would be vacuous"
-    assert row["rel"] < REL_TOL, f"max |grad - reference| = {row['err']:.3e} ({row['rel']:.1e} relative)"
-    expected = ["one_pass"] * 4 if row["whole"] else ["shortcut", "pre_pass", "pre_pass", "pre_pass"]
-    assert row["modes"] == expected
-    assert row["kl_moved"] > 1e-3, "the updates did not move P: later windows would not test fresh coefficients"
+    check_matrix_row(table[name], REL_TOL)
 
 
 @pytest.mark.parametrize("name", _cases(1))

@@ -66,7 +66,7 @@ def make_vlm_rollout_samples_for(model_dir: str):
     """``samples_fn(G, K, seed)`` for ``lpo_harness.gradient_matrix`` on image batches."""
 
     def samples_fn(G, K, seed=0):
-        from openrlhf.trainer.ppo_utils.experience import Experience
+        from lpo_harness import group_rewards, rollout_sample
 
         vocab = torch.tensor(response_vocab(model_dir))
         gen = torch.Generator().manual_seed(seed)
@@ -74,31 +74,11 @@ def make_vlm_rollout_samples_for(model_dir: str):
         for gi in range(G):
             _, images, ids, mm = group_prompt(model_dir, gi, seed, text_only=(gi == G - 1 and G > 2))
             prompt = torch.tensor(ids)
-            plen = prompt.numel()
-            if gi == 0:
-                rewards = torch.ones(K)
-            elif gi == 1:
-                rewards = torch.zeros(K)
-                rewards[0] = 1.0
-            else:
-                rewards = torch.rand(K, generator=gen).round(decimals=2)
+            rewards = group_rewards(gi, K, gen)
             for k in range(K):
                 rlen = int(torch.randint(1, 10, (1,), generator=gen))
                 resp = vocab[torch.randint(0, len(vocab), (rlen,), generator=gen)]
-                seq = torch.cat([prompt, resp])
-                n = seq.numel()
-                action_mask = torch.zeros(n - 1, dtype=torch.long)
-                action_mask[plen - 1:] = 1
-                r = float(rewards[k])
-                samples.append(Experience(
-                    sequences=seq.unsqueeze(0), attention_mask=torch.ones(1, n, dtype=torch.long),
-                    action_mask=action_mask.unsqueeze(0), prompts=["Find x."], labels=[""],
-                    images=[images], mm_train_inputs=[mm],
-                    rewards=torch.tensor([r]), scores=torch.tensor([r]),
-                    response_length=torch.tensor([rlen]), truncated=torch.tensor([False]),
-                    total_length=torch.tensor([float(n)]),
-                    info={"reward": torch.tensor([r]), "response_clip_ratio": torch.tensor([False])},
-                ))
+                samples.append(rollout_sample(prompt, resp, rewards[k], "Find x.", images=images, mm=mm))
         return samples
 
     return samples_fn

@@ -3,7 +3,6 @@ the rest of the product names no device. Patching runs in subprocesses so this p
 keeps the real ``torch.cuda``."""
 
 import json
-import re
 import subprocess
 import sys
 from pathlib import Path
