@@ -331,7 +331,7 @@ def ray_runtime_env(extra_env: Optional[Dict[str, str]] = None) -> dict:
         "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": os.environ.get("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", "1"),
         "LPO_CPU_MODE": "1",
     }
-    for key in ("LPO_CPU_ENGINE", "LPO_CPU_OPTIMIZER", "LPO_CPU_DTYPE", "LPO_CPU_ENGINE_DTYPE", "LPO_CPU_PARITY_TOL", "LPO_CPU_PARITY_LOG", "LPO_CPU_THREADS", "OMP_NUM_THREADS",
+    for key in ("LPO_CPU_ENGINE", "LPO_CPU_TRUST_REMOTE_CODE", "LPO_CPU_OPTIMIZER", "LPO_CPU_DTYPE", "LPO_CPU_ENGINE_DTYPE", "LPO_CPU_PARITY_TOL", "LPO_CPU_PARITY_LOG", "LPO_CPU_THREADS", "OMP_NUM_THREADS",
                 "PYTHONPATH"):
         if key in os.environ:
             env[key] = os.environ[key]
@@ -505,6 +505,9 @@ def _add_cpu_arguments(parser) -> None:
                    "with GPUs (RAY_ADDRESS); on: always (debug a recipe on CPU); off: never")
     g.add_argument("--cpu.engine", type=str, default=None, choices=["hf", "vllm"],
                    help="CPU rollout engine backend (default: $LPO_CPU_ENGINE or hf)")
+    g.add_argument("--cpu.trust_remote_code", action="store_true", default=False,
+                   help="let the CPU rollout engine run Python code shipped with the model (auto_map; off by "
+                   "default, as in transformers)")
 
 
 class _RaySession:
@@ -536,6 +539,7 @@ def _cpu_before_train(args):
                            "mode replaces CUDA calls) or use --cpu.mode auto")
     if getattr(cpu_args, "engine", None):
         os.environ["LPO_CPU_ENGINE"] = cpu_args.engine
+    os.environ["LPO_CPU_TRUST_REMOTE_CODE"] = "1" if getattr(cpu_args, "trust_remote_code", False) else "0"
     enable_cpu_mode()
     for note in adjust_args(args):
         print(f"[openrlhf_lpo.cpu] {note}", file=sys.stderr)

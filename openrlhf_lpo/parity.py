@@ -106,6 +106,7 @@ def check_image_parity(trainer, **record) -> float:
         if processor is None:
             from transformers import AutoProcessor
 
+            # the actor's process: stock OpenRLHF loads this model with remote code already
             processor = AutoProcessor.from_pretrained(trainer.strategy.args.actor.model_name_or_path,
                                                       trust_remote_code=True)
             trainer._lpo_probe_processor = processor

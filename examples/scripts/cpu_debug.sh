@@ -13,7 +13,9 @@ source "$ROOT/configs/methods/$METHOD.sh"
 case "$TASK" in
   countdown) MODEL_DIR="$WORK/tiny-qwen3"; DATA_FILE="$WORK/countdown.jsonl"; TASK_FLAGS=() ;;
   geometry) MODEL_DIR="$WORK/tiny-qwen2.5-vl"; DATA_FILE="$WORK/geometry.jsonl"
-    TASK_FLAGS=(--data.image_key images --data.max_images_per_prompt 1 --data.apply_chat_template) ;;
+    # the tiny VLM's image-only processor is code shipped in its folder: the CPU engine may run it
+    TASK_FLAGS=(--data.image_key images --data.max_images_per_prompt 1 --data.apply_chat_template
+                --cpu.trust_remote_code) ;;
   *) echo "unknown TASK=$TASK (countdown or geometry)" >&2; exit 2 ;;
 esac
 

@@ -53,6 +53,20 @@ def register_backend(name: str):
     return deco
 
 
+def trust_remote_code() -> bool:
+    """Whether the CPU rollout engine may run code shipped with the model (``--cpu.trust_remote_code``,
+    exported as ``LPO_CPU_TRUST_REMOTE_CODE=1``); off by default, as in transformers."""
+    return os.environ.get("LPO_CPU_TRUST_REMOTE_CODE", "0") == "1"
+
+
+def remote_code_hint(model_path: str, err: Exception) -> Exception:
+    """A clear error for a model that ships its own code while remote code is off (else ``err``)."""
+    if "trust_remote_code" in str(err) and not trust_remote_code():
+        return ValueError(f"the model at {model_path} ships its own Python code (auto_map); the CPU rollout engine "
+                          "runs it only with --cpu.trust_remote_code (LPO_CPU_TRUST_REMOTE_CODE=1)")
+    return err
+
+
 def _stop_ids(model_path: str, config) -> set:
     from transformers import AutoTokenizer
 
@@ -63,7 +77,7 @@ def _stop_ids(model_path: str, config) -> set:
     elif isinstance(eos, (list, tuple)):
         ids.update(int(e) for e in eos)
     try:
-        tok = AutoTokenizer.from_pretrained(model_path, trust_remote_code=True)
+        tok = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code())
         if tok.eos_token_id is not None:
             ids.add(int(tok.eos_token_id))
     except (OSError, ValueError):
@@ -124,11 +138,15 @@ class HFBackend:
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        config = AutoConfig.from_pretrained(model_path, trust_remote_code=True)
-        torch_dtype = dtype or getattr(torch, _engine_dtype())
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=torch_dtype, attn_implementation=attn_implementation, trust_remote_code=True
-        )
+        try:
+            config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code())
+            torch_dtype = dtype or getattr(torch, _engine_dtype())
+            self.model = AutoModelForCausalLM.from_pretrained(
+                model_path, dtype=torch_dtype, attn_implementation=attn_implementation,
+                trust_remote_code=trust_remote_code(),
+            )
+        except ValueError as e:
+            raise remote_code_hint(model_path, e) from None
         self.model.eval()
         self.stop_ids = _stop_ids(model_path, config)
 
@@ -292,7 +310,7 @@ class VLLMBackend:
             max_model_len=self.max_model_len,
             dtype=self.dtype,
             distributed_executor_backend="uni",
-            trust_remote_code=True,
+            trust_remote_code=trust_remote_code(),
         )
 
     def update_weights(self, state: Dict) -> None:

@@ -31,7 +31,8 @@ import os
 import sys
 from typing import Dict, List, Optional, Sequence
 
-from openrlhf_lpo.engines.cpu_engine import BACKENDS, HFBackend, VLLMBackend, _engine_dtype, _param, _stop_ids, register_backend
+from openrlhf_lpo.engines.cpu_engine import (BACKENDS, HFBackend, VLLMBackend, _engine_dtype, _param, _stop_ids,
+                                             register_backend, remote_code_hint, trust_remote_code)
 
 __all__ = ["is_vlm_model_path", "vlm_backend_name", "HFVLMBackend", "VLLMVLMBackend", "patch_vllm_for_images",
            "vision_token_ids_of", "is_language_param"]
@@ -42,7 +43,7 @@ def is_vlm_model_path(model_path: str) -> bool:
     from transformers import AutoConfig
 
     try:
-        return hasattr(AutoConfig.from_pretrained(model_path, trust_remote_code=True), "vision_config")
+        return hasattr(AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code()), "vision_config")
     except (OSError, ValueError):
         return False
 
@@ -129,14 +130,17 @@ class HFVLMBackend(HFBackend):
         import torch
         from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
-        config = AutoConfig.from_pretrained(model_path, trust_remote_code=True)
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code())
         self.model = AutoModelForImageTextToText.from_pretrained(
             model_path, dtype=dtype or getattr(torch, _engine_dtype()), attn_implementation=attn_implementation,
-            trust_remote_code=True,
+            trust_remote_code=trust_remote_code(),
         )
         self.model.eval()
         self.stop_ids = _stop_ids(model_path, config)
-        self.processor = AutoProcessor.from_pretrained(model_path, trust_remote_code=True)
+        try:
+            self.processor = AutoProcessor.from_pretrained(model_path, trust_remote_code=trust_remote_code())
+        except ValueError as e:
+            raise remote_code_hint(model_path, e) from None
         self.image_token_id = int(config.image_token_id)
         self.merge = int(config.vision_config.spatial_merge_size)
         self.suppress = vision_token_ids_of(config, self.processor)
@@ -260,8 +264,11 @@ class VLLMVLMBackend(VLLMBackend):
 
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         patch_vllm_for_images()
-        config = AutoConfig.from_pretrained(model_path, trust_remote_code=True)
-        processor = AutoProcessor.from_pretrained(model_path, trust_remote_code=True)
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code())
+        try:
+            processor = AutoProcessor.from_pretrained(model_path, trust_remote_code=trust_remote_code())
+        except ValueError as e:
+            raise remote_code_hint(model_path, e) from None
         self.pad_ids = set(mm_pad_token_ids or ()) or {int(config.image_token_id), int(config.video_token_id)}
         self.limit = {"image": 1, "video": 0, **dict(limit_mm_per_prompt or {})}
         self.suppress = vision_token_ids_of(config, processor)
@@ -278,7 +285,7 @@ class VLLMVLMBackend(VLLMBackend):
             self.llm = None
             gc.collect()
         self.llm = vllm.LLM(model=path, seed=self.seed, enforce_eager=True, max_model_len=self.max_model_len,
-                            dtype=self.dtype, distributed_executor_backend="uni", trust_remote_code=True,
+                            dtype=self.dtype, distributed_executor_backend="uni", trust_remote_code=trust_remote_code(),
                             limit_mm_per_prompt=self.limit)
 
     def update_weights(self, state: Dict) -> None:
@@ -288,7 +295,7 @@ class VLLMVLMBackend(VLLMBackend):
             from transformers import AutoModelForImageTextToText
 
             model = AutoModelForImageTextToText.from_pretrained(self.source, dtype=getattr(torch, self.dtype),
-                                                                trust_remote_code=True)
+                                                                trust_remote_code=trust_remote_code())
             self._full_state = {n: p.detach() for n, p in model.named_parameters()}
             del model
         unknown = sorted(set(state) - set(self._full_state))

@@ -17,6 +17,20 @@ from openrlhf_lpo.engines.cpu_vlm import HFVLMBackend, is_language_param, vlm_ba
 SIZES = {"triangle_angle": 56, "segment_sum": 112, "read_number": 84}  # 4, 16, 9 image tokens
 
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _trust_the_tiny_vlm():
+    """The tiny VLM's image-only processor is code in its folder: the engine runs it only when trusted
+    (module-wide, before the module's engine fixtures)."""
+    saved = os.environ.get("LPO_CPU_TRUST_REMOTE_CODE")
+    os.environ["LPO_CPU_TRUST_REMOTE_CODE"] = "1"
+    yield
+    if saved is None:
+        os.environ.pop("LPO_CPU_TRUST_REMOTE_CODE", None)
+    else:
+        os.environ["LPO_CPU_TRUST_REMOTE_CODE"] = saved
+
+
 def sp(**kw):
     base = dict(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=8, min_tokens=0, logprobs=None)
     base.update(kw)
@@ -228,7 +242,7 @@ def test_same_seed_same_image_samples_whatever_the_batching(tiny_vlm_dir):
     """Per-request seeds with images: K samples of two diagrams with identical prompt ids, in one
     batch or one request at a time in another order, are the same samples (the image is in the seed)."""
     out = subprocess.run([sys.executable, "-c", SEED_PROBE, tiny_vlm_dir], capture_output=True, text=True,
-                         timeout=300, env=dict(os.environ, LPO_CPU_THREADS="1"))
+                         timeout=300, env=dict(os.environ, LPO_CPU_THREADS="1", LPO_CPU_TRUST_REMOTE_CODE="1"))
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["batches_a"] == [6] and res["batches_b"] == 6
@@ -272,7 +286,7 @@ def test_engine_serves_image_prompts_through_the_rollout_executor(tiny_vlm_dir, 
     generated as one batch, with the trainer's expanded prompt and mm_train_inputs; a text model
     refuses multi_modal_data."""
     out = subprocess.run([sys.executable, "-c", ENGINE_PROBE, tiny_vlm_dir, tiny_model_dir], capture_output=True,
-                         text=True, timeout=300, env=dict(os.environ, LPO_CPU_THREADS="1"))
+                         text=True, timeout=300, env=dict(os.environ, LPO_CPU_THREADS="1", LPO_CPU_TRUST_REMOTE_CODE="1"))
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["backend"] == "hf-vlm" and res["batches"] == [4]
@@ -348,7 +362,7 @@ def test_vllm_cpu_backend_with_images_matches_hf(tiny_vlm_dir):
     trainer's prompt length, HF's log-probs; and again after a language-only (frozen tower) sync.
     Then lpo-eval's vllm-vlm engine gives the greedy text of its hf-vlm engine."""
     out = subprocess.run([sys.executable, "-c", VLLM_PROBE, tiny_vlm_dir], capture_output=True, text=True,
-                         timeout=600, env=dict(os.environ, LPO_CPU_THREADS="1"))
+                         timeout=600, env=dict(os.environ, LPO_CPU_THREADS="1", LPO_CPU_TRUST_REMOTE_CODE="1"))
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["tokens"] == res["ref"] and [len(t) for t in res["tokens"]] == [4, 6, 3]
@@ -359,3 +373,10 @@ def test_vllm_cpu_backend_with_images_matches_hf(tiny_vlm_dir):
     assert res["eval_greedy"][0] == res["eval_greedy"][1] and res["eval_sampled"] == 3
     full, stop = res["eval_greedy"][0], res["eval_stop"]
     assert len(stop) == 2 and res["eval_cut"] == [[full[:full.find(stop)], "stop"]] * 2  # stop strings honoured
+
+
+def test_remote_code_is_refused_unless_trusted(tiny_vlm_dir, monkeypatch):
+    """Without --cpu.trust_remote_code the engine does not run the processor shipped with the model."""
+    monkeypatch.setenv("LPO_CPU_TRUST_REMOTE_CODE", "0")
+    with pytest.raises(ValueError, match="--cpu.trust_remote_code"):
+        HFVLMBackend(tiny_vlm_dir, seed=0, dtype=torch.float32)

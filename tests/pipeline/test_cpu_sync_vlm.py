@@ -29,7 +29,8 @@ def _port():
 @pytest.fixture(scope="module")
 def sync_results(tiny_vlm_dir, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("vlm_sync") / "sync.json")
-    env = dict(os.environ, LPO_CPU_THREADS="1", RAY_DEDUP_LOGS="0", OMP_NUM_THREADS="1")
+    env = dict(os.environ, LPO_CPU_THREADS="1", RAY_DEDUP_LOGS="0", OMP_NUM_THREADS="1",
+               LPO_CPU_TRUST_REMOTE_CODE="1")  # the tiny VLM's processor is code in its folder
     env["PYTHONPATH"] = str(HERE.parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.run([sys.executable, str(HERE / "vlm_sync_worker.py"), tiny_vlm_dir, out, _port()],

@@ -33,6 +33,7 @@ def vlm_args(model: str, data: str, out: Path):
         "--actor.model_name_or_path", model,
         "--data.prompt_dataset", data, "--data.input_key", "prompt", "--data.label_key", "label",
         "--data.image_key", "images", "--data.max_images_per_prompt", "1", "--data.apply_chat_template",
+        "--cpu.trust_remote_code",  # the tiny VLM's processor is code in its folder
         "--reward.remote_url", str(REPO / "tests" / "pipeline" / "vlm_e2e_reward.py"),
         "--vllm.num_engines", "1", "--vllm.sync_backend", "gloo",
         "--actor.num_nodes", "1", "--actor.num_gpus_per_node", "1",
