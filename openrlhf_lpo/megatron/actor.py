@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from openrlhf_lpo import listwise
 from openrlhf_lpo.megatron import convert
-from openrlhf_lpo.megatron.device import group_device
+from openrlhf_lpo.megatron.device import group_device, local_device
 from openrlhf_lpo.megatron.layout import validate_layout
 from openrlhf_lpo.megatron.losses import LossSpec, get_policy_loss
 from openrlhf_lpo.megatron.model import attention_span, build_gpt_model, transformer_config_from_hf
@@ -137,6 +137,7 @@ class MegatronActor:
                                                   recompute=cfg.recompute)
         self.attention_span = attention_span(hf_config)
         model = build_gpt_model(hf_config, config=self.tconfig, use_te=cfg.use_te)
+        model.to(local_device())  # norms and other small params are built on the CPU (NCCL rejects them)
         self.uses_te = convert.uses_te_names(model)
         self.weights_read = 0  # elements of HF tensors this rank read (its stage, its TP slices)
         if hf_weights is not None:

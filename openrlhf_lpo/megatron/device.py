@@ -2,6 +2,8 @@
 
 * :func:`accelerator_available` / :func:`set_local_device` / :func:`default_backend` use
   ``torch.accelerator`` and ``torch.distributed.get_default_backend_for_device``.
+* :func:`local_device` is where this rank's model lives (megatron-core leaves some parameters
+  on the CPU unless the model is moved, as Megatron-LM's ``get_model`` does).
 * :func:`group_device` is the device a collective's tensors must live on for a process group
   (CPU for gloo, the current accelerator for NCCL and other accelerator backends): every
   collective of this backend allocates or moves its tensors there.
@@ -55,6 +57,14 @@ def backend_device(backend: str) -> torch.device:
             f"process-group backend {backend!r} needs an accelerator, and torch sees none; "
             "use gloo on a machine without one"
         )
+    acc = torch.accelerator.current_accelerator()
+    return torch.device(acc.type, torch.accelerator.current_device_index())
+
+
+def local_device() -> torch.device:
+    """This rank's compute device: the current accelerator (its index), else the CPU."""
+    if not accelerator_available():
+        return torch.device("cpu")
     acc = torch.accelerator.current_accelerator()
     return torch.device(acc.type, torch.accelerator.current_device_index())
 

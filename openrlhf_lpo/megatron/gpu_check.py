@@ -6,6 +6,10 @@ how tests/megatron/test_megatron_gpu_check.py exercises this file.
 
 Checks (rows of the table):
 
+* ``listwise_core`` -- the LPO loss of :mod:`openrlhf_lpo.listwise` (Eq. 4, 8 and the fwd/rev/js
+  divergences) on the device, 256 groups x K=8 x 4096 tokens, in fp32 and bf16 token log-probs: loss
+  and token gradients against a float64 CPU computation from the same inputs, the closed-form
+  coefficients against autograd, and every output on the inputs' device.
 * ``deepspeed_lpo_iteration`` -- ``lpo-train`` with the DeepSpeed actor and a real vLLM engine
   colocated on the GPU (sleep mode, CUDA-IPC sync), one LPO iteration on a tiny model: exit 0 and
   ``Global step 1`` logged. Runs first, in a subprocess, while the GPU is empty. With ``--cpu`` the
@@ -24,7 +28,8 @@ Checks (rows of the table):
   recompute) of a randomly initialised Qwen3-1.7B-shaped model in bf16, and the old-log-prob pass:
   peak accelerator memory next to the static estimate (``--cpu``: a tiny shape, resident memory).
 
-Exit status 0 when no check FAILs. ``--json`` writes the rows.
+A check whose packages are not installed (vLLM, Ray, DeepSpeed, Transformer Engine) is a SKIP row
+naming them, never a PASS. Exit status 0 when no check FAILs. ``--json`` writes the rows.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives
 
 import torch  # noqa: E402
 
-CHECKS = ("deepspeed", "logprobs", "te", "sync", "ckpt", "memory")
+CHECKS = ("core", "deepspeed", "logprobs", "te", "sync", "ckpt", "memory")
 ROWS: List[Dict] = []
 
 
@@ -341,6 +346,69 @@ def check_memory(cpu: bool, use_te: Optional[bool]) -> Dict:
                "< 90% of device memory")
 
 
+def missing(*modules: str) -> List[str]:
+    """The modules of ``modules`` that cannot be imported here."""
+    import importlib.util
+
+    def absent(m: str) -> bool:
+        try:
+            return importlib.util.find_spec(m) is None
+        except (ImportError, ValueError):
+            return True
+
+    return [m for m in modules if absent(m)]
+
+
+def check_core(device) -> Dict:
+    """Loss, d loss/d s and the closed-form coefficients to 1e-5 relative; token gradients to 1e-5
+    (fp32 log-probs) or to bf16 rounding (a bf16 leaf's gradient is bf16: 2^-8 of each element)."""
+    from openrlhf_lpo import listwise
+
+    G, K, T = 256, 8, 4096
+    g = torch.Generator().manual_seed(0)
+    old = -torch.rand(G * K, T, generator=g, dtype=torch.float64) * 3
+    new = old + 0.05 * torch.randn(G * K, T, generator=g, dtype=torch.float64)
+    lengths = torch.randint(1, T + 1, (G * K,), generator=g)
+    mask = torch.arange(T)[None] < lengths[:, None]
+    rewards = torch.randint(0, 2, (G, K), generator=g).double()
+    prev = 0.1 * torch.randn(G, K, generator=g, dtype=torch.float64)
+    worst, where, devices = 0.0, "", set()
+
+    def run(lp, o, dev):
+        lp = lp.clone().requires_grad_(True)
+        s = listwise.sequence_log_ratio(lp, o, mask.to(dev), clip_eps=(0.2, 0.28)).reshape(G, K)
+        target = listwise.gibbs_target(rewards.to(dev), "std", prev.to(dev))
+        loss = listwise.listwise_loss(s, target, div)
+        coef = listwise.listwise_coefficients(s.detach(), target, div) / G  # the loss averages over prompts
+        (grad_s,) = torch.autograd.grad(loss, s, retain_graph=True)
+        loss.backward()
+        return {"s": s, "target": target, "loss": loss, "coef": coef, "grad_s": grad_s, "token_grad": lp.grad}
+
+    for dtype in (torch.float32, torch.bfloat16):
+        new_d, old_d = new.to(dtype), old.to(dtype)  # what the device sees; the reference takes exact copies
+        for div in ("fwd", "rev", "js"):
+            out = run(new_d.to(device), old_d.to(device), device)
+            devices |= {t.device.type for t in out.values()}
+            ref = run(new_d.double(), old_d.double(), torch.device("cpu"))
+            d = {k: v.detach().double().cpu() for k, v in out.items()}
+            r = {k: v.detach().double().cpu() for k, v in ref.items()}
+            rel = lambda a, b: float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))  # noqa: E731
+            errs = {"loss": rel(d["loss"], r["loss"]), "d loss/d s": rel(d["grad_s"], r["grad_s"]),
+                    "coefficients vs autograd": rel(d["coef"], d["grad_s"])}
+            if dtype == torch.bfloat16:  # elementwise, in units of bf16's rounding (1e-5 of it allowed on top)
+                tg = float(((d["token_grad"] - r["token_grad"]).abs() / r["token_grad"].abs().clamp(min=1e-30)).max())
+                errs["token grad beyond bf16 rounding"] = max(0.0, tg - 2**-8) / 2**-8
+            else:
+                errs["token grad"] = rel(d["token_grad"], r["token_grad"])
+            for k, e in errs.items():
+                if e > worst:
+                    worst, where = e, f"{k}, {div}, {str(dtype).replace('torch.', '')}"
+    ok = worst < 1e-5 and devices == {device.type}
+    return row("listwise_core", "PASS" if ok else "FAIL",
+               f"worst relative error {worst:.1e} ({where}); outputs on {sorted(devices)}; {G}x{K} responses x {T} tokens",
+               "relative error < 1e-5 vs float64 on CPU (bf16 token gradients: within bf16 rounding), outputs on the device")
+
+
 def deepspeed_argv(assets, work: Path, cpu: bool) -> List[str]:
     import openrlhf_lpo
 
@@ -453,10 +521,18 @@ def main(argv: Optional[List[str]] = None) -> int:
         info["device_name"] = torch.get_device_module(device.type).get_device_name()
         info["device_memory_gib"] = round(torch.accelerator.get_memory_info()[1] / 2**30, 1)
     print(f"[gpu_check] {json.dumps(info)}", flush=True)
+    need = {"deepspeed": missing("ray", "deepspeed", "openrlhf") + (missing("vllm") if a.cpu_full or not a.cpu else []),
+            "sync": missing("vllm")}
+    for check, name in (("deepspeed", "deepspeed_lpo_iteration"), ("sync", "weight_sync_vllm")):
+        if check in only and need[check]:
+            only.discard(check)
+            row(name, "SKIP", f"not installed here: {', '.join(need[check])} (pip install -e '.[gpu]')")
     if "deepspeed" in only:  # first: the GPU is still empty
         run_check("deepspeed_lpo_iteration", lambda: check_deepspeed(assets, work, a.cpu, a.cpu_full))
         if not a.cpu:
             print(f"[gpu_check] device memory free after the iteration: {wait_for_free_memory():.0%}", flush=True)
+    if "core" in only:
+        run_check("listwise_core", lambda: check_core(device))
     llm = None
     if "sync" in only:  # before torch.distributed: the in-process engine sets up the default group
         try:

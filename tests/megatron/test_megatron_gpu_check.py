@@ -33,7 +33,7 @@ def gpu_check(tmp_path_factory):
 def test_cpu_mode_runs_every_check(gpu_check):
     p, rows = gpu_check
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
-    assert set(rows) == {"deepspeed_lpo_iteration", "logprobs_local_fp32", "logprobs_te_bf16", "weight_sync_vllm",
+    assert set(rows) == {"listwise_core", "deepspeed_lpo_iteration", "logprobs_local_fp32", "logprobs_te_bf16", "weight_sync_vllm",
                          "checkpoint_round_trip", "peak_memory_actor_step", "total"}
     assert rows["logprobs_te_bf16"]["status"] == "SKIP"
     assert all(r["status"] == "PASS" for k, r in rows.items() if k != "logprobs_te_bf16")
@@ -42,6 +42,8 @@ def test_cpu_mode_runs_every_check(gpu_check):
 
 def test_numbers_behind_the_rows(gpu_check):
     _, rows = gpu_check
+    core = float(re.search(r"worst relative error (\S+)", rows["listwise_core"]["value"]).group(1))
+    assert core < 1e-5 and "outputs on ['cpu']" in rows["listwise_core"]["value"]
     lp = rows["logprobs_local_fp32"]["value"]
     hf, left, packed = (float(x) for x in re.findall(r"vs HF ([0-9.e+-]+), left-padded vs alone ([0-9.e+-]+), "
                                                        r"packed vs alone ([0-9.e+-]+)", lp)[0])
