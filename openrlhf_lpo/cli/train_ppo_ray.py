@@ -105,6 +105,7 @@ def _run_stock(argv: Optional[List[str]], on_args: Callable[[argparse.Namespace,
     result = {}
 
     def train_override(args):
+        state["validated"] = True  # past the stock checks: an AssertionError from here on is a runtime fault
         parser = state["parser"]
         for group in _flags.flag_groups():
             if group.validate is not None:
@@ -127,11 +128,26 @@ def _run_stock(argv: Optional[List[str]], on_args: Callable[[argparse.Namespace,
     try:
         with mock.patch.object(argparse.ArgumentParser, "parse_args", parse_args):
             exec(code, g, ns)
+    except AssertionError as e:  # the stock CLI validates its flags with asserts: a flag error, not a crash
+        if state["parser"] is None or state.get("validated"):
+            raise
+        state["parser"].error(stock_assertion_message(str(e)))
     finally:
         sys.argv = saved_argv
     if "value" not in result:
         raise RuntimeError(f"{STOCK_CLI} did not reach train(args); was its __main__ block changed?")
     return result["value"]
+
+
+# flags the stock 0.11.2 messages still call by their pre-0.11 flat names
+_FLAT_NAMES = {"--packing_samples": "--ds.packing_samples", "--advantage_estimator": "--algo.advantage.estimator"}
+
+
+def stock_assertion_message(message: str) -> str:
+    """A stock validation assert as a flag error, with today's spelling of the flags it names."""
+    for flat, dotted in _FLAT_NAMES.items():
+        message = message.replace(f"{flat} ", f"{dotted} ").replace(f"{flat}.", f"{dotted}.")
+    return f"openrlhf 0.11.2 refuses this combination of flags: {message or '(its assertion gives no message)'}"
 
 
 class _ParserCaptured(Exception):

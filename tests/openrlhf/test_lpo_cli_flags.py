@@ -99,6 +99,9 @@ BAD = [
     (BASE + ["--algo.advantage.estimator", "lpo", "--lpo.projection", "pointwise", "--lpo.divergence", "rev"],
      "--lpo.projection pointwise"),
     (BASE + ["--algo.advantage.estimator", "lpo", "--lpo.divergence", "hellinger"], "--lpo.divergence"),
+    # the stock CLI's own asserts come out as flag errors with today's flag names, not as tracebacks
+    (BASE + ["--algo.advantage.estimator", "lpo", "--data.max_images_per_prompt", "1", "--ds.packing_samples"],
+     "refuses this combination of flags: VLM training does not support --ds.packing_samples."),
 ]
 
 
@@ -206,3 +209,22 @@ def test_cluster_check_names_gpus_needed_per_role():
         "--algo.advantage.estimator", "lpo", "--train.colocate_all", "--algo.kl.init_coef", "0.01",
         "--ref.num_gpus_per_node", "2"])
     assert plan.gpus_needed(colocated) == 2  # actor, ref and the engines share one placement group
+
+
+def test_stock_assertion_messages_use_todays_flag_names():
+    from openrlhf_lpo.cli.train_ppo_ray import stock_assertion_message
+
+    msg = stock_assertion_message("Use --advantage_estimator other than 'gae'. No --packing_samples.")
+    assert "--algo.advantage.estimator other" in msg and "--ds.packing_samples." in msg
+    assert "--ds.--" not in msg and stock_assertion_message("").endswith("(its assertion gives no message)")
+
+
+def test_runtime_assertions_after_validation_are_not_flag_errors(monkeypatch):
+    """An assert raised inside training (past the stock checks) stays an AssertionError."""
+    from openrlhf_lpo.cli import train_ppo_ray as cli
+
+    def boom(args, stock_train):
+        assert False, "inside training"
+
+    with pytest.raises(AssertionError, match="inside training"):
+        cli._run_stock(BASE + ["--algo.advantage.estimator", "lpo"], boom)
