@@ -40,6 +40,17 @@ def default_backend() -> str:
     return "gloo"
 
 
+def init_default_group(timeout=None) -> None:
+    """``torch.distributed.init_process_group`` with this machine's backend; with an accelerator the
+    group is bound to this rank's device (``device_id``), so NCCL need not guess it from the rank."""
+    import torch.distributed as dist
+
+    kw = {} if timeout is None else {"timeout": timeout}
+    if accelerator_available():
+        kw["device_id"] = local_device()
+    dist.init_process_group(default_backend(), **kw)
+
+
 def seed_model_parallel(seed: int) -> None:
     """``torch.manual_seed`` plus megatron's per-TP-rank RNG tracker states."""
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed

@@ -547,9 +547,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     os.environ.setdefault("WORLD_SIZE", "1")
     set_local_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
-        from openrlhf_lpo.megatron.device import default_backend
+        from openrlhf_lpo.megatron.device import init_default_group
 
-        dist.init_process_group(default_backend())
+        init_default_group()
     use_te = False if a.cpu else None  # the TE spec when installed, else the local one
     if "logprobs" in only:
         run_check("logprobs_local_fp32", lambda: check_logprobs(assets, device, use_te=False))

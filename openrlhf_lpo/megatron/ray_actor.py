@@ -193,7 +193,7 @@ class MegatronPolicyActor:
         from transformers import AutoConfig, AutoTokenizer
 
         from openrlhf_lpo.megatron.actor import MegatronActor
-        from openrlhf_lpo.megatron.device import default_backend, set_local_device
+        from openrlhf_lpo.megatron.device import init_default_group, set_local_device
         from openrlhf_lpo.megatron.hub import resolve_pretrained
 
         self.strategy = strategy
@@ -204,7 +204,7 @@ class MegatronPolicyActor:
         cfg = megatron_config_from_args(args)
         set_local_device(int(os.environ.get("LOCAL_RANK", "0")))
         if not dist.is_initialized():
-            dist.init_process_group(default_backend(), timeout=timedelta(minutes=cfg.timeout_minutes))
+            init_default_group(timedelta(minutes=cfg.timeout_minutes))
         local = resolve_pretrained(pretrain)
         self.hf_config = AutoConfig.from_pretrained(local)
         self.tokenizer = AutoTokenizer.from_pretrained(local)

@@ -113,7 +113,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     import torch.distributed as dist
 
-    from openrlhf_lpo.megatron.device import default_backend, set_local_device
+    from openrlhf_lpo.megatron.device import init_default_group, set_local_device
     from openrlhf_lpo.tiny import build_tiny_model
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -121,7 +121,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     set_local_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(default_backend())
+    init_default_group()
     model_dir = os.path.join(a.work_dir, "tiny_qwen3")
     if dist.get_rank() == 0:
         build_tiny_model(model_dir, arch="qwen3", hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4,
