@@ -8,8 +8,8 @@ Ray's object store.
 
 Metrics arrive as they are produced: the PPO trainer actor logs ``Global step N: {...}`` after
 every step; those lines are parsed from the subprocess output and written to the method's jsonl
-at once. The TensorBoard files (``--logger.tensorboard_dir``) are the fallback source when no
-such line was seen. Mapping of upstream keys to the demo's columns is :data:`METRIC_KEYS`.
+at once. The TensorBoard files (``--logger.tensorboard_dir``) fill in every step whose line did
+not arrive (Ray may drop a job's last forwarded lines at exit). Mapping of upstream keys to the demo's columns is :data:`METRIC_KEYS`.
 """
 
 from __future__ import annotations
@@ -174,6 +174,20 @@ def _tensorboard_rows(tb_dir: Path) -> Dict[int, Dict]:
     return steps
 
 
+def recover_missing_steps(tb_dir: Path, method: str, seen: set, on_row: Optional[Callable[[Dict], None]]) -> List[int]:
+    """Rows for the steps in TensorBoard whose log line never reached us (Ray forwards the trainer's
+    lines asynchronously and can drop the last ones when the job exits); adds them to ``seen``."""
+    recovered = []
+    for step, values in sorted(_tensorboard_rows(tb_dir).items()):
+        if step in seen:
+            continue
+        if on_row is not None:
+            on_row(to_row(method, values, math.nan))
+        seen.add(step)
+        recovered.append(step)
+    return recovered
+
+
 def run_pipeline(method: Method, cfg: RLConfig, model_path: str, out_dir: Path,
                  on_row: Optional[Callable[[Dict], None]] = None, progress: bool = True,
                  timeout_s: Optional[float] = None, extra_env: Optional[Dict[str, str]] = None) -> Dict:
@@ -236,11 +250,7 @@ def run_pipeline(method: Method, cfg: RLConfig, model_path: str, out_dir: Path,
     if returncode != 0:
         message = _diagnose("".join(tail), returncode, log_path)
         raise PipelineError(message, _component(message), len(seen))
-    if not seen:  # no step lines reached us: recover the metrics from TensorBoard
-        for step, values in sorted(_tensorboard_rows(out_dir / "tb").items()):
-            if on_row is not None:
-                on_row(to_row(method.name, values, math.nan))
-            seen.add(step)
+    recover_missing_steps(out_dir / "tb", method.name, seen, on_row)
     if not seen:
         raise PipelineError(f"lpo-train finished but logged no training step; full log: {log_path}")
     summary = {"method": method.name, "steps": len(seen), "wall_s": time.time() - t0, "log": str(log_path)}

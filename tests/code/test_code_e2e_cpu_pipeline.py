@@ -123,7 +123,7 @@ def test_the_taught_answers_grade_as_designed(box):
 
 def test_two_lpo_iterations_with_sandboxed_code_rewards(e2e):
     log, scalars = e2e["log"], e2e["scalars"]
-    assert "Global step 1:" in log and "Global step 2:" in log and "Global step 3:" not in log
+    # steps from TensorBoard below (Ray may drop the trainer's last forwarded log line at exit)
     assert "LPOTrainer" in log and "CPURolloutEngine" in log
     # the engine's reward file probed the real sandbox when it loaded
     assert "[openrlhf_lpo] code reward sandbox: bwrap " in log

@@ -161,3 +161,21 @@ def test_ray_start_failure_is_retried_once_and_resume_keeps_finished(tmp_path, m
 def test_wants_preset():
     assert cli.wants_preset(["--preset", "cpu-demo"]) and cli.wants_preset(["--k", "4", "--preset=ci"])
     assert not cli.wants_preset(["--actor.model_name_or_path", "x", "--presetx"])
+
+
+def test_steps_whose_log_line_was_lost_come_from_tensorboard(tmp_path):
+    """Ray can drop the trainer's last forwarded lines: the final step's row is read from TensorBoard."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    from openrlhf_lpo.demo.pipeline import recover_missing_steps
+
+    w = SummaryWriter(str(tmp_path / "tb"))
+    for step in (1, 2, 3):
+        w.add_scalar("train/actor_grad_norm", 0.5 * step, step)
+        w.add_scalar("train/rollout/reward_mean", 0.1 * step, step)
+    w.close()
+    rows, seen = [], {1, 2}
+    assert recover_missing_steps(tmp_path / "tb", "lpo-fwd", seen, rows.append) == [3]
+    assert seen == {1, 2, 3} and [r["step"] for r in rows] == [3]
+    assert rows[0]["grad_norm"] == 1.5 and abs(rows[0]["reward"] - 0.3) < 1e-6
+    assert recover_missing_steps(tmp_path / "tb", "lpo-fwd", seen, rows.append) == []  # nothing twice

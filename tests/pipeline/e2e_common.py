@@ -93,9 +93,17 @@ def tb_scalars(tb_dir: Path) -> Dict[str, Dict[int, float]]:
 
 
 def logged_steps(log: str) -> List[int]:
+    """Steps whose "Global step N:" line reached the driver's output. Ray forwards the trainer actor's
+    lines asynchronously and may drop the last ones when the driver exits under load: for a finished run
+    count steps with :func:`tb_steps`, which the trainer writes itself."""
     import re
 
     return [int(m) for m in re.findall(r"Global step (\d+):", log)]
+
+
+def tb_steps(scalars: Dict[str, Dict[int, float]]) -> List[int]:
+    """The training steps logged to tensorboard (any ``train/`` scalar), sorted."""
+    return sorted({s for tag, values in scalars.items() if tag.startswith("train/") for s in values})
 
 
 def read_jsonl(path: Path):

@@ -18,7 +18,8 @@ import shlex
 import pytest
 import torch
 
-from e2e_common import load_weights, logged_steps, max_weight_diff, read_jsonl, run_cli, run_env, tb_scalars
+from e2e_common import (load_weights, logged_steps, max_weight_diff, read_jsonl, run_cli, run_env, tb_scalars,
+                        tb_steps)
 
 
 def _retarget(argv, out):
@@ -40,19 +41,21 @@ def e2e(demo_ci_run):
     args_b = _retarget(command[1:], root / "run_b")
     rc_b1, wall_b1, log_b1 = run_cli(args_b, run_env(), root / "run_b1.log", stop_at_checkpoint="global_step2")
     env_b2 = run_env({"LPO_CPU_PARITY_LOG": str(root / "parity_b2.jsonl")})
-    rc_b2, wall_b2, log_b2 = run_cli(args_b + ["--ckpt.load_enable"], env_b2, root / "run_b2.log")
+    rc_b2, wall_b2, log_b2 = run_cli(args_b + ["--ckpt.load_enable", "--logger.tensorboard_dir", str(root / "run_b" / "tb2")],
+                                     env_b2, root / "run_b2.log")
     assert rc_b2 == 0, f"run B (resume) failed (rc={rc_b2}); tail:\n{log_b2[-6000:]}"
     print(f"\n[e2e] run B killed after step 2 at {wall_b1:.0f}s, resume {wall_b2:.0f}s")
     steps = demo_ci_run["steps"]
     parity = read_jsonl(demo_ci_run["parity_log"])  # the demo ran lpo-fwd first, then grpo: one sync per step
     return {"job": job, "model": command[command.index("--actor.model_name_or_path") + 1], "steps": steps,
             "log_a": (job / "lpo-train.log").read_text(errors="replace"), "tb_a": tb_scalars(job / "tb"),
-            "parity_a": parity[:steps], "log_b1": log_b1, "rc_b1": rc_b1, "log_b2": log_b2, "out_b": root / "run_b"}
+            "parity_a": parity[:steps], "log_b1": log_b1, "rc_b1": rc_b1, "log_b2": log_b2, "out_b": root / "run_b",
+            "tb_b2": tb_scalars(root / "run_b" / "tb2")}
 
 
 def test_every_step_trains_with_informative_groups(e2e):
     steps = list(range(1, e2e["steps"] + 1))
-    assert logged_steps(e2e["log_a"]) == steps
+    assert tb_steps(e2e["tb_a"]) == steps
     assert "LPOTrainer" in e2e["log_a"] and "CPURolloutEngine" in e2e["log_a"]
     tb = e2e["tb_a"]
     for key in ("train/lpo/abs_coef_mean", "train/actor_grad_norm", "train/lpo/degenerate_frac", "train/lpo/groups"):
@@ -106,11 +109,10 @@ def test_resume_trains_the_remaining_steps_to_the_same_weights(e2e):
     assert [s for s in (1, 2, 3, 4) if (actor_ckpt / f"global_step{s}").is_dir()] == [2, 4]  # every 2 steps
     assert (actor_ckpt / "latest").read_text().strip() == "global_step4"
     # run B died after its step-2 checkpoint (SIGKILL) ...
-    assert e2e["rc_b1"] != 0 and logged_steps(e2e["log_b1"])[:2] == [1, 2]
-    assert 4 not in logged_steps(e2e["log_b1"])
+    assert e2e["rc_b1"] != 0 and set(logged_steps(e2e["log_b1"])) <= {1, 2, 3}
     # ... and the relaunch loaded it and trained exactly the steps that were left
     assert "Loading the checkpoint" in e2e["log_b2"]
-    assert logged_steps(e2e["log_b2"]) == [3, 4]
+    assert tb_steps(e2e["tb_b2"]) == [3, 4]
     a, b = load_weights(e2e["job"] / "final"), load_weights(e2e["out_b"] / "final")
     init = load_weights(e2e["model"])
     moved = max_weight_diff(a, init)

@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from e2e_common import (REPO, base_args, load_weights, logged_steps, max_weight_diff, run_cli, run_env, tb_scalars,
+from e2e_common import (REPO, base_args, load_weights, max_weight_diff, run_cli, run_env, tb_scalars, tb_steps,
                         write_prompts)
 
 # ----------------------------------------------------------------------------- dp 2 == dp 1
@@ -105,7 +105,7 @@ def families(tiny_model_dir, tmp_path_factory):
 
 def test_hybrid_recipe_with_dynamic_batching_trains_two_episodes(families):
     run = families["hybrid"]
-    assert logged_steps(run["log"]) == [1, 2, 3, 4]
+    assert tb_steps(run["tb"]) == [1, 2, 3, 4]
     tb = run["tb"]
     assert [tb["train/lpo/groups"][s] for s in (1, 2, 3, 4)] == [4.0, 2.0, 4.0, 2.0]
     # groups of ~4 x 20 tokens exceed the 64-token budget: samples are the items; one window per
@@ -120,7 +120,7 @@ def test_hybrid_recipe_with_dynamic_batching_trains_two_episodes(families):
 
 def test_async_recipe_logs_the_behaviour_correction(families):
     run = families["async"]
-    assert logged_steps(run["log"]) == [1, 2, 3, 4]
+    assert tb_steps(run["tb"]) == [1, 2, 3, 4]
     tb = run["tb"]
     assert [tb["train/lpo/groups"][s] for s in (1, 2, 3, 4)] == [4.0, 2.0, 4.0, 2.0]
     for key in ("train/lpo/behaviour_abs_mean", "train/lpo/behaviour_abs_max", "train/lpo/behaviour_ess"):
@@ -139,7 +139,7 @@ def test_async_recipe_logs_the_behaviour_correction(families):
 @pytest.mark.parametrize("name", ["grpo_dp1", "grpo_dp2"])
 def test_policy_gradient_runs_log_the_listwise_kl_over_partial_batches(families, name):
     run = families[name]
-    assert logged_steps(run["log"]) == [1, 2, 3, 4]
+    assert tb_steps(run["tb"]) == [1, 2, 3, 4]
     tb = run["tb"]
     assert [tb["train/lpo/groups"][s] for s in (1, 2, 3, 4)] == [4.0, 2.0, 4.0, 2.0]
     assert all(tb["train/lpo/kl_end"][s] >= 0.0 for s in (1, 2, 3, 4))
