@@ -28,6 +28,7 @@ from typing import Callable, Dict, List, Optional
 
 from openrlhf_lpo.demo.loop import RLConfig
 from openrlhf_lpo.demo.methods import Method
+from openrlhf_lpo.tensorboard_rows import train_rows
 
 REWARD_FILE = Path(__file__).with_name("reward_func.py")
 
@@ -157,28 +158,11 @@ def _diagnose(tail: str, returncode: int, log_path: Path) -> str:
     return f"lpo-train exited with status {returncode}. {hint}"
 
 
-def _tensorboard_rows(tb_dir: Path) -> Dict[int, Dict]:
-    try:
-        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    except ImportError:
-        return {}
-    steps: Dict[int, Dict] = {}
-    for events in sorted(tb_dir.rglob("events.out.tfevents.*")):
-        acc = EventAccumulator(str(events.parent), size_guidance={"scalars": 0})
-        acc.Reload()
-        for tag in acc.Tags().get("scalars", []):
-            if not tag.startswith("train/"):
-                continue
-            for ev in acc.Scalars(tag):
-                steps.setdefault(int(ev.step), {"step": int(ev.step)})[tag[len("train/"):]] = float(ev.value)
-    return steps
-
-
 def recover_missing_steps(tb_dir: Path, method: str, seen: set, on_row: Optional[Callable[[Dict], None]]) -> List[int]:
     """Rows for the steps in TensorBoard whose log line never reached us (Ray forwards the trainer's
     lines asynchronously and can drop the last ones when the job exits); adds them to ``seen``."""
     recovered = []
-    for step, values in sorted(_tensorboard_rows(tb_dir).items()):
+    for step, values in sorted(train_rows(tb_dir).items()):
         if step in seen:
             continue
         if on_row is not None:
