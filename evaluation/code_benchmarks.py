@@ -57,28 +57,22 @@ def _problem(pid: Any, question: str, tests: dict) -> Problem:
     return Problem(str(pid), question, json.dumps(tests, sort_keys=True, ensure_ascii=False), "code")
 
 
-def _conv_prime(row: dict, i: int) -> Problem:
-    try:
-        question, tests = prime_question_and_tests(row)
-    except ValueError as e:
-        raise FieldMissing(str(e)) from None
-    return _problem(i, question, tests)
+def _converter(question_and_tests, id_field: str | None):
+    """A row converter from a data loader's ``(question, tests)`` reader; its ValueError names the field."""
+
+    def convert(row: dict, i: int) -> Problem:
+        try:
+            question, tests = question_and_tests(row)
+        except ValueError as e:
+            raise FieldMissing(str(e)) from None
+        return _problem(row.get(id_field, i) if id_field else i, question, tests)
+
+    return convert
 
 
-def _conv_humaneval(row: dict, i: int) -> Problem:
-    try:
-        question, tests = humaneval_question_and_tests(row)
-    except ValueError as e:
-        raise FieldMissing(str(e)) from None
-    return _problem(row.get("task_id", i), question, tests)
-
-
-def _conv_mbpp(row: dict, i: int) -> Problem:
-    try:
-        question, tests = mbpp_question_and_tests(row)
-    except ValueError as e:
-        raise FieldMissing(str(e)) from None
-    return _problem(row.get("task_id", i), question, tests)
+_conv_prime = _converter(prime_question_and_tests, None)
+_conv_humaneval = _converter(humaneval_question_and_tests, "task_id")
+_conv_mbpp = _converter(mbpp_question_and_tests, "task_id")
 
 
 for _spec in (

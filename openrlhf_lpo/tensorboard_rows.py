@@ -10,20 +10,27 @@ from pathlib import Path
 from typing import Dict
 
 
-def train_rows(tb_dir: Path) -> Dict[int, Dict]:
-    """``{step: {"step": step, name: value}}`` for every ``train/<name>`` scalar under ``tb_dir``
-    ({} when TensorBoard is not installed or nothing was written)."""
+def scalars(tb_dir: Path) -> Dict[str, Dict[int, float]]:
+    """``{tag: {step: value}}`` for every scalar under ``tb_dir`` ({} when TensorBoard is not
+    installed or nothing was written)."""
     try:
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     except ImportError:
         return {}
-    steps: Dict[int, Dict] = {}
+    out: Dict[str, Dict[int, float]] = {}
     for events in sorted(Path(tb_dir).rglob("events.out.tfevents.*")):
         acc = EventAccumulator(str(events.parent), size_guidance={"scalars": 0})
         acc.Reload()
         for tag in acc.Tags().get("scalars", []):
-            if not tag.startswith("train/"):
-                continue
-            for ev in acc.Scalars(tag):
-                steps.setdefault(int(ev.step), {"step": int(ev.step)})[tag[len("train/"):]] = float(ev.value)
+            out.setdefault(tag, {}).update({int(ev.step): float(ev.value) for ev in acc.Scalars(tag)})
+    return out
+
+
+def train_rows(tb_dir: Path) -> Dict[int, Dict]:
+    """``{step: {"step": step, name: value}}`` for every ``train/<name>`` scalar under ``tb_dir``."""
+    steps: Dict[int, Dict] = {}
+    for tag, values in scalars(tb_dir).items():
+        if tag.startswith("train/"):
+            for step, value in values.items():
+                steps.setdefault(step, {"step": step})[tag[len("train/"):]] = value
     return steps

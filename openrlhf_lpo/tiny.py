@@ -9,6 +9,7 @@ BPE model without merges (one token per character) with a Qwen-style chat templa
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -122,6 +123,22 @@ def tiny_config(
     return Qwen2Config(**common)
 
 
+@contextlib.contextmanager
+def atomic_directory(out: Path):
+    """Yield a fresh temporary sibling of ``out``; when the block succeeds it replaces ``out`` in one
+    rename, so readers see the old directory or the complete new one, never a partial one."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
+    try:
+        yield tmp
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 def build_tiny_model(
     out_dir: str | os.PathLike,
     arch: str = "qwen3",
@@ -140,9 +157,7 @@ def build_tiny_model(
     out = Path(out_dir)
     if (out / "config.json").exists() and (out / "tokenizer.json").exists() and not overwrite:
         return str(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
-    try:
+    with atomic_directory(out) as tmp:
         tok = build_tokenizer(tmp)
         config_kwargs.setdefault("pad_token_id", tok.pad_token_id)
         config_kwargs.setdefault("eos_token_id", tok.eos_token_id)
@@ -156,10 +171,4 @@ def build_tiny_model(
         model.save_pretrained(str(tmp), safe_serialization=True)
         with open(tmp / "tiny_build.json", "w") as f:
             json.dump({"arch": arch, "seed": seed, **config_kwargs}, f, indent=1, sort_keys=True)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return str(out)

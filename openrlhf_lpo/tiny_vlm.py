@@ -27,11 +27,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
-from openrlhf_lpo.tiny import IM_END, PAD_TOKEN, build_tokenizer
+from openrlhf_lpo.tiny import IM_END, PAD_TOKEN, atomic_directory, build_tokenizer
 
 __all__ = [
     "VISION_TOKENS",
@@ -186,9 +184,7 @@ def build_tiny_vlm(out_dir: str | os.PathLike, seed: int = 0, overwrite: bool = 
     out = Path(out_dir)
     if (out / "config.json").exists() and (out / "processor_config.json").exists() and not overwrite:
         return str(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
-    try:
+    with atomic_directory(out) as tmp:
         tok = build_tokenizer(tmp, extra_special_tokens=VISION_TOKENS, chat_template=VLM_CHAT_TEMPLATE)
         config_kwargs.setdefault("pad_token_id", tok.convert_tokens_to_ids(PAD_TOKEN))
         config_kwargs.setdefault("eos_token_id", tok.convert_tokens_to_ids(IM_END))
@@ -207,10 +203,4 @@ def build_tiny_vlm(out_dir: str | os.PathLike, seed: int = 0, overwrite: bool = 
         _write_processor_files(tmp, image_processor)
         with open(tmp / "tiny_build.json", "w") as f:
             json.dump({"arch": "qwen2_5_vl", "seed": seed, **config_kwargs}, f, indent=1, sort_keys=True)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return str(out)

@@ -126,11 +126,16 @@ def _read_number(rng: random.Random, size: int) -> Drawing:
     return image, "What number is shown?", str(n)
 
 
-def image_to_data_uri(image) -> str:
-    """PNG bytes of ``image`` as a ``data:image/png;base64,...`` string (OpenRLHF's load_images reads it)."""
+def image_to_png(image) -> bytes:
+    """The PNG encoding of a PIL image."""
     buf = io.BytesIO()
     image.save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+    return buf.getvalue()
+
+
+def image_to_data_uri(image) -> str:
+    """PNG bytes of ``image`` as a ``data:image/png;base64,...`` string (OpenRLHF's load_images reads it)."""
+    return "data:image/png;base64," + base64.b64encode(image_to_png(image)).decode("ascii")
 
 
 def draw_problem(kind: str, seed: int, size: int = 112) -> Drawing:

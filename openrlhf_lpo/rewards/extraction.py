@@ -62,6 +62,20 @@ def final_answer_text(response: str) -> str | None:
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
 
 
+def _closing_brace(text: str, start: int) -> int | None:
+    """Index of the ``}`` that closes a group whose content begins at ``start`` (None if unclosed)."""
+    depth = 1
+    for pos in range(start, len(text)):
+        ch = text[pos]
+        if ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+            if depth == 0:
+                return pos
+    return None
+
+
 def boxed_spans(text: str) -> list[tuple[int, int, str]]:
     """Every closed ``\\boxed{...}`` / ``\\fbox{...}``: ``(start, end, content)``, in order of their end.
 
@@ -69,16 +83,9 @@ def boxed_spans(text: str) -> list[tuple[int, int, str]]:
     """
     out = []
     for m in _BOX_RE.finditer(text):
-        depth = 1
-        for pos in range(m.end(), len(text)):
-            ch = text[pos]
-            if ch == "{":
-                depth += 1
-            elif ch == "}":
-                depth -= 1
-                if depth == 0:
-                    out.append((m.start(), pos + 1, text[m.end() : pos]))
-                    break
+        end = _closing_brace(text, m.end())
+        if end is not None:
+            out.append((m.start(), end + 1, text[m.end() : end]))
     return sorted(out, key=lambda s: (s[1], s[0]))
 
 
@@ -87,17 +94,10 @@ def last_boxed(text: str) -> str | None:
 
     "Last" is by opening position: for ``\\boxed{a \\boxed{b}}`` it is ``b``.
     """
-    starts = [m.end() for m in _BOX_RE.finditer(text)]
-    for start in reversed(starts):
-        depth = 1
-        for pos in range(start, len(text)):
-            ch = text[pos]
-            if ch == "{":
-                depth += 1
-            elif ch == "}":
-                depth -= 1
-                if depth == 0:
-                    return text[start:pos]
+    for m in reversed(list(_BOX_RE.finditer(text))):
+        end = _closing_brace(text, m.end())
+        if end is not None:
+            return text[m.end() : end]
     return None
 
 

@@ -477,6 +477,16 @@ class GraderPool:
             ws[slot] = new
             sel.register(new.fd, selectors.EVENT_READ, new)
 
+        def fail_current(slot: int, w, status: str, stat: str) -> None:
+            """The item ``w`` is on ends with ``status``; the rest of its chunk is requeued; the worker replaced."""
+            finish(w.inflight.popleft(), GradeResult(False, status, None))
+            if progress is not None:
+                progress(1)
+            pending.extendleft(reversed(w.inflight))
+            w.inflight.clear()
+            self.stats[stat] += 1
+            replace(slot)
+
         try:
             while done < n:
                 # hand a chunk to every ready, idle worker
@@ -531,24 +541,15 @@ class GraderPool:
                         if not w.ready:
                             raise RuntimeError("a grader worker exited right after its fork (out of memory?)")
                         if w.inflight:  # crashed on its current item (e.g. killed by the OOM killer)
-                            finish(w.inflight.popleft(), GradeResult(False, "error", None))
-                            if progress is not None:
-                                progress(1)
-                            pending.extendleft(reversed(w.inflight))
-                            w.inflight.clear()
-                        self.stats["crashes"] += 1
-                        replace(slot)
+                            fail_current(slot, w, "error", "crashes")
+                        else:
+                            self.stats["crashes"] += 1
+                            replace(slot)
                 # enforce deadlines
                 now = time.monotonic()
                 for slot, w in enumerate(ws):
                     if w.inflight and now - w.t_item >= timeout:
-                        finish(w.inflight.popleft(), GradeResult(False, "timeout", None))
-                        if progress is not None:
-                            progress(1)
-                        pending.extendleft(reversed(w.inflight))
-                        w.inflight.clear()
-                        self.stats["timeouts"] += 1
-                        replace(slot)
+                        fail_current(slot, w, "timeout", "timeouts")
                     elif not w.ready and now - w.started >= self.startup_timeout:
                         raise RuntimeError(
                             f"grader worker did not start within {self.startup_timeout:.0f} s "

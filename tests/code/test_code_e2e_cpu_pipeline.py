@@ -14,7 +14,6 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -22,6 +21,7 @@ from code_helpers import REPO, wait_no_sandbox_processes
 from openrlhf_lpo.data.code import code_label
 from openrlhf_lpo.data.loaders import write_jsonl
 from openrlhf_lpo.rewards.code import grade_code
+from openrlhf_lpo.tensorboard_rows import scalars as tb_scalars
 
 PROMPTS = ["Read n, print 2*n.\n", "Double the number n.\n"]
 RIGHT = "```python\nprint(2*int(input()))\n```"
@@ -63,18 +63,6 @@ def teach(path: str) -> str:
     assert loss.item() < 0.5, f"the warm-up did not learn the two answers (loss {loss.item():.3f})"
     model.save_pretrained(path)
     return path
-
-
-def tb_scalars(tb_dir: Path) -> dict:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    scalars = {}
-    for events in tb_dir.rglob("events.out.tfevents.*"):
-        acc = EventAccumulator(str(events.parent))
-        acc.Reload()
-        for tag in acc.Tags()["scalars"]:
-            scalars.setdefault(tag, {}).update({e.step: e.value for e in acc.Scalars(tag)})
-    return scalars
 
 
 @pytest.fixture(scope="module")

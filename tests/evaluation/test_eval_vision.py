@@ -3,21 +3,18 @@ image item (a registered template: system prompt, default stop strings), the ``h
 offline Qwen2.5-VL (routed from ``--engine hf``, stop strings honoured, images encoded as the trainer
 encodes them), job keys that follow the images and the processor, Pass@16 by default."""
 
-import io
 import json
 
 import pytest
 
-from openrlhf_lpo.data.geometry import draw_problem
+from openrlhf_lpo.data.geometry import draw_problem, image_to_png
 
 ROWS = [("triangle_angle", 0, "Find x."), ("segment_sum", 1, "Find A C."), ("right_hypotenuse", 2, "Find x.")]
 
 
 def _png(kind, seed):
     image, _, answer = draw_problem(kind, seed, 84)
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")
-    return buf.getvalue(), answer
+    return image_to_png(image), answer
 
 
 @pytest.fixture(scope="module")

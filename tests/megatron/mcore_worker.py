@@ -147,22 +147,29 @@ def dp_slice(batch, actor):
     return {k: v[r * n : (r + 1) * n] for k, v in batch.items()}
 
 
-def run_model(arch, tied, layouts, extra_checks):
+def reference_inputs(arch="qwen3", tied=True):
+    """A tiny HF model (and its weights), the shared batch, its float64 action log-probs, and old
+    log-probs 0.05 away from them (seed 99; the global RNG goes on from there)."""
     cfg, hf = make_hf(arch, tied)
-    name = f"{arch}_{'tied' if tied else 'untied'}"
     batch, rewards = make_batch()
-    mask = batch["action_mask"].double()
     with torch.no_grad():
         ref_lp = hf_logp(hf.double(), batch)
         hf.float()
+    hf_sd = {k: v.detach().clone() for k, v in hf.state_dict().items()}
     torch.manual_seed(99)
     old = (ref_lp + 0.05 * torch.randn(ref_lp.shape, dtype=torch.float64)).float()
+    return cfg, hf, hf_sd, batch, rewards, ref_lp, old
+
+
+def run_model(arch, tied, layouts, extra_checks):
+    cfg, hf, hf_sd, batch, rewards, ref_lp, old = reference_inputs(arch, tied)
+    name = f"{arch}_{'tied' if tied else 'untied'}"
+    mask = batch["action_mask"].double()
     target = listwise.gibbs_target(rewards, listwise.group_temperature(rewards, "std")).reshape(-1).float()
     advantages = listwise.pg_advantages(rewards, "grpo").reshape(-1).float()
     extra = {"old_log_probs": old, "target": target, "advantages": advantages}
     # ratios in (1.2, 1.28): the symmetric clip cuts them, clip-higher (eps_high 0.28) does not
     extra_far = dict(extra, old_log_probs=(ref_lp - 0.215 + 0.02 * torch.randn(ref_lp.shape, dtype=torch.float64)).float())
-    hf_sd = {k: v.detach().clone() for k, v in hf.state_dict().items()}
     refs = {}
     for tp, pp, distopt, spec_name, mbs in layouts:
         # "listwise", "listwise_surrogate", "pg", "pg_hi" (eps 0.2 / 0.28), or "listwise@<projection>@<divergence>"
@@ -591,14 +598,7 @@ def check_update_magnitude():
     With lr = eps = 1e3 and no clipping it is g / (1 + |g|/1e3), i.e. an SGD step (lr 1) to ~1e-5
     relative: the exported update must equal minus the plain-torch float64 gradient element by element,
     for two losses whose gradient norms differ (TP2 x DP2)."""
-    cfg, hf = make_hf("qwen3", True)
-    hf_sd = {k: v.detach().clone() for k, v in hf.state_dict().items()}
-    batch, rewards = make_batch()
-    with torch.no_grad():
-        ref_lp = hf_logp(hf.double(), batch)
-        hf.float()
-    torch.manual_seed(99)
-    old = (ref_lp + 0.05 * torch.randn(ref_lp.shape, dtype=torch.float64)).float()
+    cfg, hf, hf_sd, batch, rewards, ref_lp, old = reference_inputs()
     extra = {"old_log_probs": old,
              "target": listwise.gibbs_target(rewards, listwise.group_temperature(rewards, "std")).reshape(-1).float(),
              "advantages": listwise.pg_advantages(rewards, "grpo").reshape(-1).float()}
@@ -720,14 +720,8 @@ def check_reshard():
     TP1 -> PP2 (tied output layer); --ckpt.max_num pruning; a crash mid-save keeps 'latest'."""
     from openrlhf_lpo.megatron import checkpoint
 
-    cfg, hf = make_hf("qwen3", True)
-    hf_sd = {k: v.detach().clone() for k, v in hf.state_dict().items()}
-    batch, rewards = make_batch()
-    with torch.no_grad():
-        ref_lp = hf_logp(hf.double(), batch)
-        hf.float()
-    torch.manual_seed(99)
-    full = dict(batch, old_log_probs=(ref_lp + 0.05 * torch.randn(ref_lp.shape, dtype=torch.float64)).float(),
+    cfg, hf, hf_sd, batch, rewards, ref_lp, old = reference_inputs()
+    full = dict(batch, old_log_probs=old,
                 target=listwise.gibbs_target(rewards, listwise.group_temperature(rewards, "std")).reshape(-1).float())
     spec = LossSpec(name="listwise", group_size=K)
 

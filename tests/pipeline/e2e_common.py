@@ -81,15 +81,10 @@ def run_cli(args: List[str], env: Dict[str, str], log: Path, stop_at_checkpoint:
 
 
 def tb_scalars(tb_dir: Path) -> Dict[str, Dict[int, float]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    """``{tag: {step: value}}`` of a run's TensorBoard files (the product's reader)."""
+    from openrlhf_lpo.tensorboard_rows import scalars
 
-    scalars: Dict[str, Dict[int, float]] = {}
-    for events in tb_dir.rglob("events.out.tfevents.*"):
-        acc = EventAccumulator(str(events.parent))
-        acc.Reload()
-        for tag in acc.Tags()["scalars"]:
-            scalars.setdefault(tag, {}).update({e.step: e.value for e in acc.Scalars(tag)})
-    return scalars
+    return scalars(tb_dir)
 
 
 def logged_steps(log: str) -> List[int]:

@@ -1,12 +1,11 @@
 """Geometry data and rewards: the synthetic PIL task, the Geometry3k loader (HF parquet, JSON + PNG
 folders, hub name offline), the paper's prompt, and answers graded by the shared math grader."""
 
-import io
 import json
 
 import pytest
 
-from openrlhf_lpo.data.geometry import KINDS, PYTHAGOREAN, draw_problem, generate_geometry_problems
+from openrlhf_lpo.data.geometry import KINDS, PYTHAGOREAN, draw_problem, generate_geometry_problems, image_to_png
 from openrlhf_lpo.data.geometry3k import load_geometry3k, read_geometry3k
 from openrlhf_lpo.data.templates import GEOMETRY_INSTRUCTION, geometry_prompt, render
 from openrlhf_lpo.rewards import reward_func as rf
@@ -49,9 +48,7 @@ def test_synthetic_problems_are_deterministic_and_load_in_openrlhf(tmp_path):
 
 def _png(kind, seed):
     image, _, answer = draw_problem(kind, seed, 84)
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")
-    return buf.getvalue(), answer
+    return image_to_png(image), answer
 
 
 @pytest.fixture(scope="module")
