@@ -136,9 +136,16 @@ def _jsonable(value, depth=0):
 # -- plain data across the assert format's process boundary --------------------------------------------
 
 
+class NotPlainData(BaseException):
+    """The tests used a program object as a value, or the program process sent something that is not
+    plain data; a BaseException, so a test's ``except Exception`` (or ``except ValueError``) cannot
+    mistake it for an exception the tests expect from the program."""
+
+
 class ProgramObject:
     """A value of the program that is not plain data: opaque, only usable as an argument of another
-    call into the program. It is never truthy or falsy, and equals only itself."""
+    call into the program. It equals only itself; truth value, order, arithmetic, length, iteration,
+    indexing and attributes raise :class:`NotPlainData`."""
 
     __slots__ = ("handle", "type_name", "_channel")
 
@@ -147,9 +154,6 @@ class ProgramObject:
 
     def __call__(self, *args, **kwargs):
         return self._channel.call({"h": self.handle}, args, kwargs)
-
-    def __bool__(self):
-        raise TypeError("a %s object of the program has no truth value in the tests (not plain data)" % self.type_name)
 
     def __eq__(self, other):
         return self is other
@@ -162,6 +166,25 @@ class ProgramObject:
 
     def __repr__(self):
         return "<program object #%d of type %s>" % (self.handle, self.type_name)
+
+    def __getattr__(self, name):
+        raise NotPlainData("a %s object of the program has no attribute %r in the tests (not plain data)"
+                           % (self.type_name, name))
+
+
+def _not_plain(name):
+    def refuse(self, *args):
+        raise NotPlainData("a %s object of the program cannot be used with %s in the tests (not plain data)"
+                           % (self.type_name, name))
+
+    refuse.__name__ = name
+    return refuse
+
+
+for _name in ("__bool__", "__lt__", "__le__", "__gt__", "__ge__", "__len__", "__iter__", "__contains__",
+              "__getitem__", "__int__", "__float__", "__index__", "__abs__", "__neg__", "__add__", "__radd__",
+              "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__floordiv__", "__mod__"):
+    setattr(ProgramObject, _name, _not_plain(_name))
 
 
 def to_plain(value, other, depth=0):
@@ -243,13 +266,16 @@ class _Channel:
         """The next message, or None at end of file."""
         while b"\n" not in self.buf:
             if len(self.buf) > self.cap:
-                raise ValueError("a message of more than %d bytes" % self.cap)
+                raise NotPlainData("a message of more than %d bytes" % self.cap)
             chunk = os.read(self.read_fd, CHUNK)
             if not chunk:
                 return None
             self.buf += chunk
         line, self.buf = self.buf.split(b"\n", 1)
-        return json.loads(line.decode("ascii"))
+        try:
+            return json.loads(line.decode("ascii"))
+        except ValueError:
+            raise NotPlainData("an unreadable message") from None
 
 
 class ProgramExited(BaseException):
@@ -281,7 +307,11 @@ class _HarnessChannel(_Channel):
             raise TypeError("the tests pass a %s to the program: the assert format sends plain data only"
                             % type(v).__name__)
 
-        self.send({"call": target, "args": to_plain(list(args), no_object), "kw": to_plain(dict(kwargs), no_object)})
+        message = {"call": target, "args": to_plain(list(args), no_object), "kw": to_plain(dict(kwargs), no_object)}
+        try:
+            self.send(message)
+        except OSError:
+            raise ProgramExited("the program's process has ended") from None
         return self._answer(self.recv())
 
     def _answer(self, msg):
@@ -290,7 +320,10 @@ class _HarnessChannel(_Channel):
         if type(msg) is not dict:
             raise ProgramExited("unreadable answer from the program")
         if "v" in msg:
-            return from_plain(msg["v"], lambda h, name: ProgramObject(h, name, self))
+            try:
+                return from_plain(msg["v"], lambda h, name: ProgramObject(h, name, self))
+            except (ValueError, TypeError, RecursionError, OverflowError):
+                raise NotPlainData("the program sent something that is not plain data") from None
         if "raise" in msg:
             raise _exception(msg["raise"], str(msg.get("msg", ""))[:2000])
         raise ProgramExited("the program exited (%s)" % str(msg.get("exit", "?"))[:100])

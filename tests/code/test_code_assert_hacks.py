@@ -304,14 +304,17 @@ def test_plain_data_crosses_the_boundary_as_builtins():
             r.from_plain(bad, lambda h, t: None)
 
 
-def test_program_objects_have_no_truth_value_and_equal_only_themselves():
+def test_program_objects_equal_only_themselves_and_refuse_everything_else():
+    """Misusing a program object raises NotPlainData, a BaseException: a test's ``except Exception`` or
+    ``except TypeError`` (a test expecting the program to raise) cannot turn it into a pass."""
     r = runner_module()
     a, b = r.ProgramObject(1, "Yes", None), r.ProgramObject(1, "Yes", None)
     assert a == a and a != b and not (a == 5) and a != 5 and len({a, b}) == 2
-    with pytest.raises(TypeError, match="no truth value"):
-        bool(a)
-    with pytest.raises(TypeError):
-        a < 1  # noqa: B015
+    assert not issubclass(r.NotPlainData, Exception)
+    for use in (bool, len, iter, abs, int, float, lambda x: x < 1, lambda x: x + 1, lambda x: 1 - x,
+                lambda x: x[0], lambda x: 3 in x, lambda x: x.value):
+        with pytest.raises(r.NotPlainData, match="not plain data"):
+            use(a)
 
 
 def test_assert_format_still_grades_ordinary_programs(box):
@@ -345,6 +348,13 @@ def test_assert_format_still_grades_ordinary_programs(box):
     assert grade_code(fence(program), tests, sandbox=box).status == "ok"
     wrong = program.replace("count + 1", "count + 2")
     assert grade_code(fence(wrong), tests, sandbox=box).status == "fail"
+    # an answer that is not plain data (forged on the reply pipe) cannot pose as the ValueError a test expects
+    raises = {"test": "def check(candidate):\n    try:\n        candidate(-1)\n    except ValueError:\n        return\n"
+                      "    raise AssertionError('no ValueError')\n", "entry_point": "root"}
+    honest = "def root(x):\n    if x < 0:\n        raise ValueError('negative')\n    return x ** 0.5\n"
+    assert grade_code(fence(honest), raises, sandbox=box).status == "ok"
+    forged = "import os\ndef root(x):\n    os.write(4, b'{\"v\": {\"zz\": 1}}\\n')\n    os._exit(0)\n"
+    assert grade_code(fence(forged), raises, sandbox=box).status == "fail"
     missing = grade_code(fence("def other():\n    pass\n"), tests, sandbox=box)
     assert missing.status == "fail" and "NameError" in missing.detail
     lam = {"test": "def check(candidate):\n    assert candidate(lambda x: x) == 1\n", "entry_point": "f"}
