@@ -194,6 +194,53 @@ def test_bwrap_counts_per_sandbox_even_on_one_shared_uid():
     assert_pool_healthy(box)
 
 
+# a user-namespaced container (Kubernetes hostUsers: false, rootless Podman): root inside, 65536 uids mapped
+IN_USERNS = textwrap.dedent(
+    """
+    import ctypes, os, sys
+    ready_r, ready_w = os.pipe()
+    go_r, go_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.write(ready_w, b"1" if ctypes.CDLL(None, use_errno=True).unshare(0x10000000) == 0 else b"0")
+        os.read(go_r, 1)
+        os.execv(sys.executable, [sys.executable, "-c", sys.argv[1]])
+    assert os.read(ready_r, 1) == b"1", "unshare(CLONE_NEWUSER) failed"
+    for name in ("uid_map", "gid_map"):
+        with open("/proc/%d/%s" % (pid, name), "w") as f:
+            f.write("0 0 65536\\n")
+    os.write(go_w, b"1")
+    sys.exit(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+    """
+)
+USERNS_CHECK = textwrap.dedent(
+    """
+    from openrlhf_lpo.rewards.code import grade_code
+    from openrlhf_lpo.rewards.sandbox import CodeSandbox, SandboxConfig
+    box = CodeSandbox(SandboxConfig(timeout_s=1.0, workers=2))
+    box.ensure_ready()
+    print("UIDS", box.uid_note)
+    print("BUDGET", box.budget_note)
+    print("GRADED", grade_code("```python\\nprint(sum(map(int, input().split())))\\n```",
+                               {"inputs": ["1 2\\n"], "outputs": ["3"]}, sandbox=box).status)
+    """
+)
+
+
+@root_only
+def test_unmapped_uids_fall_back_to_one_shared_uid(repo_env):
+    """Inside a user namespace that maps only uids 0-65535 the default LPO_CODE_UIDS cannot be used: the
+    pool falls back to uid 65534 for every slot, the probe finds the count still isolated (kernel >= 5.14),
+    and programs are graded."""
+    out = subprocess.run([sys.executable, "-c", IN_USERNS, USERNS_CHECK], capture_output=True, text=True,
+                         env=repo_env, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if line.split(" ", 1)[0] in ("UIDS", "BUDGET", "GRADED"))
+    assert lines["UIDS"].startswith("65534, shared by every slot (LPO_CODE_UIDS=2100000000-2100999999 failed here)")
+    assert lines["BUDGET"].startswith("64 processes per sandbox, isolated") and lines["GRADED"] == "ok"
+    assert "do not work here" in out.stderr  # logged
+
+
 def test_fork_failure_is_a_sandbox_error_with_reward_zero(box, monkeypatch):
     """The runner cannot fork a test's process (as when other sandboxes exhaust a shared count on an old
     kernel; here its RLIMIT_NPROC is set to the 2 processes the sandbox already has): status ``error``,
