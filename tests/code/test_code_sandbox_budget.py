@@ -9,7 +9,6 @@ user namespace counts per sandbox. The old kernels' situation is real here witho
 """
 
 import os
-import signal
 import subprocess
 import sys
 import tempfile
