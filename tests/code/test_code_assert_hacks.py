@@ -14,7 +14,7 @@ import uuid
 
 import pytest
 
-from code_helpers import REPO, assert_pool_healthy
+from code_helpers import REPO, assert_pool_healthy, wait_no_sandbox_processes
 from openrlhf_lpo.rewards.code import grade_code
 
 SECRET = f"lpo-secret-{uuid.uuid4().hex}"
@@ -255,7 +255,7 @@ def test_assert_format_hack_does_not_pass(box, hack):
     assert result.passed == 0 and result.status != "ok", (hack, result)
     assert result.reward("fraction") == 0.0 and result.reward("all") == 0.0
     assert grade_code(fence(honest), tests, sandbox=box).status == "ok"  # the same task, graded right after
-    assert_pool_healthy(box)
+    assert box.free_slots() == len(box.slots) and wait_no_sandbox_processes() == []
 
 
 def test_the_program_never_holds_the_tests(box):
