@@ -190,8 +190,10 @@ def _plan_lines(args, preflight) -> List[str]:
             f"up to {args.rollout.max_tokens_per_gpu} tokens (dynamic batching)" if args.train.dynamic_batch_enable
             else f"{args.rollout.micro_batch_size} sample(s)"))
         lines.append(f"  full batch: {_batch_shape(args, B)}")
-    rows, note = (preflight.train_rows, "read by the preflight") if preflight is not None and \
-        preflight.train_rows is not None else dataset_rows(args)
+    if preflight is not None and preflight.train_rows is not None:
+        rows, note = preflight.train_rows, "read by the preflight"  # as upstream reads them
+    else:
+        rows, note = dataset_rows(args)
     if rows is None:
         lines.append(f"dataset: size unknown ({note})")
         return lines

@@ -352,6 +352,13 @@ def test_token_percentiles_and_truncation_match_a_brute_force_count(tmp_path, ti
     assert over and f"truncated prompts: {len(over)} row(s) exceed the room of 156 tokens (--data.max_len 256 - " \
                     f"--rollout.max_new_tokens 100)" in out
     assert f"(first: {data}:{over[0] + 1}, {counts[over[0]]} tokens)" in out
+    # a dataset above RENDER_ALL rows: prompts are rendered and checked on an evenly spaced subset of that size
+    monkeypatch.setattr(pf_prompts, "RENDER_ALL", 100)
+    code, out, err = lpo_train(argv_for(tmp_path, data, tiny_model_dir, "--data.apply_chat_template",
+                                        "--data.max_len", "256", "--rollout.max_new_tokens", "100"), capsys)
+    subset = sorted({round(k * 149 / 99) for k in range(100)})
+    over = [i for i in subset if counts[i] > 156]
+    assert code == 0 and f"truncated prompts: {len(over)} row(s) (of an evenly spaced 100-row subset) exceed" in out
 
 
 def test_lengths_the_model_cannot_hold(tmp_path, tiny_model_dir, capsys):

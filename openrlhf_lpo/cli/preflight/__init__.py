@@ -3,8 +3,9 @@
 Public names (stable):
     Check, PreflightError, Preflight, register_check(name), checks()
     run_preflight(args, dry_run) -> Preflight      every registered check, on one shared context
-    preflight_or_exit(args, prog) -> Preflight     the same; prints every failure and exits 2
-    MODES
+    preflight_or_exit(args, prog) -> Preflight     the same; prints every failure and exits 2 (None: off)
+    summary_lines(ctx) -> list of str              what the plan and a real run's log print
+    MODES, CHECK_MODULES
 
 Checks are a registry, one concern per module beside this one, run in this order (``CHECK_MODULES``):
 
@@ -14,11 +15,11 @@ Checks are a registry, one concern per module beside this one, run in this order
 ``datasets``    ``--data.prompt_dataset`` / ``--eval.dataset`` read as OpenRLHF 0.11.2 reads them
                 (its own ``blending_datasets``): parse errors with file and line, keys, empty
                 datasets, ``--data.prompt_probs``, prompt and image values, duplicates
-``prompts``     prompts rendered as upstream renders them, their tokens with the model's tokenizer,
-                rows ``--data.max_len`` / ``--rollout.max_new_tokens`` truncate
 ``reward``      ``--reward.remote_url``: the file loads in a subprocess (with a timeout) and defines
                 ``reward_func``
 ``labels``      every label parses for its task with the reward's own parsers (our reward file)
+``prompts``     prompts rendered as upstream renders them, their tokens with the model's tokenizer,
+                rows ``--data.max_len`` / ``--rollout.max_new_tokens`` truncate
 ``checkpoint``  ``--ckpt.path`` / ``--ckpt.output_dir`` writable with the disk the run needs;
                 ``--ckpt.load_enable`` with a checkpoint this run can resume
 ==============  ==========================================================================
@@ -45,7 +46,7 @@ __all__ = ["Check", "PreflightError", "Preflight", "register_check", "checks", "
 
 MODES = ("on", "off")
 # the modules that register the checks, in run order (each one concern)
-CHECK_MODULES = ("model", "datasets", "prompts", "reward", "labels", "checkpoint")
+CHECK_MODULES = ("model", "datasets", "reward", "labels", "prompts", "checkpoint")
 
 
 class PreflightError(ValueError):

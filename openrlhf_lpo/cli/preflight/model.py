@@ -110,7 +110,8 @@ def _config(facts: ModelFacts) -> dict:
     return config
 
 
-def _check_files(ctx, facts: ModelFacts) -> None:
+def _check_files(ctx, facts: ModelFacts) -> bool:
+    """Weights and tokenizer files are there (False: a hub snapshot without the tokenizer yet)."""
     names = os.listdir(facts.path)
     weights = [n for n in names if n.endswith(WEIGHT_SUFFIXES) or n.endswith(".index.json")]
     if not weights:
@@ -124,8 +125,12 @@ def _check_files(ctx, facts: ModelFacts) -> None:
         raise PreflightError(f"{FLAG} {facts.name}: --backend megatron reads model.safetensors(.index.json) only; "
                              "convert the .bin weights (save_pretrained(..., safe_serialization=True))")
     if not any(n in names for n in TOKENIZER_FILES) and not any(n.endswith(".tiktoken") for n in names):
+        if facts.hub_id:
+            ctx.say(f"model: the cached snapshot of {facts.hub_id} has no tokenizer files yet: tokens not counted")
+            return False
         raise PreflightError(f"{FLAG} {facts.name}: holds no tokenizer files (one of {', '.join(TOKENIZER_FILES)}); "
                              "copy the base model's tokenizer into the folder")
+    return True
 
 
 def _load_tokenizer(ctx, facts: ModelFacts):
@@ -210,11 +215,11 @@ def check_model(ctx) -> None:
     if facts.path is None:
         return
     facts.config = _config(facts)
-    _check_files(ctx, facts)
+    has_tokenizer = _check_files(ctx, facts)
     from openrlhf_lpo.cli.disk import model_params
 
     facts.params = model_params(facts.path)
-    facts.tokenizer = _load_tokenizer(ctx, facts)
+    facts.tokenizer = _load_tokenizer(ctx, facts) if has_tokenizer else None
     _check_vocab(facts)
     _check_chat_template(ctx, facts)
     _check_positions(ctx, facts)

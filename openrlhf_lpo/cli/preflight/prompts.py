@@ -6,7 +6,8 @@
   without running shipped code), so a row the template refuses is named here;
 * tokens are counted as OpenRLHF's rollout counts them (``tokenizer(prompt, add_special_tokens=False)``):
   percentiles over all rows, or over an evenly spaced sample of :data:`SAMPLE` rows of a larger dataset;
-* rows longer than the prompt may be are counted exactly: the rollout keeps the room
+* rows longer than the prompt may be are counted exactly (datasets above :data:`RENDER_ALL` rows: over an
+  evenly spaced subset of that many, said in the summary): the rollout keeps the room
   ``--data.max_len - --rollout.max_new_tokens`` (``--data.max_len - 1`` without it) and cuts a longer
   prompt from the left (its start is lost); an image prompt that long is an error in the engine, so it is
   one here. Only rows whose UTF-8 length could exceed the room are tokenized for this (a token covers at
@@ -18,14 +19,20 @@ from __future__ import annotations
 
 import math
 import re
-from typing import List, Optional
+from typing import Dict, List
 
 from openrlhf_lpo.cli.preflight import PreflightError, register_check
 from openrlhf_lpo.cli.preflight.datasets import RowProblems
 
-SAMPLE = 2048
+SAMPLE = 2048            # rows whose tokens give the percentiles
+RENDER_ALL = 200_000     # rows rendered and checked for truncation; a larger dataset: an evenly spaced subset
 PERCENTILES = (50, 90, 99)
 _SAFE_NORMALIZERS = {"NFC", "Lowercase", "Replace", "Prepend", "Strip", "StripAccents", "Sequence"}
+
+
+def spaced(n: int, k: int) -> List[int]:
+    """``range(n)``, or ``k`` evenly spaced indices of it (first and last included) when ``n > k``."""
+    return list(range(n)) if n <= k else sorted({round(j * (n - 1) / (k - 1)) for j in range(k)})
 
 
 def percentile(sorted_values: List[int], p: float) -> int:
@@ -87,36 +94,37 @@ def check_prompts(ctx) -> None:
 
     data = args.data
     problems = RowProblems(facts)
-    prompts: List[Optional[str]] = []
-    for i, value in enumerate(facts.column(data.input_key)):
+    values = facts.column(data.input_key)
+    rows = spaced(len(values), RENDER_ALL)
+    prompts: Dict[int, str] = {}
+    for i in rows:
         try:
-            prompts.append(preprocess_data({data.input_key: value}, data.input_template, data.input_key, None,
-                                           render)[0])
+            prompts[i] = preprocess_data({data.input_key: values[i]}, data.input_template, data.input_key, None,
+                                         render)[0]
         except Exception as e:  # noqa: BLE001 - the template's own error, per row
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             problems.add(f"the chat template fails on the prompt ({type(e).__name__}: {first[:160]})", i)
-            prompts.append(None)
     problems.raise_if_any()
-    n = len(prompts)
     room = max_len - max_new if max_new is not None else max_len - 1
-    sample = list(range(n)) if n <= SAMPLE else sorted({round(k * (n - 1) / (SAMPLE - 1)) for k in range(SAMPLE)})
+    sample = [rows[k] for k in spaced(len(rows), SAMPLE)]
     if _byte_bound_holds(tokenizer):
-        candidates = [i for i, p in enumerate(prompts) if len(p.encode("utf-8", "surrogatepass")) + 1 > room]
+        candidates = [i for i in rows if len(prompts[i].encode("utf-8", "surrogatepass")) + 1 > room]
     else:
-        candidates = list(range(n))
+        candidates = list(rows)
     todo = sorted(set(sample) | set(candidates))
     counted = dict(zip(todo, _count(tokenizer, [prompts[i] for i in todo])))
     lengths = sorted(counted[i] for i in sample)
     over = [i for i in candidates if counted[i] > room]
     shown = ", ".join(f"p{p} {percentile(lengths, p)}" for p in PERCENTILES)
-    label = "all rows" if len(sample) == n else f"a {len(sample)}-row sample of {n}"
+    label = "all rows" if len(sample) == len(values) else f"a {len(sample)}-row sample of {len(values)}"
+    scope = "" if len(rows) == len(values) else f" (of an evenly spaced {len(rows)}-row subset)"
     ctx.say(f"  prompt tokens ({label}, tokenizer of {ctx.model.name}"
             + (", text only: each image adds its own" if data.max_images_per_prompt > 0 else "")
             + f"): {shown}, max {max(counted.values())}")
     limit = (f"--data.max_len {max_len} - --rollout.max_new_tokens {max_new}" if max_new is not None
              else f"--data.max_len {max_len} - 1")
     if not over:
-        ctx.say(f"  truncated prompts: none (room {room} tokens = {limit})")
+        ctx.say(f"  truncated prompts: none{scope} (room {room} tokens = {limit})")
         return
     where = facts.locations()
     if data.max_images_per_prompt > 0:
@@ -127,5 +135,5 @@ def check_prompts(ctx) -> None:
                          "image prompts it would cut: raise --data.max_len or shorten the prompt", i)
         problems.raise_if_any()
     first = where[over[0]]
-    ctx.say(f"  truncated prompts: {len(over)} row(s) exceed the room of {room} tokens ({limit}); the rollout cuts "
+    ctx.say(f"  truncated prompts: {len(over)} row(s){scope} exceed the room of {room} tokens ({limit}); the rollout cuts "
             f"them from the left, losing their start (first: {first[0].where(first[1])}, {counted[over[0]]} tokens)")
