@@ -188,6 +188,11 @@ def test_json_parquet_and_dataset_folders_with_splits(tmp_path, tiny_model_dir, 
             f"--data.prompt_split validation: {folder} has no split 'validation'; its splits: test, train")
     refused(argv_for(tmp_path, listed, tiny_model_dir, "--data.prompt_split", "test"), capsys,
             "has no split 'test'; its splits: train (a local file has only 'train')")
+    hollow = tmp_path / "hollow"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows(1)),
+                          "test": datasets.Dataset.from_list(rows(1)).filter(lambda r: False)}).save_to_disk(str(hollow))
+    refused(argv_for(tmp_path, hollow, tiny_model_dir, "--data.prompt_split", "test"), capsys,
+            f"--data.prompt_dataset {hollow}: the dataset is empty (0 rows in split 'test')")
     empty = tmp_path / "empty.parquet"
     datasets.Dataset.from_list(rows(1)).select([]).to_parquet(str(empty))
     refused(argv_for(tmp_path, empty, tiny_model_dir), capsys, f"{empty}: the file is empty (no rows)")
@@ -346,7 +351,8 @@ def test_token_percentiles_and_truncation_match_a_brute_force_count(tmp_path, ti
     assert len({c - len(t) for c, t in zip(counts, texts)}) == 1  # the character tokenizer: one token per character
     sample = sorted({round(k * 149 / 63) for k in range(64)})
     want = np.percentile([counts[i] for i in sample], [50, 90, 99], method="inverted_cdf").astype(int)
-    assert f"prompt tokens (a {len(sample)}-row sample of 150, tokenizer of {tiny_model_dir}): p50 {want[0]}, " \
+    assert f"prompt tokens (--data.prompt_dataset, a {len(sample)}-row sample of 150, tokenizer of {tiny_model_dir}): " \
+           f"p50 {want[0]}, " \
            f"p90 {want[1]}, p99 {want[2]}," in out
     over = [i for i, c in enumerate(counts) if c > 156]
     assert over and f"truncated prompts: {len(over)} row(s) exceed the room of 156 tokens (--data.max_len 256 - " \
@@ -359,6 +365,18 @@ def test_token_percentiles_and_truncation_match_a_brute_force_count(tmp_path, ti
     subset = sorted({round(k * 149 / 99) for k in range(100)})
     over = [i for i in subset if counts[i] > 156]
     assert code == 0 and f"truncated prompts: {len(over)} row(s) (of an evenly spaced 100-row subset) exceed" in out
+
+
+def test_rows_the_chat_template_refuses(tmp_path, tiny_model_dir, capsys):
+    strict = _copy_model(tiny_model_dir, tmp_path / "strict")
+    (strict / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('tool turns are not supported') }}"
+        "{% endif %}{{ m['content'] }}{% endfor %}")
+    chat = [{"prompt": [{"role": "user", "content": "hi"}], "label": "1"}] * 2
+    data = jsonl(tmp_path / "c.jsonl", chat + [{"prompt": [{"role": "tool", "content": "x"}], "label": "1"}])
+    refused(argv_for(tmp_path, data, strict, "--data.apply_chat_template"), capsys,
+            "the chat template fails on the prompt (TemplateError: tool turns are not supported): 1 row(s): "
+            f"{data}:3")
 
 
 def test_lengths_the_model_cannot_hold(tmp_path, tiny_model_dir, capsys):
@@ -416,6 +434,8 @@ def test_a_hub_id_outside_the_cache(tmp_path, capsys, monkeypatch):
     refused(argv_for(tmp_path, data, "no-such-org/no-such-model-1b", dry=False), capsys,
             "no-such-org/no-such-model-1b: not a local folder and not in the local Hugging Face cache, and "
             "HF_HUB_OFFLINE=1", "huggingface-cli download no-such-org/no-such-model-1b")
+    refused(argv_for(tmp_path, data, "not a model!"), capsys,
+            "--actor.model_name_or_path 'not a model!': no such local folder, and not a valid Hugging Face model id")
 
 
 # ----------------------------------------------------------------------------- reward file
@@ -442,6 +462,17 @@ def test_reward_files_that_cannot_serve(case, tmp_path, tiny_model_dir, capsys, 
     refused(argv_for(tmp_path, jsonl(tmp_path / "d.jsonl", rows(4)), tiny_model_dir, reward=reward), capsys,
             f"--reward.remote_url {reward}", needle)
     assert time.time() - t0 < 30
+
+
+def test_an_agent_file_must_define_its_executor(tmp_path, tiny_model_dir, capsys):
+    data = jsonl(tmp_path / "d.jsonl", rows(4))
+    agent = tmp_path / "agent.py"
+    agent.write_text("class Executor:\n    pass\n")
+    refused(argv_for(tmp_path, data, tiny_model_dir, "--train.agent_func_path", str(agent)), capsys,
+            f"--train.agent_func_path {agent}: the file defines no 'AgentExecutor'")
+    agent.write_text("class AgentExecutor:\n    pass\n")
+    code, out, err = lpo_train(argv_for(tmp_path, data, tiny_model_dir, "--train.agent_func_path", str(agent)), capsys)
+    assert code == 0 and f"agent: {agent} defines AgentExecutor" in out, err
 
 
 def test_an_http_reward_server_is_not_contacted(tmp_path, tiny_model_dir, capsys):

@@ -84,11 +84,11 @@ def check_prompts(ctx) -> None:
         return
     tokenizer = getattr(ctx.model, "tokenizer", None)
     if tokenizer is None:
-        ctx.say("  prompt tokens: not counted (no tokenizer of the model here)")
+        ctx.say("prompt tokens: not counted (no tokenizer of the model here)")
         return
     render, why = _renderer(ctx)
     if render is False:
-        ctx.say(f"  prompt tokens: not counted ({why})")
+        ctx.say(f"prompt tokens: not counted ({why})")
         return
     from openrlhf.datasets.prompts_dataset import preprocess_data
 
@@ -118,7 +118,7 @@ def check_prompts(ctx) -> None:
     shown = ", ".join(f"p{p} {percentile(lengths, p)}" for p in PERCENTILES)
     label = "all rows" if len(sample) == len(values) else f"a {len(sample)}-row sample of {len(values)}"
     scope = "" if len(rows) == len(values) else f" (of an evenly spaced {len(rows)}-row subset)"
-    ctx.say(f"  prompt tokens ({label}, tokenizer of {ctx.model.name}"
+    ctx.say(f"prompt tokens ({facts.flag}, {label}, tokenizer of {ctx.model.name}"
             + (", text only: each image adds its own" if data.max_images_per_prompt > 0 else "")
             + f"): {shown}, max {max(counted.values())}")
     limit = (f"--data.max_len {max_len} - --rollout.max_new_tokens {max_new}" if max_new is not None
