@@ -5,6 +5,7 @@ Public names (stable):
     run_preflight(args, dry_run) -> Preflight      every registered check, on one shared context
     preflight_or_exit(args, prog) -> Preflight     the same; prints every failure and exits 2 (None: off)
     summary_lines(ctx) -> list of str              what the plan and a real run's log print
+    looks_like_path(name) -> bool                  a local path, not a hub id
     MODES, CHECK_MODULES
 
 Checks are a registry, one concern per module beside this one, run in this order (``CHECK_MODULES``):
@@ -42,7 +43,7 @@ from typing import Any, Callable, Dict, List, Optional
 from openrlhf_lpo.cli import flags as _flags
 
 __all__ = ["Check", "PreflightError", "Preflight", "register_check", "checks", "run_preflight",
-           "preflight_or_exit", "summary_lines", "MODES", "CHECK_MODULES"]
+           "preflight_or_exit", "summary_lines", "looks_like_path", "MODES", "CHECK_MODULES"]
 
 MODES = ("on", "off")
 # the modules that register the checks, in run order (each one concern)
@@ -51,6 +52,11 @@ CHECK_MODULES = ("model", "datasets", "reward", "labels", "prompts", "checkpoint
 
 class PreflightError(ValueError):
     """A bad input: the message names the path, line or field and what to do."""
+
+
+def looks_like_path(name: str) -> bool:
+    """A name meant as a local path (a hub id is ``org/name``: one slash, no leading ``/ . ~``)."""
+    return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1
 
 
 @dataclass

@@ -2,8 +2,8 @@
 
 * ``--ckpt.path`` and ``--ckpt.output_dir`` are (or can be created as) writable folders, and their
   filesystems have the free space the run needs (:mod:`openrlhf_lpo.cli.disk`: checkpoints, Hugging Face
-  exports, the final model; space already used under ``--ckpt.path`` counts as reusable). Nothing is
-  created here.
+  exports, the final model; old training checkpoints in ``--ckpt.path/_actor``, which rotation deletes,
+  count as free). Nothing is created here.
 * ``--ckpt.load_enable`` with ``--ckpt.path/_actor`` present: the checkpoint ``latest`` names must be one
   this run can load:
 
@@ -88,8 +88,8 @@ def _check_disk(ctx, anchors: dict) -> None:
             continue
         entry["flags"].append(path)
         entry["need"] += need.bytes_under(path)
-        if flag == "--ckpt.path":
-            entry["reuse"] += _used(path)
+        if flag == "--ckpt.path":  # old training checkpoints are rotated away (exports are not)
+            entry["reuse"] += _used(os.path.join(path, "_actor"))
     ctx.say("disk: " + "; ".join(f"{what} in {where}" for what, _, where in need.parts))
     for entry in by_device.values():
         free = shutil.disk_usage(entry["anchor"]).free
@@ -97,7 +97,8 @@ def _check_disk(ctx, anchors: dict) -> None:
             raise PreflightError(
                 f"--ckpt.path / --ckpt.output_dir: {' and '.join(entry['flags'])} need about {human_size(entry['need'])} "
                 f"({'; '.join(w for w, _, d in need.parts if d in entry['flags'])}) but {entry['anchor']} has "
-                f"{human_size(free)} free (+{human_size(entry['reuse'])} already under --ckpt.path). Free space, "
+                f"{human_size(free)} free (+{human_size(entry['reuse'])} of old checkpoints under --ckpt.path/_actor). "
+                "Free space, "
                 "choose another path, or lower --ckpt.max_num / raise --ckpt.save_steps / drop --ckpt.save_hf")
         ctx.say(f"  {entry['anchor']}: {human_size(free)} free, the run needs about {human_size(entry['need'])}")
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Dict, List, Optional, Tuple
 
-from openrlhf_lpo.cli.preflight import PreflightError, register_check
+from openrlhf_lpo.cli.preflight import PreflightError, looks_like_path, register_check
 
 LOCAL_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet", ".arrow")
 MAX_LISTED = 3  # rows named per problem
@@ -179,7 +179,7 @@ def _missing_local(flag: str, path: str) -> Optional[str]:
     if path.endswith(LOCAL_SUFFIXES) or path.endswith(".py"):
         return (f"{flag} {path}: no such file (prepare it, e.g. python -m openrlhf_lpo.data.prepare ..., or fix "
                 "the path; relative paths are relative to the working directory)")
-    if path.startswith(("/", "./", "../", "~")) or path.count("/") > 1:
+    if looks_like_path(path):
         return f"{flag} {path}: no such file or folder"
     return None
 

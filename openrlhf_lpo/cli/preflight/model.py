@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from openrlhf_lpo.cli.preflight import PreflightError, register_check
+from openrlhf_lpo.cli.preflight import PreflightError, looks_like_path, register_check
 
 FLAG = "--actor.model_name_or_path"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "tiktoken.model")
@@ -53,10 +53,6 @@ def _offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "on", "yes", "true")
 
 
-def _looks_like_path(name: str) -> bool:
-    return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or (os.sep != "/" and os.sep in name)
-
-
 def _cached_snapshot(name: str) -> Optional[str]:
     """The hub cache folder that holds ``name``'s config.json, without any network access."""
     try:
@@ -77,7 +73,7 @@ def _resolve(ctx, name: str) -> ModelFacts:
         return ModelFacts(name, path=name)
     if os.path.exists(name):
         raise PreflightError(f"{FLAG} {name}: is a file; pass the model folder that holds config.json")
-    if _looks_like_path(name):
+    if looks_like_path(name):
         raise PreflightError(f"{FLAG} {name}: no such directory (a local model folder: check the path, or build "
                              "/download the model first)")
     snapshot = _cached_snapshot(name)
