@@ -412,6 +412,9 @@ def _dispatch(args) -> int:
 
         opts = _gen_options(args)
         opts.sampling()  # validates temperature / top-p
+        from .preflight import preflight
+
+        preflight(args.ckpts, opts)  # every checkpoint pattern and benchmark file, before any engine starts
         try:
             rep = generate(args.ckpts, opts)
             if rep.busy:
