@@ -97,25 +97,14 @@ def test_last_boxed_balanced():
     assert last_boxed("none") is None
 
 
-def _gpqa_csv(path, n):
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["Question", "Correct Answer", "Incorrect Answer 1", "Incorrect Answer 2",
-                                          "Incorrect Answer 3"])
-        w.writeheader()
-        for i in range(n):
-            w.writerow({"Question": f"Q{i}?", "Correct Answer": f"right{i}", "Incorrect Answer 1": f"w1-{i}",
-                        "Incorrect Answer 2": f"w2-{i}", "Incorrect Answer 3": f"w3-{i}"})
-
-
-def test_gpqa_option_orderings(tmp_path):
+def test_gpqa_option_orderings(tmp_path, gpqa_csv):
     """Four orderings by default (simple-evals): per question four distinct option orders, each keyed by the
     question and the ordering index; ordering 0 is the earlier single-order shuffle; --limit keeps whole questions."""
     import random
 
     from evaluation.io import sha256_text
 
-    path = tmp_path / "gpqa_diamond.csv"
-    _gpqa_csv(path, 5)
+    path = gpqa_csv(5)
     loaded = load_benchmark("gpqa_diamond", str(path))
     probs = loaded.problems
     assert len(probs) == 20 and loaded.notes == {"questions": 5, "rows": 5, "size": 198, "subset": True, "orderings": 4}

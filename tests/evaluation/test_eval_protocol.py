@@ -1,9 +1,7 @@
 """The paper's protocol one flag away (issue 24 §2): presets and their overrides, the settings header of every
 report, the Pass@k average over k > 1, loud subsets, MMLU-Pro's extraction chain, GPQA's option orderings."""
 
-import csv
 import json
-import random
 from fractions import Fraction
 from math import comb
 
@@ -95,20 +93,9 @@ def _pass_at_k(n, c, k):
     return 1 - Fraction(comb(n - c, k), comb(n, k))
 
 
-def _gpqa_csv(path, n):
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["Question", "Correct Answer", "Incorrect Answer 1", "Incorrect Answer 2",
-                                          "Incorrect Answer 3"])
-        w.writeheader()
-        for i in range(n):
-            w.writerow({"Question": f"Which is right {i}?", "Correct Answer": f"right{i}", "Incorrect Answer 1": f"w1-{i}",
-                        "Incorrect Answer 2": f"w2-{i}", "Incorrect Answer 3": f"w3-{i}"})
-
-
-def test_paper_preset_end_to_end_with_its_header(tiny_ckpt, tmp_path, capsys, bench_dir):
+def test_paper_preset_end_to_end_with_its_header(tiny_ckpt, tmp_path, capsys, bench_dir, gpqa_csv):
     out = tmp_path / "runs"
-    gpqa = tmp_path / "gpqa_diamond.csv"
-    _gpqa_csv(gpqa, 3)
+    gpqa = gpqa_csv(3)
     benches = {"aime24": None, "math500": None, "mmlu_pro": None, "gpqa_diamond": str(gpqa)}
     for b, src in benches.items():
         for p in load_benchmark(b, src, limit=3).problems:
@@ -198,4 +185,3 @@ def test_header_says_when_settings_are_mixed_or_match_no_preset():
     with pytest.raises(ValueError, match="--passk-average must be one of auto, all, k>1"):
         table_protocol(ms, "some")
     assert set(PRESETS) == {"paper", "r1"}
-    random.seed(0)
