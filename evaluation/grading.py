@@ -89,6 +89,18 @@ def choice_extraction_for(opts: dict, bench: str) -> str:
     return chains.get(bench, chains.get("*", "explicit"))
 
 
+def job_grading_options(kind: str, bench: str, options: dict) -> dict:
+    """The grading options that concern one job (recorded in its ``metrics.json``): a math job's
+    ``require_box``, a choice job's ``choice_extraction``; so changing one kind's option rescores only
+    that kind's jobs."""
+    options = check_grading_options(options)
+    if kind == "math":
+        return {"require_box": options["require_box"]}
+    if kind == "choice":
+        return {"choice_extraction": choice_extraction_for(options, bench)}
+    return {}
+
+
 def _grade_math(rows: list[dict], texts: list[str], pool: GraderPool, opts: dict, progress) -> list[GradeResult]:
     required = REQUIRE_BOX[opts.get("require_box", "never")]
     items = [(math_kind(opts["fast_path"], opts["boxes"], required(r.get("finish_reason", "stop"))), t, r["gold"])

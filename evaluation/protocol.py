@@ -216,8 +216,7 @@ def _kind(m: dict) -> str | None:
 
 
 def _choice_chain(m: dict) -> str:
-    chains = (m.get("grader") or {}).get("choice_extraction") or {"*": "explicit"}
-    return chains.get(m["benchmark"], chains.get("*", "explicit"))
+    return (m.get("grader") or {}).get("choice_extraction", "explicit")
 
 
 def _line(name: str, values: dict[str, list[str]]) -> str:

@@ -26,7 +26,7 @@ from typing import Any
 from openrlhf_lpo.rewards.grading import GradeResult, GraderPool, assistant_text
 
 from .generate import CONFIG_FILE, GEN_FILE, PROBLEMS_FILE, JobsFailed
-from .grading import GRADERS, check_grading_options  # how each kind is graded; score.GRADERS is that registry
+from .grading import GRADERS, check_grading_options, job_grading_options  # how each kind is graded (the registry)
 from .io import atomic_write_json, atomic_write_jsonl, read_json, read_jsonl, sha256_file
 from .locks import JobLock
 from .majority import VOTING_KINDS, vote_labels
@@ -152,7 +152,7 @@ def score_job(d: Path, pool: GraderPool, timeout: float, fast_path: bool = True,
         gen_sha = sha256_file(gen)
         majority = majority and cfg["kind"] in VOTING_KINDS
         grader = {"version": GRADER_VERSION, "timeout": timeout, "fast_path": fast_path, "boxes": boxes,
-                  "majority": majority, **check_grading_options(options or {})}
+                  "majority": majority, **job_grading_options(cfg["kind"], cfg["benchmark"], options or {})}
         mpath = d / METRICS_FILE
         if not force and mpath.exists() and (d / SAMPLES_FILE).exists():
             old = read_json(mpath)

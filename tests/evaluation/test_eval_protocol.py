@@ -147,9 +147,14 @@ def test_paper_preset_end_to_end_with_its_header(tiny_ckpt, tmp_path, capsys, be
                  "- gpqa_diamond: 4 option orderings per question"):
         assert line in head, (line, head)
     assert "| math avg (k>1) |" in md
-    # the other average on request; MMLU-Pro's chain for one benchmark, named in the header
+    # the other average on request; MMLU-Pro's chain for one benchmark (only that job is rescored), in the header
+    stamps = {p.parent.name.split("-")[0]: p.stat().st_mtime_ns for p in out.glob("*/*/metrics.json")}
     assert main(["--no-progress", "score", "--runs", str(out), "--workers", "1", "--choice-extraction",
                  "mmlu_pro=mmlu-pro"]) == 0
+    changed = {p.parent.name.split("-")[0] for p in out.glob("*/*/metrics.json")
+               if p.stat().st_mtime_ns != stamps[p.parent.name.split("-")[0]]}
+    assert changed == {"mmlu_pro"}
+    assert json.loads(next(out.glob("*/mmlu_pro-*/metrics.json")).read_text())["grader"]["choice_extraction"] == "mmlu-pro"
     assert main(["--no-progress", "report", "--runs", str(out), "--no-plots", "--passk-average", "all"]) == 0
     table = json.loads((out / "summary.json").read_text())
     assert table["rows"][0]["math_avg_pass@k"] == pytest.approx((expect["aime24"][32] + expect["math500"][1]) / 2)
