@@ -184,7 +184,7 @@ def main() -> None:
     args = ap.parse_args()
     old = load_old(args.old_rev)
     fast = not args.no_fast_path
-    print(f"old = {args.old_rev}:openrlhf_lpo/rewards/grading.py, new = working tree; fast_path={fast}\n")
+    print(f"old = the grader at {args.old_rev}, new = working tree; fast_path={fast}\n")
     print("| benchmark | response shape | n | old correct | new correct | verdicts changed | wrong->right | right->wrong |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     t0 = time.time()
@@ -202,8 +202,9 @@ def main() -> None:
                     o_res.append(guarded(old.grade_math_inprocess, resp, gold, fast_path=fast, limit=args.item_limit))
                     n_res.append(guarded(new.grade_math_inprocess, resp, gold, fast_path=fast, limit=args.item_limit,
                                          require_box=extra == "length"))
-                else:  # the old grader had no notion of the prompt: it saw the bare response
-                    o_res.append(guarded(old.grade_math_inprocess, resp, gold, fast_path=fast, limit=args.item_limit))
+                else:  # a grader without assistant_text (before issue 17) had no notion of the prompt
+                    old_text = old.assistant_text(resp, extra) if hasattr(old, "assistant_text") else resp
+                    o_res.append(guarded(old.grade_math_inprocess, old_text, gold, fast_path=fast, limit=args.item_limit))
                     n_res.append(guarded(new.grade_math_inprocess, new.assistant_text(resp, extra), gold,
                                          fast_path=fast, limit=args.item_limit))
             changed = sum(a != b for a, b in zip(o_res, n_res))

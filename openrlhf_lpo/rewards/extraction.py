@@ -221,7 +221,9 @@ def box_list(text: str) -> list[tuple[int, int, str]]:
 
 
 _OPEN, _CLOSE = "([{", ")]}"
-_THOUSANDS_RE = re.compile(r"(?<=\d),(?:\\!\s*)?(?=\d{3}(?!\d))")  # 10,455 and 10,\!080
+_MATH_DOLLAR_RE = re.compile(r"(?<!\\)\$")  # a math delimiter, not an escaped dollar sign
+# one number written with thousands separators, the whole answer: 10,455; 10,\!080; \$32,\!348; 1,000.5
+_THOUSANDS_RE = re.compile(r"^[-+]?(?:\\\$)?\d{1,3}(?:,(?:\\!\s*)?\d{3})+(?:\.\d+)?$")
 _PART_SEP_RE = re.compile(r",|;|\\q?quad|\s(?:and|or)\s")
 
 
@@ -245,9 +247,12 @@ def _strip_outer_set(s: str) -> str:
 def split_answer(answer: str) -> list[str]:
     """The parts an answer lists at the top level: ``(1,2),(2,1)`` -> ``["(1,2)", "(2,1)"]``, ``(1, 2)`` -> one.
 
-    Separators outside brackets: ``,`` (not a thousands separator), ``;``, ``\\quad``, " and ", " or ".
+    Separators outside brackets: ``,``, ``;``, ``\\quad``, " and ", " or "; an answer that is one number with
+    thousands separators (``10,455``, ``10,\\!080``) is one part.
     """
-    s = _THOUSANDS_RE.sub("", _strip_outer_set(_unwrap_text(answer.replace("$", ""))))
+    s = _strip_outer_set(_unwrap_text(_MATH_DOLLAR_RE.sub("", answer)))
+    if _THOUSANDS_RE.match(s.strip()):
+        return [s.strip()]
     parts, depth, cur = [], 0, []
     pos = 0
     while pos < len(s):
@@ -277,7 +282,7 @@ def answer_parts(answer: str) -> int:
 # "The final answer is $10,455$." / "Final Answer: $x^2$" (a math-delimited answer or a plain number)
 _STATEMENT_RE = re.compile(
     r"final answer(?:\s+is|\s*:)(?:\s*the final answer is)?\s*:?\s*"
-    r"(\$\$?[^$]+\$\$?|\\\((?:(?!\\\)).)+\\\)|-?\d[\d,]*(?:\.\d+)?(?![\w.]))",
+    r"(\$\$?(?:\\.|[^$\\])+\$\$?|\\\((?:(?!\\\)).)+\\\)|-?\d[\d,]*(?:\.\d+)?(?![\w.]))",
     re.I | re.S,
 )
 

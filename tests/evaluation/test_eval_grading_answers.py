@@ -31,6 +31,7 @@ def _both_paths(response, gold, **kw):
         ("$$\\boxed{k = 45} \\quad \\text{and} \\quad \\boxed{n = 2}$$", "k = 45, n = 2", True),
         ("The roots are $x = \\boxed{2}$ or $x = \\boxed{-3}$.", "2, -3", True),
         ("\\boxed{1},\\boxed{2},\\boxed{3}", "{1,2,3}", True),
+        ("\\boxed{27}, \\boxed{54}, \\boxed{108}", "27,54,108", True),  # a list of numbers, not 27,054,108
         ("$$\\boxed{(3, 3)} \\text{ for part (a) and } \\boxed{(1, 1)}$$", "(3, 3), (1, 1)", True),
         ("\\( y_1 = \\boxed{-2(x - 1)^2 + 5} \\) and \\( y_2 = \\boxed{3(x + 2)^2 - 2} \\)",
          "y_{1}=-2 x^{2}+4 x+3, y_{2}=3 x^{2}+12 x+10", True),
@@ -48,6 +49,7 @@ def _both_paths(response, gold, **kw):
         ("$0.04 \\cdot 10,000 / 2 = \\boxed{200}$ ... $= \\boxed{255}$ So $10,455. Final Answer: The final answer is "
          "$10,455$. I hope it is correct.", "10455", True),
         ("\\boxed{200} and then... Final Answer: The final answer is $10,454$.", "10455", False),
+        ("\\boxed{\\$48.90} ... Final Answer: The final answer is $\\$18.90$. I hope it is correct.", "\\$18.90", True),
         # a stray backslash before the closing brace
         ("So the answer is \\boxed{185\\}", "185", True),
         ("\\boxed{\\{1, 2\\}}", "\\{1,2\\}", True),
@@ -63,7 +65,8 @@ def test_list_glue_and_gold_parts():
                                       " \\text{ for part (a) and } ")] == [True] * 6
     assert [is_list_glue(g) for g in (" no: ", ", or rather ", ". Wait, ", " hmm, let me recheck: ", "x" * 100)] == [False] * 5
     parts = {"(2,1),(1,2)": 2, "(1, 2)": 1, "[1, 2)": 1, "k = 45, n = 2": 2, "{1,2,3}": 3, "\\{1, 2\\}": 2,
-             "1,000": 1, "10,455": 1, "3 \\text{ or } 5": 2, "x_{1}=1,\\quad x_{2}=2": 2, "\\frac{1}{2}": 1}
+             "1,000": 1, "10,455": 1, "10,\\!080": 1, "\\$32,\\!348": 1, "27,54,108,135": 4, "1, 234": 2,
+             "(1,7,103, 105), (3, 5, 101, 107)": 2, "3 \\text{ or } 5": 2, "x_{1}=1,\\quad x_{2}=2": 2, "\\frac{1}{2}": 1}
     assert {g: answer_parts(g) for g in parts} == parts
     text = "\\boxed{a} then no: \\boxed{b}, \\boxed{c \\boxed{d}}"
     assert [c for _, _, c in box_list(text)] == ["b", "c \\boxed{d}"]  # outer boxes; the correction ends the list
