@@ -22,8 +22,8 @@ parts of a multi-part gold):
     backslash \\boxed{g\\} | truncated "... so we get g" unboxed, cut at the token limit (the new grader
     applies its default box-required policy) | unboxed the same, finished (no box required)
     choice: boxed, answer-late ("answer is (X) ... Final Answer: g"), ANSWER:, lowercase, hedge,
-    qualifier ("the answer is for sure g"), quoted (Answer: "g"), hedge-conditional ("(g) or (X). If ...,
-    the answer is (g); ..."), stray ("I would go with g" graded by the explicit chain and by --choice-extraction
+    qualifier ("the answer is for sure g"), quoted (Answer: "g"), hedge-conditional ("(X) or (g). If ...,
+    the answer is (X); otherwise the answer is (g)."), stray ("I would go with g" graded by the explicit chain and by --choice-extraction
     mmlu-pro: the column "new correct" of the row stray/mmlu-pro)
 """
 
@@ -169,7 +169,7 @@ def choice_sets(bench: str) -> dict[str, list[tuple[str, str, str | None]]]:
         out["quoted"].append(('Answer: "%s"' % p.gold, p.gold, p.choices))
         out["hedge-conditional"].append((
             "The answer is (%s) or (%s). If the first reading holds, the answer is (%s); otherwise the answer is (%s)."
-            % (p.gold, other, p.gold, other), p.gold, p.choices))
+            % (other, p.gold, other, p.gold), p.gold, p.choices))
         out["stray"].append(("I would go with %s here." % p.gold, p.gold, p.choices))
         out["stray/mmlu-pro"].append(("I would go with %s here." % p.gold, p.gold, p.choices))
     return out
