@@ -148,7 +148,7 @@ def _show(v: Any) -> str:
 
 
 def _subset(m: dict) -> dict | None:
-    """``{"questions", "size"}`` when a job used fewer questions than its benchmark's full test set."""
+    """``{questions, size, rows, source}`` when a job used fewer questions than its benchmark's test set."""
     prot = m.get("protocol") or {}
     notes = prot.get("data_notes") or {}
     size = notes.get("size") or getattr(BENCHMARKS.get(m["benchmark"]), "size", None)
@@ -189,8 +189,8 @@ def table_protocol(ms: list[dict], passk_average: str = "auto") -> dict:
     rule = passk_average
     if rule == "auto":
         rule = PRESETS[preset].passk_average if preset else "all"
-    settings = {key: _values(ms, lambda m, key=key: (m.get("protocol") or {}).get(key, _UNKNOWN)
-                             if m.get("protocol") else _UNKNOWN) for key in GENERATION_KEYS}
+    settings = {key: _values(ms, lambda m, key=key: (m.get("protocol") or {}).get(key, _UNKNOWN))
+                for key in GENERATION_KEYS}
     grading = {
         "boxes": _values([m for m in ms if _kind(m) == "math"], lambda m: (m.get("grader") or {}).get("boxes")),
         "require_box": _values([m for m in ms if _kind(m) == "math"],
