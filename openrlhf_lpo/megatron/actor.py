@@ -71,6 +71,7 @@ def initialize_parallel(tp: int, pp: int, hf_config=None, vpp: int = 1, timeout_
     """Validate the layout and (re)initialise megatron's parallel state on the current world."""
     from megatron.core import parallel_state as ps
 
+    from openrlhf_lpo.megatron import groups
     from openrlhf_lpo.megatron.cluster import check_tp_groups_within_nodes
 
     if not dist.is_initialized():
@@ -81,7 +82,7 @@ def initialize_parallel(tp: int, pp: int, hf_config=None, vpp: int = 1, timeout_
     if ps.model_parallel_is_initialized():
         if ps.get_tensor_model_parallel_world_size() == tp and ps.get_pipeline_model_parallel_world_size() == pp:
             return
-        ps.destroy_model_parallel()
+        groups.release(ps)
     check_tp_groups_within_nodes(tp)
     # DP outermost: the tp*pp ranks of one model replica are consecutive (OpenRLHF's Ray actor
     # groups hand consecutive actors the same chunk of experiences)

@@ -335,7 +335,9 @@ def test_killing_the_grading_process_kills_its_sandboxes(tmp_path, repo_env):
         deadline = time.monotonic() + 60
         while len(sandbox_processes()) < 4 and time.monotonic() < deadline:  # bwrap, init, runner, program(s)
             time.sleep(0.05)
-        assert len(sandbox_processes()) >= 4, "the sandbox did not start"
+        # the detached grandchild is not always visible by then (CI saw bwrap, its init and the runner only);
+        # a sandbox mid-run is what must die with the grading process
+        assert len(sandbox_processes()) >= 3, "the sandbox did not start"
     finally:
         proc.kill()
         proc.wait()

@@ -25,7 +25,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_world(out_dir: Path, world: int = WORLD, suite: str = "layouts", timeout: int = 420):
+def launch_world(out_dir: Path, world: int = WORLD, suite: str = "layouts", timeout: int = 900):
     """Run ``mcore_worker.py`` on ``world`` gloo ranks; return the per-rank result dicts."""
     out_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", MCORE_WORKER_SUITE=suite)

@@ -875,7 +875,24 @@ def main():
         check_nodes()
         check_policy_actor()
         results["collectives"] = {"calls": RECORDER.calls, "mismatches": RECORDER.mismatches[:10]}
+        results["groups"] = process_group_census()
     results["seconds"] = time.time() - T0
+
+
+def process_group_census() -> dict:
+    """Live process groups vs those megatron holds now, and gloo TCP loop threads (F: leaked groups)."""
+    from megatron.core import parallel_state as ps
+
+    from openrlhf_lpo.megatron.groups import parallel_state_groups
+
+    threads = 0
+    for t in os.listdir("/proc/self/task"):
+        try:
+            threads += open(f"/proc/self/task/{t}/comm").read().strip() == "gloo_tcp_loop"
+        except OSError:
+            pass
+    return {"live": len(dist.distributed_c10d._world.pg_map), "held": len(parallel_state_groups(ps)),
+            "gloo_loop_threads": threads}
 
 
 if __name__ == "__main__":

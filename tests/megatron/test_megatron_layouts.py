@@ -237,3 +237,13 @@ def test_weight_stream_to_vllm_engines(mcore_world):
     assert rec["vllm_reset_last"]
     n, expect = rec["ray_sync_count"]
     assert n == expect > 0 and rec["ray_sync_ok"] and rec["ray_sync_no_reset"]
+
+
+def test_layout_changes_release_their_process_groups(mcore_world):
+    """Every layout change re-initialises megatron's parallel state; the groups of the old layout are shut
+    down (each gloo group's TCP loop keeps polling otherwise). At the end only WORLD, the last layout's
+    groups and the few a check makes itself may be live, not one set per layout change."""
+    for rank in mcore_world:
+        g = rank["groups"]
+        assert g["held"] > 0
+        assert g["live"] <= g["held"] + 1 + 4, g
