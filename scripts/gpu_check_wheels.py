@@ -86,7 +86,8 @@ def build(out: Path, python: str) -> None:
         f.unlink()
     pip("wheel", "-q", "--no-deps", "-w", str(out), f"deepspeed=={PINS['deepspeed']}")
     env = dict(os.environ, FLASH_ATTENTION_SKIP_CUDA_BUILD="TRUE", FLASH_ATTENTION_FORCE_BUILD="TRUE")
-    pip("wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out), f"flash-attn=={PINS['flash-attn']}", env=env)
+    pip("wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out), f"flash-attn=={PINS['flash-attn']}",
+        env=env)
     shutil.copy(REPO / "scripts" / "flash_attn_2_cuda.py", out / "flash_attn_2_cuda.py")
     download(out, python, [f"openrlhf=={PINS['openrlhf']}", f"ray=={PINS['ray']}"] + DEPENDENCIES)
     trim_ray(next(out.glob("ray-*.whl")))
