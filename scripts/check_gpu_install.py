@@ -628,7 +628,8 @@ def analyse(resolution: dict) -> dict:
                 conflicts.append(row)
     key = [c for c in checks if c["on"] in KEY]
     return {"python": python, "versions": {k: versions.get(k) for k in KEY if versions.get(k)}, "checks": checks,
-            "conflicts": conflicts, "key": key, "cuda": torch_cuda(resolution)}
+            "conflicts": conflicts, "key": key, "cuda": torch_cuda(resolution),
+            "vllm_cuda": package_cuda(resolution, "vllm")}
 
 
 def torch_cuda(resolution: dict) -> Optional[str]:
@@ -646,6 +647,22 @@ def torch_cuda(resolution: dict) -> Optional[str]:
     return None
 
 
+def package_cuda(resolution: dict, name: str) -> Optional[str]:
+    """The CUDA major version a package's wheel is built for, from its ``-cuXX`` / ``[cuXX]``
+    requirements (vllm 0.29.0: ``nvidia-cutlass-dsl[cu13]``, ``humming-kernels[cu13]``), else None."""
+    dist = next((d for d in resolution["install"] if canonicalize_name(d["name"]) == name), None)
+    majors = set()
+    for raw in (dist or {}).get("requires_dist", []):
+        req = Requirement(raw)
+        if req.marker is not None and "extra" in str(req.marker):
+            continue
+        for tag in [canonicalize_name(req.name).rsplit("-", 1)[-1], *req.extras]:
+            m = re.fullmatch(r"cu(\d{2})", tag)
+            if m:
+                majors.add(m.group(1))
+    return ",".join(sorted(majors)) or None
+
+
 def install_commands(analyses: List[dict]) -> List[str]:
     """The install a CUDA cluster needs, in order, with the versions the resolution agreed on."""
     a = analyses[0]
@@ -660,7 +677,8 @@ def install_commands(analyses: List[dict]) -> List[str]:
         f"pip install torch=={v.get('torch')} --index-url https://download.pytorch.org/whl/{cu}"
         f"   # the torch vllm {v.get('vllm')} pins; PyPI's Linux wheel of it is CUDA {cuda or '?'} too"
         f" (driver >= {'580' if cuda and cuda.startswith('13') else 'the one that CUDA needs'})",
-        f"pip install vllm=={v.get('vllm')}   # keeps torch {v.get('torch')}",
+        f"pip install vllm=={v.get('vllm')}   # keeps torch {v.get('torch')}"
+        + (f"; its PyPI wheel is a CUDA {a['vllm_cuda']} build too" if a.get("vllm_cuda") else ""),
         "pip install packaging psutil ninja wheel setuptools   # flash-attn's build requirements",
         f"pip install <flash_attn-{fa}+cu{cuda.split('.')[0] if cuda else 'XY'}torch{torch_mm}cxx11abiTRUE-cpXY-cpXY-"
         f"linux_x86_64.whl>   # a prebuilt wheel for this torch/CUDA/Python ABI, if you have one; else:",

@@ -62,6 +62,7 @@ def test_recorded_resolution_agrees(python):
     assert rows(a, "deepspeed ", "torch") and rows(a, "flash-attn ", "torch") and rows(a, "megatron-core ", "torch")
     assert all(c["ok"] for c in a["key"])
     assert a["cuda"] == "13.0"  # PyPI's torch 2.13.0 Linux wheel pins cuda-toolkit 13.0.3
+    assert a["vllm_cuda"] == "13"  # and vllm 0.29.0 requires nvidia-cutlass-dsl[cu13]: one CUDA for the stack
     assert len(a["checks"]) > 500  # every requirement of ~260 packages, not a sample
 
 
