@@ -8,8 +8,8 @@ needed: the replay buffer is filled here, as ``PolicyModelActor.fit`` would find
 
 The update: K = 4 responses per prompt, micro-batches of K/2 samples (every micro-batch splits its
 groups), two optimizer windows per rollout batch and two epochs, so the four windows take their
-coefficients c from the shortcut (s = s_t), then three pre-passes at updated parameters.
-DeepSpeed runs SGD (its torch-optimizer path, no momentum, no clipping, constant LR), so each
+coefficients c from the shortcut (s = s_t), then three pre-passes at updated parameters; fp32 and
+bf16 (the recipes' dtype) parameters, each stage and dtype a fresh engine. DeepSpeed runs SGD (its torch-optimizer path, no momentum, no clipping, constant LR), so each
 window's gradient is (theta_before - theta_after) / lr of DeepSpeed's fp32 master weights
 (``deepspeed.utils.safe_get_full_fp32_param``, ZeRO-3 partitions gathered).
 
@@ -19,8 +19,9 @@ float64 on the CPU, one sequence at a time, for each window the gradient of
 group's std, uniform for all-equal rewards), then an SGD step of the same lr.
 
 Packages: torch, transformers, deepspeed, openrlhf (``--no-deps``), flash-attn's Python files
-(openrlhf imports ``flash_attn.bert_padding``; no kernel of it runs here) and ``ray`` for imports
-only (``openrlhf.trainer.ray.ppo_actor``). Without vLLM, ``openrlhf.trainer.ray``'s package
+(openrlhf imports ``flash_attn.bert_padding``; attention is sdpa, and on a GPU flash-attn's Triton
+cross-entropy computes the fp32 log-probs as in training unless ``--logprobs torch``) and ``ray`` for
+imports only (``openrlhf.trainer.ray.ppo_actor``). Without vLLM, ``openrlhf.trainer.ray``'s package
 ``__init__`` (which only re-exports the vLLM engine factory) is skipped: :func:`import_trainer`.
 
 Run: ``python -m openrlhf_lpo.trainer_check --zero 3 [--cpu] [--world 2] --json out.json``.
@@ -47,7 +48,6 @@ LR = 0.5  # large, so that the later windows see P far from softmax(s_t)
 REL_TOL = {"fp32": 1e-4, "bf16": 5e-2}  # max |grad - reference| / max |reference| per window
 MODEL_SHAPE = dict(arch="qwen3", vocab_size=128, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                    head_dim=16, intermediate_size=128, tie_word_embeddings=True, max_position_embeddings=256)
-PACKAGES = ("torch", "transformers", "deepspeed", "openrlhf", "flash_attn", "ray")  # ray: imports only
 
 
 def import_trainer():
