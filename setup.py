@@ -1,7 +1,8 @@
 """openrlhf-lpo: Listwise Policy Optimization (arXiv 2605.06139) on OpenRLHF 0.11.2.
 
 CPU machines: `bash scripts/setup_env.sh` builds a venv with every dependency (see README).
-GPU clusters: `pip install -e .[gpu,eval]` next to a CUDA torch.
+GPU clusters: the ordered install of docs/install.md (CUDA torch, vllm, flash-attn, deepspeed, openrlhf
+--no-deps, then `pip install -e .[gpu,eval]`), checked against PyPI by scripts/check_gpu_install.py.
 """
 
 from setuptools import find_packages, setup

@@ -7,6 +7,13 @@
 #   weight_sync_vllm         Megatron -> vLLM weight stream (bf16) and prefix-cache reset: prompt log-probs match
 #   checkpoint_round_trip    layout-free checkpoint save/load bit-exact, resumed step, HF export
 #   peak_memory_actor_step   one LPO step of a Qwen3-1.7B-shaped model, 8 x 5120 tokens, bf16, recompute
+#   deepspeed_lpo_trainer_zero2  LPOActorTrainer.ppo_train, real DeepSpeed ZeRO-2, vs float64 reference (no vLLM)
+#   deepspeed_lpo_trainer_zero3  the same under ZeRO-3
+# The deepspeed_lpo_trainer rows need deepspeed, openrlhf, flash-attn's Python files and ray (imports only),
+# neither vLLM nor a Ray cluster. On a GPU machine without them (docs/install.md "Carrying packages"):
+#   here:  python scripts/gpu_check_wheels.py --out .whl --python 3.12     # ~26 MB of wheels
+#   there: pip install --no-index --no-deps --target /tmp/site .whl/*.whl && cp .whl/flash_attn_2_cuda.py /tmp/site/
+#          PYTHONPATH=/tmp/site bash examples/scripts/gpu_check.sh --only trainer
 # Usage (from anywhere; needs the project installed with a CUDA torch, vllm, megatron-core):
 #   bash examples/scripts/gpu_check.sh                 # on a machine with a GPU
 #   bash examples/scripts/gpu_check.sh --only sync,ckpt

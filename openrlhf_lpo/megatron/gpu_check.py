@@ -24,6 +24,12 @@ Checks (rows of the table):
   prefix cache is reset; vLLM's prompt log-probs must then match Megatron's (and not before).
 * ``checkpoint_round_trip`` -- save (layout-free), load into a fresh actor: weights bit-exact, the
   next step identical within bf16 rounding; the HF export loads into transformers.
+* ``deepspeed_lpo_trainer_zero2`` / ``deepspeed_lpo_trainer_zero3`` -- one ``ppo_train`` of the
+  DeepSpeed LPO trainer (``LPOActorTrainer`` with OpenRLHF's real ``DeepspeedStrategy``) on a
+  Qwen3-shaped model over a synthetic replay buffer whose micro-batches split every group (shortcut
+  window, then three pre-pass windows): each window's gradient against a float64 reference, fp32
+  and bf16 parameters (:mod:`openrlhf_lpo.trainer_check`). Needs deepspeed, openrlhf,
+  flash-attn's Python files and the ``ray`` package (imports only), no vLLM and no Ray cluster.
 * ``peak_memory_actor_step`` -- one training step (two-pass LPO, 8 responses of 5120 tokens, full
   recompute) of a randomly initialised Qwen3-1.7B-shaped model in bf16, and the old-log-prob pass:
   peak accelerator memory next to the static estimate (``--cpu``: a tiny shape, resident memory).
@@ -49,7 +55,8 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives
 
 import torch  # noqa: E402
 
-CHECKS = ("core", "deepspeed", "logprobs", "te", "sync", "ckpt", "memory")
+CHECKS = ("core", "deepspeed", "logprobs", "te", "sync", "ckpt", "memory", "trainer")
+TRAINER_PACKAGES = ("deepspeed", "openrlhf", "flash_attn", "ray")  # trainer_check.py (ray: imports only)
 ROWS: List[Dict] = []
 
 
@@ -471,6 +478,37 @@ def check_deepspeed(assets, work: Path, cpu: bool, full: bool) -> Dict:
                f"{', lpo/kl_end logged' if kl else ''}", "exit 0, one LPO step", note=f"log {log}")
 
 
+def check_trainer(work: Path, cpu: bool) -> None:
+    """The two ``deepspeed_lpo_trainer_zero*`` rows: trainer_check.py in a subprocess (its own
+    torch.distributed group; on a CPU its own CPU mode), fp32 and bf16 per ZeRO stage."""
+    out = work / "trainer_check.json"
+    out.unlink(missing_ok=True)
+    log = work / "trainer_check.log"
+    t = time.time()
+    cmd = [sys.executable, "-m", "openrlhf_lpo.trainer_check", "--zero", "2,3", "--dtype", "fp32,bf16",
+           "--work_dir", str(work / "trainer_check"), "--json", str(out)] + (["--cpu"] if cpu else [])
+    env = {k: v for k, v in os.environ.items() if k != "LPO_TRAINER_CHECK_MODEL"}
+    with open(log, "w") as f:
+        p = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=600)
+    results = json.loads(out.read_text()) if out.exists() else []
+    secs = time.time() - t
+    for zero in (2, 3):
+        name = f"deepspeed_lpo_trainer_zero{zero}"
+        mine = [r for r in results if r["zero_stage"] == zero]
+        if len(mine) != 2:
+            row(name, "FAIL", f"exit {p.returncode}, {len(mine)} of 2 results", seconds=secs, note=f"log {log}")
+            continue
+        parts = [f"{r['dtype']} {r['max_rel_error']:.1e} (limit {r['tolerance']:.0e})" for r in mine]
+        r0 = mine[0]
+        problems = [f"{r['dtype']}: {x}" for r in mine for x in r["problems"]]
+        row(name, "FAIL" if problems else "PASS",
+            f"max |grad - float64 ref| / max |ref| per window: {', '.join(parts)}; windows {','.join(r0['modes'])}; "
+            f"{r0['params']} params on {r0['device']}, ZeRO-{r0['engine_stage']}"
+            f"{' partitioned' if r0['partitioned'] else ''}, log-probs {r0['logprobs']}"
+            + (f"; {'; '.join(problems)}" if problems else ""),
+            "fp32 < 1e-4, bf16 < 5e-2; 4 steps: shortcut + 3 pre-pass", seconds=secs / 2, note=f"log {log}")
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -509,7 +547,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     work = Path(a.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    assets = build_assets(work, a.cpu)
+    assets = build_assets(work, a.cpu) if only - {"trainer"} else {}
     device = torch.device("cpu") if a.cpu else torch.accelerator.current_accelerator()
     info = {"torch": torch.__version__, "device": str(device), "transformer_engine": te_available()}
     try:
@@ -535,6 +573,19 @@ def main(argv: Optional[List[str]] = None) -> int:
         run_check("deepspeed_lpo_iteration", lambda: check_deepspeed(assets, work, a.cpu, a.cpu_full))
         if not a.cpu:
             print(f"[gpu_check] device memory free after the iteration: {wait_for_free_memory():.0%}", flush=True)
+    if "trainer" in only:  # no vLLM needed: a GPU machine without it runs the DeepSpeed trainer here
+        absent = missing(*TRAINER_PACKAGES)
+        if absent:
+            for zero in (2, 3):
+                row(f"deepspeed_lpo_trainer_zero{zero}", "SKIP", f"not installed here: {', '.join(absent)} "
+                    "(docs/install.md: carrying them to a GPU machine)")
+        else:
+            try:
+                check_trainer(work, a.cpu)
+            except Exception as e:  # noqa: BLE001 - a failing check is a row, the others still run
+                for zero in (2, 3):
+                    row(f"deepspeed_lpo_trainer_zero{zero}", "FAIL", f"{type(e).__name__}: {str(e)[:160]}")
+                traceback.print_exc()
     if "core" in only:
         run_check("listwise_core", lambda: check_core(device))
     llm = None

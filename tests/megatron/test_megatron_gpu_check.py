@@ -5,7 +5,9 @@ the same process) and reads its JSON rows: Megatron log-probs vs HF with and wit
 Megatron -> vLLM weight stream (vLLM's prompt log-probs match Megatron's after the sync and not
 before), the checkpoint round trip, one actor step of the memory check (tiny shape on CPU), and the
 DeepSpeed LPO iteration's flags through the lpo-train parser (the iteration itself needs
-``--cpu-full``). Transformer Engine's row is a SKIP without TE.
+``--cpu-full``), and the DeepSpeed LPO trainer rows (ZeRO-2 / ZeRO-3 on gloo, fp32 and bf16, each
+window's gradient vs the float64 reference; tests/openrlhf/test_trainer_check.py shows they fail on a
+wrong gradient). Transformer Engine's row is a SKIP without TE.
 """
 
 import json
@@ -34,7 +36,8 @@ def test_cpu_mode_runs_every_check(gpu_check):
     p, rows = gpu_check
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     assert set(rows) == {"listwise_core", "deepspeed_lpo_iteration", "logprobs_local_fp32", "logprobs_te_bf16", "weight_sync_vllm",
-                         "checkpoint_round_trip", "peak_memory_actor_step", "total"}
+                         "checkpoint_round_trip", "peak_memory_actor_step", "deepspeed_lpo_trainer_zero2",
+                         "deepspeed_lpo_trainer_zero3", "total"}
     assert rows["logprobs_te_bf16"]["status"] == "SKIP"
     assert all(r["status"] == "PASS" for k, r in rows.items() if k != "logprobs_te_bf16")
     assert re.search(r"^check\s+status\s+seconds", p.stdout, re.M)  # the table is printed
@@ -52,3 +55,13 @@ def test_numbers_behind_the_rows(gpu_check):
                                                   rows["weight_sync_vllm"]["value"])[0])
     assert after < 1e-4 < 0.5 < before  # the engine scores with the synced weights, and only after the sync
     assert "loaded == saved: True" in rows["checkpoint_round_trip"]["value"]
+
+
+def test_deepspeed_trainer_rows(gpu_check):
+    _, rows = gpu_check
+    for zero in (2, 3):
+        value = rows[f"deepspeed_lpo_trainer_zero{zero}"]["value"]
+        fp32, bf16 = (float(x) for x in re.findall(r"(?:fp32|bf16) ([0-9.e+-]+) \(limit", value))
+        assert fp32 < 1e-4 and bf16 < 5e-2, value  # measured ~8e-6 and ~2e-2 on CPU
+        assert "windows shortcut,pre_pass,pre_pass,pre_pass" in value and f"ZeRO-{zero}" in value
+    assert "partitioned" in rows["deepspeed_lpo_trainer_zero3"]["value"]
