@@ -6,7 +6,7 @@ Public names (stable):
     gpus_needed(args) -> int
     check_cluster(args, resources) -> None    raises ClusterTooSmall naming GPUs needed per role vs present
     dataset_rows(args) -> (rows or None, note)
-    plan_lines(args) -> list of str           what ``lpo-train --dry-run`` prints
+    plan_lines(args) -> list of str           what ``lpo-train --dry-run`` prints (disk: cli/disk.py)
     ClusterTooSmall
 
 ``--dry-run`` validates every flag (the stock parser and validation, every flag group), prints the
@@ -22,6 +22,7 @@ import math
 import os
 from typing import List, Optional, Tuple
 
+from openrlhf_lpo.cli import disk
 from openrlhf_lpo.openrlhf.config import LPO_ESTIMATORS, dp_size
 
 __all__ = ["gpu_roles", "gpus_needed", "check_cluster", "dataset_rows", "plan_lines", "ClusterTooSmall"]
@@ -181,7 +182,7 @@ def plan_lines(args) -> List[str]:
     rows, note = dataset_rows(args)
     if rows is None:
         lines.append(f"dataset: size unknown ({note})")
-        return lines
+        return lines + disk.disk_lines(args, None)
     full, last = divmod(rows, B)
     steps = full + (1 if last else 0)
     lines.append(f"dataset: {rows} prompts -> {steps} rollout batches per episode x {args.train.num_episodes} episode(s)"
@@ -193,4 +194,4 @@ def plan_lines(args) -> List[str]:
             lines.append(f"  last batch of each episode: {last} prompts (stock OpenRLHF trains on what it gets)")
     else:
         lines.append("  no partial batch")
-    return lines
+    return lines + disk.disk_lines(args, steps * args.train.num_episodes)

@@ -74,6 +74,7 @@ def test_recipe_dry_run_prints_the_plan(dry_runs, script):
     assert "flags are valid; nothing was started" in text
     assert f"GPUs needed: {gpus}\n" in text
     assert f"dataset: {rows} prompts" in text
+    assert "\ndisk: " in text  # hub ids offline: "unknown" with the reason (test_disk.py has the numbers)
     if last:
         assert last in text, text
 
