@@ -60,7 +60,10 @@ def test_rooms_import_one_way():
     # the rules DESIGN.md states
     assert not edges.get("listwise"), "listwise.py is pure torch: it imports nothing of ours"
     # the extension may call down into the evaluation package (training-time eval), never the reverse
-    assert edges["openrlhf"] <= {"listwise", "metrics", "evaluation"}, edges["openrlhf"]
+    # reward_errors.py (shared by the reward file and the trainer) and hf_exports.py (shared by the DeepSpeed
+    # and Megatron actors) are leaves: they import nothing of ours
+    assert edges["openrlhf"] <= {"listwise", "metrics", "evaluation", "reward_errors", "hf_exports"}, edges["openrlhf"]
+    assert not edges.get("reward_errors") and not edges.get("hf_exports")
     assert not edges.get("engines"), edges.get("engines")
     assert not ({"cpu", "cpu_megatron", "openrlhf", "demo"} & edges["megatron"]), edges["megatron"]
     # evaluation reads benchmark data through the product's readers (data: code sets, Geometry3k with its
@@ -88,3 +91,52 @@ def test_no_device_names_outside_the_cpu_mode():
         offenders += [f"{rel}: {c.strip()}" for c in _code_lines(path) if pattern.search(c)]
     assert offenders == []
     assert len(PRODUCT) > 60  # the scan covers the whole product
+
+
+def _module_name(path: Path) -> str:
+    name = ".".join(path.relative_to(REPO).with_suffix("").parts)
+    return name[:-len(".__init__")] if name.endswith(".__init__") else name
+
+
+def module_graph(paths):
+    """Module -> modules of ours it imports (at any depth of the file, relative imports resolved)."""
+    names = {_module_name(p): p for p in paths}
+    edges = defaultdict(set)
+    for name, path in names.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")
+                    base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+                targets = [base] + [f"{base}.{a.name}" for a in node.names]
+            else:
+                continue
+            edges[name] |= {t for t in targets if t in names and t != name}
+    return edges
+
+
+def test_product_modules_import_one_way():
+    """No two modules of the product import each other, directly or around a loop (the CPU engine and its
+    image backends did: cpu_engine -> cpu_vlm -> cpu_engine); evaluation/ is checked by its own rules."""
+    edges = module_graph(sorted(REPO.glob("openrlhf_lpo/**/*.py")))
+    state, cycles = {}, []
+
+    def visit(node, stack):
+        state[node] = "open"
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == "open":
+                cycles.append(stack[stack.index(nxt):] + [node, nxt] if nxt in stack else [node, nxt])
+            elif nxt not in state:
+                visit(nxt, stack + [node])
+        state[node] = "done"
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node, [])
+    assert cycles == []
+    assert edges["openrlhf_lpo.engines.cpu_engine"] >= {"openrlhf_lpo.engines.cpu_vlm", "openrlhf_lpo.engines.backends"}
+    assert edges["openrlhf_lpo.engines.cpu_vlm"] == {"openrlhf_lpo.engines.backends"}
