@@ -105,10 +105,15 @@ class CPURolloutEngine:
         future = asyncio.get_running_loop().create_future()
         ids = list(prompt_token_ids)
         media = media_key(multi_modal_data)  # a prompt's images are part of its identity
-        key = (tuple(ids), media)
-        occurrence = self._seen.get(key, 0)
-        self._seen[key] = occurrence + 1
-        seed = request_seed(self.seed, ids, occurrence, getattr(sampling_params, "seed", None), media)
+        user_seed = getattr(sampling_params, "seed", None)
+        occurrence = 0
+        if user_seed is None:  # unseeded requests: the n-th request of a prompt gets its own seed
+            key = (tuple(ids), media)
+            occurrence = self._seen.get(key, 0)
+            self._seen[key] = occurrence + 1
+        # a seeded request (lpo-train seeds every sample, openrlhf/request_seeds.py) samples as vLLM does:
+        # the same seed and prompt give the same sample
+        seed = request_seed(self.seed, ids, occurrence, user_seed, media)
         self._queue.append((ids, sampling_params, seed, multi_modal_data or None, future))
         self._unfinished += 1
         if self._server is None or self._server.done():

@@ -5,6 +5,8 @@ classes, which include them:
 
 * reward errors (``reward_guard.RewardErrorGuard``): every rollout sample's reward error counted,
   ``reward/error_frac`` logged, the run stopped only when errors persist;
+* per-request sampling seeds from the run seed and the prompt/sample position (``request_seeds.py``;
+  upstream's vLLM requests carry no seed);
 * HF exports rotated with ``--ckpt.max_num`` (``HFExportRotation``, openrlhf_lpo/hf_exports.py; upstream
   rotates only the DeepSpeed state under ``ckpt.path/_actor``).
 
@@ -48,6 +50,7 @@ from openrlhf_lpo.hf_exports import rotate_for_args
 from openrlhf_lpo.openrlhf.actor_trainer import LPOActorTrainer
 from openrlhf_lpo.openrlhf.config import dp_size
 from openrlhf_lpo.openrlhf.experience_maker import LPOExperienceMaker, rank_experiences
+from openrlhf_lpo.openrlhf.request_seeds import SeededGenerateSamples, SeededRollouts
 from openrlhf_lpo.openrlhf.reward_guard import RewardErrorGuard
 from openrlhf_lpo.openrlhf.vlm import save_processor_files
 
@@ -106,8 +109,8 @@ def _broadcast_to_vllm(self):
     return _StockTrainingActor.broadcast_to_vllm(self)
 
 
-class RuntimePPOTrainer(RewardErrorGuard, _StockPPOTrainer):
-    """The stock sync trainer with the reward-error window."""
+class RuntimePPOTrainer(RewardErrorGuard, SeededRollouts, _StockPPOTrainer):
+    """The stock sync trainer with the reward-error window and seeded rollouts."""
 
 
 class RuntimeTrainingActor(RewardErrorGuard, _StockTrainingActor):
@@ -119,10 +122,18 @@ class RuntimeTrainingActor(RewardErrorGuard, _StockTrainingActor):
 RemoteRuntimeTrainingActor = ray.remote(RuntimeTrainingActor)
 
 
+class RuntimeGenerateSamplesActor(SeededGenerateSamples, _StockGenerateSamplesActor):
+    """The stock async sample generator with seeded rollouts."""
+
+
+RemoteRuntimeGenerateSamplesActor = ray.remote(RuntimeGenerateSamplesActor)
+
+
 class RuntimePPOTrainerAsync(_StockPPOTrainerAsync):
     def __init__(self, *args, **kwargs):
-        # PPOTrainerAsync.__init__ looks the actor class up at call time: swap it for this call only.
-        with mock.patch.object(_async_mod, "TrainingActor", RemoteRuntimeTrainingActor):
+        # PPOTrainerAsync.__init__ looks both actor classes up at call time: swap them for this call only.
+        with mock.patch.object(_async_mod, "TrainingActor", RemoteRuntimeTrainingActor), \
+                mock.patch.object(_async_mod, "GenerateSamplesActor", RemoteRuntimeGenerateSamplesActor):
             super().__init__(*args, **kwargs)
 
 
@@ -185,7 +196,7 @@ class _LPOTrainerMixin:
             return super().train_step(rollout_samples, global_step)
 
 
-class LPOTrainer(RewardErrorGuard, _LPOTrainerMixin, _StockPPOTrainer):
+class LPOTrainer(RewardErrorGuard, SeededRollouts, _LPOTrainerMixin, _StockPPOTrainer):
     def __init__(self, pretrain, strategy, *args, **kwargs):
         _seed_prompt_order(strategy)
         super().__init__(pretrain, strategy, *args, **kwargs)
@@ -209,7 +220,7 @@ class LPOTrainingActor(RewardErrorGuard, _LPOTrainerMixin, _StockTrainingActor):
 RemoteLPOTrainingActor = ray.remote(LPOTrainingActor)
 
 
-class LPOGenerateSamplesActor(_StockGenerateSamplesActor):
+class LPOGenerateSamplesActor(SeededGenerateSamples, _StockGenerateSamplesActor):
     def __init__(self, pretrain, strategy, *args, **kwargs):
         _seed_prompt_order(strategy)
         super().__init__(pretrain, strategy, *args, **kwargs)
