@@ -129,12 +129,20 @@ class RuntimeGenerateSamplesActor(SeededGenerateSamples, _StockGenerateSamplesAc
 RemoteRuntimeGenerateSamplesActor = ray.remote(RuntimeGenerateSamplesActor)
 
 
-class RuntimePPOTrainerAsync(_StockPPOTrainerAsync):
+class _AsyncTrainer(_StockPPOTrainerAsync):
+    """PPOTrainerAsync starting our two actor classes (its __init__ looks both up at call time: they are
+    swapped for that call only)."""
+
+    training_actor = sample_actor = None
+
     def __init__(self, *args, **kwargs):
-        # PPOTrainerAsync.__init__ looks both actor classes up at call time: swap them for this call only.
-        with mock.patch.object(_async_mod, "TrainingActor", RemoteRuntimeTrainingActor), \
-                mock.patch.object(_async_mod, "GenerateSamplesActor", RemoteRuntimeGenerateSamplesActor):
+        with mock.patch.object(_async_mod, "TrainingActor", self.training_actor), \
+                mock.patch.object(_async_mod, "GenerateSamplesActor", self.sample_actor):
             super().__init__(*args, **kwargs)
+
+
+class RuntimePPOTrainerAsync(_AsyncTrainer):
+    training_actor, sample_actor = RemoteRuntimeTrainingActor, RemoteRuntimeGenerateSamplesActor
 
 
 RemoteRuntimePolicyActor = ray.remote(num_gpus=1)(RuntimePolicyActor)
@@ -239,12 +247,8 @@ class LPOGenerateSamplesActor(SeededGenerateSamples, _StockGenerateSamplesActor)
 RemoteLPOGenerateSamplesActor = ray.remote(LPOGenerateSamplesActor)
 
 
-class LPOTrainerAsync(_StockPPOTrainerAsync):
-    def __init__(self, *args, **kwargs):
-        # PPOTrainerAsync.__init__ looks both actor classes up at call time: swap them for this call only.
-        with mock.patch.object(_async_mod, "TrainingActor", RemoteLPOTrainingActor), \
-                mock.patch.object(_async_mod, "GenerateSamplesActor", RemoteLPOGenerateSamplesActor):
-            super().__init__(*args, **kwargs)
+class LPOTrainerAsync(_AsyncTrainer):
+    training_actor, sample_actor = RemoteLPOTrainingActor, RemoteLPOGenerateSamplesActor
 
 
 RemoteLPOPolicyActor = ray.remote(num_gpus=1)(LPOPolicyActor)
