@@ -6,7 +6,8 @@ Public names (stable):
     gpus_needed(args) -> int
     check_cluster(args, resources) -> None    raises ClusterTooSmall naming GPUs needed per role vs present
     dataset_rows(args) -> (rows or None, note)
-    plan_lines(args) -> list of str           what ``lpo-train --dry-run`` prints (disk: cli/disk.py)
+    plan_lines(args, preflight=None) -> list of str   what ``lpo-train --dry-run`` prints (with the
+                                              preflight's summary: data, tokens, reward, disk, resume)
     ClusterTooSmall
 
 ``--dry-run`` validates every flag (the stock parser and validation, every flag group), prints the
@@ -22,7 +23,6 @@ import math
 import os
 from typing import List, Optional, Tuple
 
-from openrlhf_lpo.cli import disk
 from openrlhf_lpo.openrlhf.config import LPO_ESTIMATORS, dp_size
 
 __all__ = ["gpu_roles", "gpus_needed", "check_cluster", "dataset_rows", "plan_lines", "ClusterTooSmall"]
@@ -164,7 +164,18 @@ def _batch_shape(args, groups: int) -> str:
             f"{windows * epochs} step(s); {passes}")
 
 
-def plan_lines(args) -> List[str]:
+def plan_lines(args, preflight=None) -> List[str]:
+    """The plan; ``preflight`` (a ``cli.preflight.Preflight``, None for ``--preflight off``) adds the rows it
+    read as upstream reads them (hub datasets included) and its summary."""
+    from openrlhf_lpo.cli.preflight import summary_lines
+
+    lines = _plan_lines(args, preflight)
+    if preflight is not None or getattr(args, "preflight", "on") == "off":
+        lines += summary_lines(preflight)
+    return lines
+
+
+def _plan_lines(args, preflight) -> List[str]:
     est = args.algo.advantage.estimator
     K, dp = args.rollout.n_samples_per_prompt, dp_size(args)
     B = args.rollout.batch_size
@@ -179,10 +190,13 @@ def plan_lines(args) -> List[str]:
             f"up to {args.rollout.max_tokens_per_gpu} tokens (dynamic batching)" if args.train.dynamic_batch_enable
             else f"{args.rollout.micro_batch_size} sample(s)"))
         lines.append(f"  full batch: {_batch_shape(args, B)}")
-    rows, note = dataset_rows(args)
+    if preflight is not None and preflight.train_rows is not None:
+        rows, note = preflight.train_rows, "read by the preflight"  # as upstream reads them
+    else:
+        rows, note = dataset_rows(args)
     if rows is None:
         lines.append(f"dataset: size unknown ({note})")
-        return lines + disk.disk_lines(args, None)
+        return lines
     full, last = divmod(rows, B)
     steps = full + (1 if last else 0)
     lines.append(f"dataset: {rows} prompts -> {steps} rollout batches per episode x {args.train.num_episodes} episode(s)"
@@ -194,4 +208,4 @@ def plan_lines(args) -> List[str]:
             lines.append(f"  last batch of each episode: {last} prompts (stock OpenRLHF trains on what it gets)")
     else:
         lines.append("  no partial batch")
-    return lines + disk.disk_lines(args, steps * args.train.num_episodes)
+    return lines

@@ -41,28 +41,26 @@ def room_graph():
     return edges
 
 
-def import_cycles(edges):
-    """Every back edge of a depth-first walk, as the path that closes a loop (none: no cycle)."""
-    state, cycles = {}, []
+def assert_acyclic(edges):
+    """No cycle in the import graph ``edges`` (node -> nodes it imports); the message shows one."""
+    state = {}
 
     def visit(node, stack):
         state[node] = "open"
         for nxt in sorted(edges.get(node, ())):
-            if state.get(nxt) == "open":
-                cycles.append(" -> ".join(stack[stack.index(nxt):] + [node, nxt] if nxt in stack else [node, nxt]))
-            elif nxt not in state:
+            assert state.get(nxt) != "open", f"import cycle: {' -> '.join(stack + [node, nxt])}"
+            if nxt not in state:
                 visit(nxt, stack + [node])
         state[node] = "done"
 
     for node in sorted(edges):
         if node not in state:
             visit(node, [])
-    return cycles
 
 
 def test_rooms_import_one_way():
     edges = room_graph()
-    assert import_cycles(edges) == []  # no cycles between rooms
+    assert_acyclic(edges)  # no cycles between rooms
     # the rules DESIGN.md states
     assert not edges.get("listwise"), "listwise.py is pure torch: it imports nothing of ours"
     # the extension may call down into the evaluation package (training-time eval), never the reverse
@@ -129,6 +127,26 @@ def test_product_modules_import_one_way():
     """No two modules of the product import each other, directly or around a loop (the CPU engine and its
     image backends did: cpu_engine -> cpu_vlm -> cpu_engine); evaluation/ is checked by its own rules."""
     edges = module_graph(sorted(REPO.glob("openrlhf_lpo/**/*.py")))
-    assert import_cycles(edges) == []
+    assert_acyclic(edges)
     assert edges["openrlhf_lpo.engines.cpu_engine"] >= {"openrlhf_lpo.engines.cpu_vlm", "openrlhf_lpo.engines.backends"}
     assert edges["openrlhf_lpo.engines.cpu_vlm"] == {"openrlhf_lpo.engines.backends"}
+
+
+def _evaluation_module_graph():
+    """evaluation.<module> -> the evaluation modules it imports (relative or absolute, at any depth)."""
+    edges = module_graph(sorted(REPO.glob("evaluation/*.py")))
+    short = lambda module: module.rpartition(".")[2]  # noqa: E731
+    return defaultdict(set, {short(m): {short(d) for d in dst} for m, dst in edges.items()})
+
+
+def test_evaluation_modules_import_one_way():
+    """The house of the evaluation package: no import cycle between its modules (lazy imports count), and
+    the benchmark families register into the registry while only evaluation.benchmarks imports them."""
+    edges = _evaluation_module_graph()
+    assert_acyclic(edges)
+    families = {"text_benchmarks", "code_benchmarks", "vision"}
+    assert families <= edges["benchmarks"], edges["benchmarks"]
+    assert not (edges["benchmark_registry"] & (families | {"benchmarks"})), edges["benchmark_registry"]
+    importers = {m for m, dst in edges.items() if dst & families}
+    assert importers == {"benchmarks"}, importers
+    assert all("benchmark_registry" in edges[f] and "benchmarks" not in edges[f] for f in families)

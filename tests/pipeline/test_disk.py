@@ -1,22 +1,17 @@
-"""Disk: HF exports rotate with the training state (openrlhf_lpo/hf_exports.py) and ``--dry-run`` prints
-what one checkpoint and the whole run need (openrlhf_lpo/cli/disk.py). The rotation inside a real run
-is checked end to end in test_e2e_reward_errors.py (run A saves every step with --ckpt.max_num 1)."""
+"""Disk: HF exports rotate with the training state (openrlhf_lpo/hf_exports.py), and the one disk estimate
+(openrlhf_lpo/cli/disk.py, printed by ``--dry-run`` and checked by the preflight) counts the exports the
+rotation keeps. The rotation inside a real run is checked end to end in test_e2e_reward_errors.py (run A
+saves every step with --ckpt.max_num 1); the printed line in test_preflight.py."""
 
 import json
 import os
 import subprocess
 from types import SimpleNamespace
 
-import pytest
-
 from openrlhf_lpo.cli import disk
 from openrlhf_lpo.hf_exports import rotate_for_args, rotate_hf_exports
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# Qwen3-8B's config.json (the 8B recipe's model): 8,190,735,360 parameters on its model card
-QWEN3_8B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096,
-            "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-            "intermediate_size": 12288, "vocab_size": 151936, "tie_word_embeddings": False}
 
 
 def _tree(root, exports, states=(), others=()):
@@ -73,48 +68,37 @@ def test_the_flags_choose_the_rule(tmp_path):
 # ----------------------------------------------------------------------------- the estimate
 
 
-@pytest.mark.parametrize("arch,tied", [("qwen3", False), ("qwen3", True), ("qwen2", False), ("llama", True),
-                                       ("mistral", False)])
-def test_parameter_count_from_config_equals_the_instantiated_model(tmp_path, arch, tied):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from openrlhf_lpo.tiny import build_tiny_model
-
-    path = build_tiny_model(str(tmp_path / arch), arch=arch, tie_word_embeddings=tied)
-    with open(os.path.join(path, "config.json")) as f:
-        cfg = json.load(f)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
-    real = sum(p.numel() for p in model.parameters())  # tied weights counted once, as on disk
-    assert disk.config_parameters(cfg) == real
-    assert disk.model_parameters(path) == (real, "safetensors headers")
-
-
-def test_qwen3_8b_checkpoint_and_run_disk(tmp_path):
-    assert disk.config_parameters(QWEN3_8B) == 8_190_735_360
-    model = tmp_path / "Qwen3-8B"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(QWEN3_8B))
+def test_the_estimate_counts_the_exports_the_rotation_keeps(tmp_path):
+    """cli/disk.py's one estimate (the preflight's disk check and the --dry-run summary) for the MATH 8B
+    recipe: 7500 prompts / 256 = 30 batches x 10 episodes, a save every 20 -> 15 saves, --ckpt.max_num 3."""
     data = tmp_path / "math.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"p{i}", "label": "1"}) + "\n" for i in range(7500)))
-    env = dict(os.environ, LPO_PRINT_ARGS="1", MODEL=str(model), DATA=str(data), SAVE_ROOT=str(tmp_path))
+    env = dict(os.environ, LPO_PRINT_ARGS="1", MODEL="Qwen/Qwen3-8B-Base", DATA=str(data), SAVE_ROOT=str(tmp_path))
     for key in ("EXTRA_ARGS", "METHOD", "BACKEND", "NNODES", "GPUS_PER_NODE"):
         env.pop(key, None)
     out = subprocess.run(["bash", os.path.join(REPO, "examples", "scripts", "train_math_qwen3_8b.sh")], env=env,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"go to {tmp_path}/math_qwen3-8b_lpo_fwd" in out.stderr  # the launcher says where
-    from openrlhf_lpo.cli import plan
     from openrlhf_lpo.cli.train_ppo_ray import build_parser_and_parse
 
-    text = "\n".join(plan.plan_lines(build_parser_and_parse(out.stdout.splitlines())))  # what --dry-run prints
-    n = 8_190_735_360
-    state, hf = 14 * n, 2 * n  # bf16 weights + fp32 master and Adam m, v; the bf16 HF export
-    assert "disk: model 8.19B parameters (config.json, dense-decoder formula), bf16" in text
-    assert f"one checkpoint: {(state + hf) / 1e9:.1f} GB = state {state / 1e9:.1f} GB" in text
-    # 7500 prompts / 256 = 30 batches x 10 episodes, a checkpoint every 20 steps, --ckpt.max_num 3
-    total = 3 * state + (3 + 1) * hf + hf
-    assert "300 steps, a checkpoint every 20 -> 15 saves" in text and f"= {total / 1e9:.1f} GB at most" in text
-    assert f"under {tmp_path}/math_qwen3-8b_lpo_fwd/ckpt" in text
+    args = build_parser_and_parse(out.stdout.splitlines())
+    n, ckpt = 8_190_735_360, f"{tmp_path}/math_qwen3-8b_lpo_fwd/ckpt"
+    assert (args.ckpt.path, args.ds.zero_stage, args.ckpt.max_num, args.ckpt.hf_max_num) == (ckpt, 3, 3, None)
+
+    def exports(hf_max_num, batches=300):
+        args.ckpt.hf_max_num = hf_max_num
+        need = disk.run_disk_need(args, n, batches)
+        (hf,) = [(what, b) for what, b, where in need.parts if "Hugging Face" in what and where == ckpt]
+        assert hf[1] % (2 * n) == 0  # bf16 exports
+        return hf[1] // (2 * n), need
+
+    count, need = exports(None)
+    assert count == 4  # the 3 whose ZeRO-3 state is kept + the one written before the oldest goes (was 15)
+    assert need.total == 3 * 12 * n + 4 * 2 * n + 2 * n  # 12 B/param ZeRO-3 states, exports, final model
+    assert exports(-1)[0] == 15  # every export stays: one per save
+    assert exports(0)[0] == 2 and exports(7)[0] == 8 and exports(20)[0] == 15
+    assert exports(None, batches=None)[0] == 4  # the dataset size unknown: the rotation still bounds it
 
 
 def test_recipes_write_outside_the_checkout_by_default():
