@@ -74,12 +74,18 @@ def ray_address() -> Optional[str]:
 
 
 def cluster_gpus(address: str) -> float:
-    """GPUs of the Ray cluster at ``address`` (connects this driver to it, read-only)."""
+    """GPUs of the Ray cluster at ``address``. A connection opened for the question is closed again,
+    so the run then joins the cluster exactly as stock OpenRLHF would (``ray.init`` with the stock
+    runtime env, worker logs forwarded to the driver, our ``worker_process_setup_hook``)."""
     import ray
 
-    if not ray.is_initialized():
-        ray.init(address=address, include_dashboard=False, log_to_driver=False)
-    return float(ray.cluster_resources().get("GPU", 0.0))
+    if ray.is_initialized():
+        return float(ray.cluster_resources().get("GPU", 0.0))
+    ray.init(address=address, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    try:
+        return float(ray.cluster_resources().get("GPU", 0.0))
+    finally:
+        ray.shutdown()
 
 
 def decide_cpu_mode(mode: str = "auto", address: Optional[str] = None, local_gpu: Optional[bool] = None):

@@ -58,7 +58,7 @@ MUTATIONS = [
         "stale coefficients: every optimizer window takes c at s_t (the rollout policy) instead of a no-grad "
         "pass at the current parameters",
         "openrlhf_lpo/openrlhf/actor_trainer.py",
-        's_win = prev[idx] if plan.mode == "shortcut" else self._log_ratios(items, idx.tolist(), prev_ctx)',
+        's_win = prev[idx] if plan.mode == "shortcut" else self._log_ratios(items, plan.micro_batches, prev_ctx)',
         "s_win = prev[idx]",
         [f"{INTERNALS}::test_partial_last_window_steps_once_and_is_exact"] + EXACTNESS,
     ),
@@ -128,6 +128,23 @@ MUTATIONS = [
         "if fast_path and from_box and extracted == gold.strip():",
         "if fast_path and gold.strip() in text:",
         ["tests/evaluation/test_eval_grading_faults.py"],
+    ),
+    Mutation(
+        "reward-error-ends-the-run",
+        "one failed reward ends the run again: the reward file lets a task's exception through",
+        "openrlhf_lpo/rewards/reward_func.py",
+        "    except Exception as e:  # noqa: BLE001  (one failed reward must not end the run)",
+        "    except ZeroDivisionError as e:",
+        ["tests/pipeline/test_reward_errors.py"],
+        ["tests/pipeline/test_e2e_reward_errors.py"],
+    ),
+    Mutation(
+        "pre-pass-per-sample",
+        "the pre-pass runs one forward per sample instead of the window's token-budget micro-batches",
+        "openrlhf_lpo/openrlhf/actor_trainer.py",
+        "self._log_ratios(items, plan.micro_batches, prev_ctx)",
+        "self._log_ratios(items, [[i] for i in idx.tolist()], prev_ctx)",
+        [f"{INTERNALS}::test_pre_pass_and_end_kl_follow_the_token_budget"],
     ),
 ]
 

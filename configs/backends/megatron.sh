@@ -4,11 +4,26 @@
 # mode, and syncing into engines on the actor's GPUs would need CUDA IPC).
 # Checked before anything starts: the layout against the model's HF config (argparse), and the
 # placement against ray.cluster_resources() / ray.nodes() (each TP group and each engine on one node).
+# Defaults fit any single-node recipe (BACKEND=megatron bash examples/scripts/train_*.sh on 8 GPUs): the
+# engines take VLLM_ENGINES x VLLM_TP GPUs and the actor the rest of the node (8 - 4 = 4: TP 4, DP 1).
 VLLM_ENGINES="${VLLM_ENGINES:-4}"
+VLLM_TP="${VLLM_TP:-1}"
+if [ -z "${ACTOR_GPUS:-}" ]; then
+  if [ "$NNODES" = "1" ] && [ "${ACTOR_NODES:-1}" = "1" ]; then
+    ACTOR_GPUS=$((GPUS_PER_NODE - VLLM_ENGINES * VLLM_TP))
+    if [ "$ACTOR_GPUS" -lt 1 ]; then
+      echo "BACKEND=megatron on one node of $GPUS_PER_NODE GPUs: $VLLM_ENGINES engines x VLLM_TP $VLLM_TP leave no GPU" \
+           "for the actor; lower VLLM_ENGINES or set ACTOR_GPUS (and NNODES)" >&2
+      exit 2
+    fi
+  else
+    ACTOR_GPUS="$GPUS_PER_NODE"  # several nodes: the actor fills its nodes, the engines run on another
+  fi
+fi
 CLUSTER_ARGS=(
   --backend megatron --megatron.tp "${MEGATRON_TP:-4}" --megatron.pp "${MEGATRON_PP:-1}"
   --megatron.params_dtype bf16 --megatron.distributed_optimizer
-  --actor.num_nodes "${ACTOR_NODES:-1}" --actor.num_gpus_per_node "${ACTOR_GPUS:-$GPUS_PER_NODE}"
-  --vllm.num_engines "$VLLM_ENGINES" --vllm.tensor_parallel_size "${VLLM_TP:-1}"
+  --actor.num_nodes "${ACTOR_NODES:-1}" --actor.num_gpus_per_node "$ACTOR_GPUS"
+  --vllm.num_engines "$VLLM_ENGINES" --vllm.tensor_parallel_size "$VLLM_TP"
   --vllm.gpu_memory_utilization 0.85 --vllm.enable_prefix_caching
 )

@@ -16,8 +16,10 @@ One place for the estimate: ``lpo-train``'s preflight compares it with the free 
 * Megatron (``openrlhf_lpo/megatron/checkpoint.py``): fp32 parameters and Adam moments, 12 B, written
   whole before the oldest is pruned: ``--ckpt.max_num`` + 1 at the peak;
 * one more when ``--eval.dataset`` keeps a best checkpoint (``--ckpt.best_metric_key`` not ``none``);
-* ``--ckpt.save_hf``: one export per save (``global_stepN_hf``, ``--ds.param_dtype``), which
-  OpenRLHF 0.11.2 never deletes;
+* ``--ckpt.save_hf``: one export per save (``global_stepN_hf``, ``--ds.param_dtype``). OpenRLHF 0.11.2
+  never deletes them; here they rotate (``openrlhf_lpo/hf_exports.py``): the ones whose state is kept
+  (``--ckpt.max_num``) or ``--ckpt.hf_max_num`` of them, each written before the oldest goes, so one
+  more at the peak; ``--ckpt.hf_max_num -1`` keeps one per save;
 * the final model in ``--ckpt.output_dir``.
 
 Optimizer moments are counted for every parameter (no frozen parameters); a VLM's frozen vision tower
@@ -103,9 +105,14 @@ def run_disk_need(args, params: int, rollout_batches: Optional[int]) -> DiskNeed
         if count or best:
             need.parts.append((f"{count + best} {backend} checkpoint(s) of {human_size(per)}", (count + best) * per, ckpt))
     if getattr(args.ckpt, "save_hf", False):
-        exports = max_num if saves is None else saves
+        keep = getattr(args.ckpt, "hf_max_num", None)
+        keep = max_num if keep is None else int(keep)
+        if keep < 0:  # every export stays
+            exports = max_num if saves is None else saves
+        else:  # the newest is always kept, and written before rotation removes the oldest
+            exports = max(keep, 1) + 1 if saves is None else min(max(keep, 1) + 1, saves)
         if exports:
-            note = "" if saves is not None else " (at least: the dataset size is unknown)"
+            note = "" if saves is not None or keep >= 0 else " (at least: the dataset size is unknown)"
             need.parts.append((f"{exports} Hugging Face export(s) of {human_size(params * param_bytes)}{note}",
                                exports * params * param_bytes, ckpt))
     need.parts.append((f"final model {human_size(params * param_bytes)}", params * param_bytes, args.ckpt.output_dir))

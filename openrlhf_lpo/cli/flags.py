@@ -279,11 +279,11 @@ def _validate_listwise_metrics(args: argparse.Namespace, est: str, K: int) -> No
 
 
 def _lpo_before_train(args: argparse.Namespace):
-    if not uses_lpo_classes(args):
-        return None
+    # every run gets the runtime safety nets (reward-error window, HF export rotation); lpo / maxrl /
+    # --lpo.end_kl runs get the LPO classes, which include them (openrlhf/ray_classes.py)
     from openrlhf_lpo.openrlhf.patches import apply_patches
 
-    return apply_patches()
+    return apply_patches(lpo=uses_lpo_classes(args))
 
 
 register_flag_group(
@@ -306,6 +306,35 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 register_flag_group(FlagGroup(name="run", add_arguments=_add_run_arguments))
+
+
+def _add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
+    from openrlhf_lpo.reward_errors import DEFAULT_STOP_FRAC, DEFAULT_WINDOW
+
+    g = parser.add_argument_group("lpo-train runtime safety nets (every estimator)")
+    g.add_argument("--reward.error_window", type=int, default=DEFAULT_WINDOW,
+                   help="samples in the reward-error window: a reward that raised or reported status error "
+                   "scores 0 and is counted (reward/error_frac); the run stops only when more than "
+                   f"--reward.error_stop_frac of the last N samples failed (default {DEFAULT_WINDOW}; 0: never stop)")
+    g.add_argument("--reward.error_stop_frac", type=float, default=DEFAULT_STOP_FRAC,
+                   help=f"fraction of failed rewards in the window that stops the run (default {DEFAULT_STOP_FRAC}; "
+                   "1: never stop)")
+    g.add_argument("--ckpt.hf_max_num", type=int, default=None,
+                   help="HF exports (<ckpt.path>/<tag>_hf, --ckpt.save_hf) to keep; default: the ones whose "
+                   "state --ckpt.max_num keeps; -1 keeps every export (e.g. to evaluate a learning curve)")
+
+
+def _validate_runtime(args: argparse.Namespace) -> None:
+    window, frac = args.reward.error_window, args.reward.error_stop_frac
+    if window < 0:
+        raise FlagError(f"--reward.error_window {window}: give a number of samples >= 0 (0 never stops the run)")
+    if not 0.0 < frac <= 1.0:
+        raise FlagError(f"--reward.error_stop_frac {frac}: give a fraction in (0, 1] (1 never stops the run)")
+    if args.ckpt.hf_max_num is not None and args.ckpt.hf_max_num < -1:
+        raise FlagError(f"--ckpt.hf_max_num {args.ckpt.hf_max_num}: give a count >= 0, or -1 to keep every export")
+
+
+register_flag_group(FlagGroup(name="runtime", add_arguments=_add_runtime_arguments, validate=_validate_runtime))
 
 
 def enter_before_train(stack: contextlib.ExitStack, args: argparse.Namespace) -> None:

@@ -222,9 +222,30 @@ def main(argv: Optional[List[str]] = None) -> None:
             patches = sys.modules.get("openrlhf_lpo.openrlhf.patches")
             if patches is not None:
                 stack.enter_context(patches.rebind(stock_train.__globals__))
-            stock_train(args)
+            try:
+                stock_train(args)
+            except Exception as e:  # noqa: BLE001  (one known stop gets a plain message; the rest re-raise)
+                stop = _reward_error_stop(e)
+                if stop is None:
+                    raise
+                print(f"lpo-train: {stop}", file=sys.stderr, flush=True)
+                raise SystemExit(4) from None
 
     _run_stock(argv, run)
+
+
+def _reward_error_stop(exc: BaseException):
+    """The message of a ``RewardErrorsPersist`` raised in the trainer (through Ray's ``RayTaskError``), or None."""
+    from openrlhf_lpo.reward_errors import RewardErrorsPersist
+
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        cause = getattr(exc, "cause", None)  # ray.exceptions.RayTaskError keeps the remote exception here
+        if type(exc) is RewardErrorsPersist or (isinstance(cause, RewardErrorsPersist)):
+            return str(cause if isinstance(cause, RewardErrorsPersist) else exc)
+        exc = cause if isinstance(cause, BaseException) else exc.__cause__
+    return None
 
 
 def _check_cluster(args, plan) -> None:

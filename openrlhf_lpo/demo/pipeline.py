@@ -135,8 +135,8 @@ def pipeline_argv(method: Method, cfg: RLConfig, model_path: str, dataset: str, 
         "--logger.tensorboard_dir", str(out_dir / "tb"), "--logger.logging_steps", "1",
         "--ckpt.path", str(out_dir / "ckpt"), "--ckpt.output_dir", str(out_dir / "final"),
     ]
-    if cfg.eval_every:
-        argv += ["--ckpt.save_steps", str(cfg.eval_every), "--ckpt.save_hf"]
+    if cfg.eval_every:  # every HF export stays for the held-out evaluation after the job (not rotated)
+        argv += ["--ckpt.save_steps", str(cfg.eval_every), "--ckpt.save_hf", "--ckpt.hf_max_num", "-1"]
     return argv + method.pipeline_flags() + list(cfg.pipeline_args)
 
 

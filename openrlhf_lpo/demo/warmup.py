@@ -224,10 +224,15 @@ def ensure_warmup(cfg: WarmupConfig, progress: bool = True, force: bool = False,
 
 
 def _bar(total: int, desc: str, enabled: bool):
+    """The demo's progress bars (warm-up, every method's steps, held-out evaluation; the benchmarks that
+    reuse them): plain lines when stderr is a file or a pipe (openrlhf_lpo.progress), a bar on a terminal."""
     if not enabled:
         return None
     try:
         from tqdm.auto import tqdm
     except ImportError:  # tqdm is a dependency of the venv; keep the warm-up usable without it
         return None
+    from openrlhf_lpo.progress import install
+
+    install()
     return tqdm(total=total, desc=desc, dynamic_ncols=True, leave=True)

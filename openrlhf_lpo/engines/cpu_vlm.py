@@ -3,8 +3,8 @@
 OpenRLHF 0.11.2's rollout executor tokenizes an image prompt with the processor (the image pad
 tokens already expanded, one per merged 28x28 patch) and calls
 ``engine.generate(prompt_token_ids, sampling_params, multi_modal_data={"image": [PIL images]})``.
-:class:`openrlhf_lpo.engines.cpu_engine.CPURolloutEngine` hands such requests to the backends
-registered here, chosen by :func:`vlm_backend_name` when the model's config has a
+:class:`openrlhf_lpo.engines.cpu_engine.CPURolloutEngine` (which imports this module; this module
+imports only :mod:`openrlhf_lpo.engines.backends`) hands such requests to the backends registered here, chosen by :func:`vlm_backend_name` when the model's config has a
 ``vision_config`` (what OpenRLHF's ``is_vlm_model`` checks):
 
 * ``hf-vlm``: ``AutoModelForImageTextToText`` with the text backend's sampling loop. The prefill
@@ -31,7 +31,7 @@ import os
 import sys
 from typing import Dict, List, Optional, Sequence
 
-from openrlhf_lpo.engines.cpu_engine import (BACKENDS, HFBackend, VLLMBackend, _engine_dtype, _param, _stop_ids,
+from openrlhf_lpo.engines.backends import (BACKENDS, HFBackend, VLLMBackend, _engine_dtype, _param, _stop_ids,
                                              register_backend, remote_code_hint, trust_remote_code)
 
 __all__ = ["is_vlm_model_path", "vlm_backend_name", "HFVLMBackend", "VLLMVLMBackend", "patch_vllm_for_images",

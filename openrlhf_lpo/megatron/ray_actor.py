@@ -364,7 +364,7 @@ class MegatronPolicyActor:
     # --------------------------------------------------------------------- checkpoints
     def save_checkpoint(self, tag, client_states=None, metric_value=None, metric_key=None):
         """``ckpt.path/_actor/<tag>`` (OpenRLHF passes ``global_step<N>``); ``--ckpt.max_num`` /
-        ``--ckpt.max_mem`` prune the oldest; ``--ckpt.save_hf`` also writes ``<tag>_hf``."""
+        ``--ckpt.max_mem`` prune the oldest; ``--ckpt.save_hf`` also writes ``<tag>_hf`` (rotated with them)."""
         args = self.args
         state = {"client_states": client_states or {}, "window_rng": self.generator.get_state()}
         self.actor.save_checkpoint(os.path.join(args.ckpt.path, CKPT_SUBDIR), tag, state,
@@ -372,6 +372,12 @@ class MegatronPolicyActor:
                                    max_mem_gb=getattr(args.ckpt, "max_mem", None))
         if getattr(args.ckpt, "save_hf", False):
             self._save_hf(os.path.join(args.ckpt.path, f"{tag}_hf"))
+            import torch.distributed as dist
+
+            from openrlhf_lpo.hf_exports import rotate_for_args
+
+            if dist.get_rank() == 0:  # the exports follow the state's rotation (--ckpt.max_num / --ckpt.hf_max_num)
+                rotate_for_args(args.ckpt, CKPT_SUBDIR, keep=[tag])
 
     def get_checkpoint_states(self):
         return self.checkpoint_states

@@ -210,6 +210,7 @@ class LPOActorTrainer(ActorPPOTrainer):
             self.actor_loss_fn = LPOPolicyLoss(self.args.lpo.divergence, self.args.lpo.projection, lo, hi,
                                                correction=self.correction)
         self.last_window_plan: List[WindowPlan] = []  # for inspection/tests
+        self.pass_shapes: List[List[int]] = []  # tokens per no-grad forward of each pass (inspection/tests)
         self._ppo_calls = 0
 
     # -- distributed helpers
@@ -273,16 +274,47 @@ class LPOActorTrainer(ActorPPOTrainer):
         exp.to_device(self._device())
         return exp, meta
 
-    def _log_ratios(self, items, indices: List[int], prev: Optional[torch.Tensor]) -> torch.Tensor:
-        """s of ``items[indices]`` at the current parameters (no grad), micro-batch by micro-batch."""
-        out = torch.zeros(len(indices), dtype=torch.float64)
+    def _log_ratios(self, items, micro_batches: List[List[int]], prev: Optional[torch.Tensor],
+                    extra_forwards: int = 0) -> torch.Tensor:
+        """s of the items in ``micro_batches`` (in their flattened order) at the current parameters, one
+        no-grad forward per micro-batch; ``extra_forwards`` repeat the first one with the result
+        dropped (ZeRO-3 gathers parameters in every forward: each rank runs the same number)."""
+        n = sum(len(mb) for mb in micro_batches)
+        out = torch.zeros(n, dtype=torch.float64)
         self.actor.train()
-        micro = max(int(self.micro_train_batch_size), 1)
-        for lo in range(0, len(indices), micro):
-            ids = indices[lo:lo + micro]
+        lo = 0
+        for m, ids in enumerate(list(micro_batches) + list(micro_batches[:1]) * extra_forwards):
             exp, _ = self._collate(items, ids)
-            out[lo:lo + len(ids)] = self._log_ratio(exp, None if prev is None else prev[torch.tensor(ids)]).double()
+            s = self._log_ratio(exp, None if prev is None else prev[torch.tensor(ids)]).double()
+            if m < len(micro_batches):
+                out[lo:lo + len(ids)] = s
+                lo += len(ids)
+        self.pass_shapes.append([sum(int(items[i].total_length.reshape(-1)[0]) for i in ids) for ids in micro_batches])
         return out
+
+    def _pass_micro_batches(self, items, indices: List[int]):
+        """Micro-batches for a no-grad pass over ``indices`` (the end-of-update KL): under dynamic batching
+        ``--train.max_tokens_per_gpu`` tokens each (the count agreed across ranks), else
+        ``--train.micro_batch_size`` samples; plus the forwards this rank repeats to match the others."""
+        args = self.args
+        dynamic = bool(args.train.dynamic_batch_enable)
+        if dynamic:
+            budget = int(args.train.max_tokens_per_gpu)
+            lengths = [int(items[i].total_length.reshape(-1)[0].item()) for i in indices]
+            need = layout.first_fit_count(lengths, budget)
+        else:
+            need = -(-len(indices) // max(int(self.micro_train_batch_size), 1))
+        agreed = int(self._all_reduce([float(need)], op=dist.ReduceOp.MAX)[0])  # every rank, also an empty one
+        if not indices:  # nothing to forward here (a ZeRO-3 peer's gathers then wait on this rank)
+            return [], 0
+        own = min(agreed, len(indices))
+        if dynamic:
+            parts = layout.budget_partition(lengths, own, budget)
+            batches = [[indices[j] for j in p] for p in parts]
+        else:
+            micro = -(-len(indices) // own)
+            batches = [indices[i:i + micro] for i in range(0, len(indices), micro)]
+        return batches, agreed - len(batches)
 
     def training_step(self, experience, kl_ctl, step, loss_batch_info=None):
         if self.args.actor.entropy_coef == 0:
@@ -296,6 +328,7 @@ class LPOActorTrainer(ActorPPOTrainer):
         """Stock ppo_train; with --lpo.end_kl, the listwise KL of the paired target after it.
         Every rank joins the metric's collectives, also one whose share of a partial batch is empty."""
         items = self.replay_buffer.items
+        self.pass_shapes = []
         meta = [{k: it.info.pop(k) for k in LPO_INFO_KEYS if k in it.info} for it in items]
         status = super().ppo_train(kl_ctl)
         if not (self.args.lpo.end_kl and all("lpo_target" in m for m in meta)):
@@ -303,7 +336,10 @@ class LPOActorTrainer(ActorPPOTrainer):
         gids = torch.tensor([int(m["lpo_gid"]) for m in meta], dtype=torch.long)
         target = torch.tensor([float(m["lpo_target"]) for m in meta], dtype=torch.float64)
         prev = torch.tensor([float(m["lpo_prev_log_ratio"]) for m in meta], dtype=torch.float64)
-        s_end = self._log_ratios(items, list(range(len(items))), None)
+        batches, extra = self._pass_micro_batches(items, list(range(len(items))))
+        order = [i for mb in batches for i in mb]
+        s_end = torch.empty(len(items), dtype=torch.float64)
+        s_end[torch.tensor(order, dtype=torch.long)] = self._log_ratios(items, batches, None, extra)
         status.update(listwise_update_metrics(gids, prev, s_end, target, self.args.rollout.n_samples_per_prompt,
                                               group=self._dp_group(), device=self._device()))
         return status
@@ -344,7 +380,7 @@ class LPOActorTrainer(ActorPPOTrainer):
                 whole, per_sample = layout.budget_micro_count(window, lengths, budget)
                 all_whole = self._all_reduce([0.0 if whole is None else 1.0], op=dist.ReduceOp.MIN)[0] > 0
                 n_micro = int(self._all_reduce([float(whole if all_whole else per_sample)], op=dist.ReduceOp.MAX)[0])
-                micro_batches = layout.budget_micro_batches(window, lengths, n_micro, all_whole)
+                micro_batches = layout.budget_micro_batches(window, lengths, n_micro, all_whole, budget)
                 whole_groups = all_whole
             else:
                 micro = int(self.micro_train_batch_size)
@@ -387,6 +423,7 @@ class LPOActorTrainer(ActorPPOTrainer):
 
         plans = [p for epoch in range(self.max_epochs) for p in self.plan(items, gids, epoch)]
         self.last_window_plan = plans
+        self.pass_shapes = []
         if args.train.dynamic_batch_enable:  # read by the stock training_step, per micro-batch
             flags, scales = [], []
             for p in plans:
@@ -412,7 +449,8 @@ class LPOActorTrainer(ActorPPOTrainer):
             if plan.mode == "pointwise":
                 coefficients = -target[idx]
             elif plan.mode in ("shortcut", "pre_pass"):
-                s_win = prev[idx] if plan.mode == "shortcut" else self._log_ratios(items, idx.tolist(), prev_ctx)
+                # the pre-pass runs the window's own micro-batches (token budgets under dynamic batching)
+                s_win = prev[idx] if plan.mode == "shortcut" else self._log_ratios(items, plan.micro_batches, prev_ctx)
                 order = sorted(range(len(idx)), key=lambda j: (gids[int(idx[j])], j))  # groups contiguous
                 o = torch.tensor(order)
                 c_sorted = listwise.projection_coefficients(s_win[o].view(-1, K), target[idx[o]].view(-1, K), div,
@@ -501,7 +539,10 @@ class LPOActorTrainer(ActorPPOTrainer):
         sums = dict(zip(names, self._all_reduce(values)))
         end = None
         if self.args.lpo.end_kl:
-            s_end = self._log_ratios(items, list(range(len(items))), prev_ctx)
+            batches, extra = self._pass_micro_batches(items, list(range(len(items))))
+            order = torch.tensor([i for mb in batches for i in mb], dtype=torch.long)
+            s_end = torch.empty(len(items), dtype=torch.float64)
+            s_end[order] = self._log_ratios(items, batches, prev_ctx, extra)
             end = distributed_listwise_stats(torch.tensor(gids), s_end, target, K, group=self._dp_group(),
                                              device=self._device())
         any_finite = bool(finite.any())

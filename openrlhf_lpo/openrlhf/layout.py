@@ -15,7 +15,8 @@ Public names (stable):
     window_groups(members, groups_per_window, generator=None) -> windows of groups
     fixed_micro_batches(window, micro) -> micro-batches of sample indices
     budget_micro_count(window, lengths, budget) -> (whole_group_count or None, sample_count)
-    budget_micro_batches(window, lengths, n_micro, whole_groups) -> micro-batches
+    budget_micro_batches(window, lengths, n_micro, whole_groups, budget=None) -> micro-batches
+    budget_partition(weights, n_parts, budget) -> parts, none over the budget (unless a single item)
 
 Partial rollout batches: OpenRLHF hands over a short last batch when the dataset is not a
 multiple of ``--rollout.batch_size`` (MATH 7500 = 29 x 256 + 76), and dynamic filtering can
@@ -41,6 +42,7 @@ __all__ = [
     "fixed_micro_batches",
     "budget_micro_count",
     "budget_micro_batches",
+    "budget_partition",
     "first_fit_count",
 ]
 
@@ -154,13 +156,51 @@ def budget_micro_count(window: List[List[int]], lengths: Sequence[int], budget: 
     return whole, samples
 
 
+def _first_fit_bins(order: Sequence[int], weights: Sequence[int], budget: int) -> List[List[int]]:
+    bins: List[List[int]] = []
+    used: List[int] = []
+    for j in order:
+        for b, u in enumerate(used):
+            if u + weights[j] <= budget:
+                bins[b].append(j)
+                used[b] += weights[j]
+                break
+        else:
+            bins.append([j])
+            used.append(weights[j])
+    return bins
+
+
+def budget_partition(weights: Sequence[int], n_parts: int, budget: int) -> List[List[int]]:
+    """``n_parts`` parts of item indices, none over ``budget`` unless it is a single item: Karmarkar-Karp
+    (balanced) when its parts fit, else first-fit bins split until there are ``n_parts``
+    (``first_fit_count(weights, budget) <= n_parts <= len(weights)``)."""
+    if not 1 <= n_parts <= len(weights):
+        raise ValueError(f"cannot cut {len(weights)} items into {n_parts} micro-batches")
+    parts = _partitions(weights, n_parts, False)
+    if all(len(p) == 1 or sum(weights[j] for j in p) <= budget for p in parts):
+        return parts
+    bins = _first_fit_bins(range(len(weights)), weights, budget)
+    if len(bins) > n_parts:
+        raise ValueError(f"{len(bins)} micro-batches are needed for {budget} tokens each, only {n_parts} agreed")
+    while len(bins) < n_parts:  # split the heaviest bin that holds more than one item (halves stay under budget)
+        b = max((b for b in range(len(bins)) if len(bins[b]) > 1), key=lambda b: sum(weights[j] for j in bins[b]))
+        half = len(bins[b]) // 2
+        bins[b:b + 1] = [bins[b][:half], bins[b][half:]]
+    return [sorted(p) for p in bins]
+
+
 def budget_micro_batches(window: List[List[int]], lengths: Sequence[int], n_micro: int,
-                         whole_groups: bool) -> List[List[int]]:
+                         whole_groups: bool, budget: Optional[int] = None) -> List[List[int]]:
     """``n_micro`` token-balanced micro-batches (Karmarkar-Karp); with ``whole_groups`` the groups
     are indivisible and their members stay contiguous. ``n_micro`` is agreed across ranks (every
-    rank must run the same number of forwards) and never exceeds the window's items."""
+    rank must run the same number of forwards) and never exceeds the window's items. With ``budget``
+    no micro-batch of more than one item exceeds it (:func:`budget_partition`)."""
     if whole_groups:
-        parts = _partitions([sum(lengths[i] for i in g) for g in window], n_micro, False)
+        weights = [sum(lengths[i] for i in g) for g in window]
+        parts = budget_partition(weights, n_micro, budget) if budget else _partitions(weights, n_micro, False)
         return [[i for gi in p for i in window[gi]] for p in parts]
     flat = [i for g in window for i in g]
-    return [[flat[j] for j in p] for p in _partitions([lengths[i] for i in flat], n_micro, False)]
+    weights = [lengths[i] for i in flat]
+    parts = budget_partition(weights, n_micro, budget) if budget else _partitions(weights, n_micro, False)
+    return [[flat[j] for j in p] for p in parts]

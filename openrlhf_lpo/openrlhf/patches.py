@@ -3,10 +3,12 @@
 Public names (stable):
     OPENRLHF_VERSION         "0.11.2", the only version these patch points are checked against
     PATCH_POINTS             list of PatchPoint(name, module, attribute, kind, why)
-                             kind "swap": replaced while ``apply_patches()`` is active;
+                             kind "swap": replaced while ``apply_patches(lpo)`` is active (the LPO classes for lpo / maxrl /
+                             --lpo.end_kl runs, else the stock classes plus the runtime safety nets:
+                             reward-error window, HF export rotation; ray_classes.py);
                              kind "scoped-swap": replaced inside one call by our subclass;
                              kind "contract": read or called as-is, we rely on its behaviour
-    apply_patches()          context manager: the "swap" points (restored on exit)
+    apply_patches(lpo=True)  context manager: the "swap" points (restored on exit)
     rebind(namespace)        context manager: names in ``namespace`` (e.g. the stock CLI's globals,
                              imported before the swaps) follow the active swaps
     check_contracts()        raises RuntimeError naming the first patch point that no longer holds
@@ -39,6 +41,23 @@ class PatchPoint:
 PATCH_POINTS: List[PatchPoint] = [
     PatchPoint("policy-actor-class", "openrlhf.trainer.ray.ppo_actor", "PolicyModelActor", "swap",
                "cli/train_ppo_ray.py imports it at module level and builds the actor RayActorGroup from it"),
+    PatchPoint("save-checkpoint", "openrlhf.trainer.ray.ppo_actor", "PolicyModelActor.save_checkpoint", "contract",
+               "writes <ckpt.path>/<tag>_hf with --ckpt.save_hf after the state in <ckpt.path>/_actor; "
+               "HFExportRotation prunes the exports after it returns"),
+    PatchPoint("samples-generator", "openrlhf.trainer.ppo_trainer", "SamplesGenerator", "scoped-swap",
+               "PPOTrainer.__init__ builds it (as GenerateSamplesActor.__init__ does from ppo_trainer_async); "
+               "SeededSamplesGenerator gives every sample its own seed (request_seeds.py)"),
+    PatchPoint("dispatch-prompts", "openrlhf.trainer.ppo_utils.samples_generator",
+               "SamplesGenerator._dispatch_prompts_to_vllm", "contract",
+               "one SamplingParams (with a seed field) per dispatch, then per prompt in order "
+               "self.vllm_engines[i].generate_responses.remote(..., sampling_params=, num_samples=) whose "
+               "result is one list of num_samples outputs; SeededSamplesGenerator hands it seeding handles"),
+    PatchPoint("resume-position", "openrlhf.trainer.ppo_trainer", "BasePPOTrainer.init_checkpoint_states", "contract",
+               "returns total_consumed_prompts (the prompt position the seeds continue from on resume; the async "
+               "generator gets it as GenerateSamplesActor.fit(episode, total_consumed_prompts))"),
+    PatchPoint("train-step", "openrlhf.trainer.ppo_trainer", "BasePPOTrainer.train_step", "contract",
+               "called once per rollout batch with every sample before the experience maker; "
+               "RewardErrorGuard counts reward errors there (reward_guard.py)"),
     PatchPoint("ppo-trainer-class", "openrlhf.trainer.ppo_trainer", "PPOTrainer", "swap",
                "train() imports it lazily (sync mode) and calls PPOTrainer.remote(...)"),
     PatchPoint("async-trainer-class", "openrlhf.trainer.ppo_trainer_async", "PPOTrainerAsync", "swap",
@@ -101,14 +120,20 @@ def _resolve(point: PatchPoint):
 
 
 @contextlib.contextmanager
-def apply_patches():
-    """Swap the stock Ray classes for the LPO ones (kind "swap"), restore them on exit."""
-    from openrlhf_lpo.openrlhf.ray_classes import RemoteLPOPolicyActor, RemoteLPOTrainer, RemoteLPOTrainerAsync
+def apply_patches(lpo: bool = True):
+    """Swap the stock Ray classes (kind "swap") for the LPO ones (``lpo``) or for the stock ones with the
+    runtime safety nets, restore them on exit."""
+    from openrlhf_lpo.openrlhf import ray_classes as rc
 
+    if lpo:
+        actor, trainer, trainer_async = rc.RemoteLPOPolicyActor, rc.RemoteLPOTrainer, rc.RemoteLPOTrainerAsync
+    else:
+        actor, trainer = rc.RemoteRuntimePolicyActor, rc.RemoteRuntimePPOTrainer
+        trainer_async = rc.RemoteRuntimePPOTrainerAsync
     replacements = {
-        ("openrlhf.trainer.ray.ppo_actor", "PolicyModelActor"): RemoteLPOPolicyActor,
-        ("openrlhf.trainer.ppo_trainer", "PPOTrainer"): RemoteLPOTrainer,
-        ("openrlhf.trainer.ppo_trainer_async", "PPOTrainerAsync"): RemoteLPOTrainerAsync,
+        ("openrlhf.trainer.ray.ppo_actor", "PolicyModelActor"): actor,
+        ("openrlhf.trainer.ppo_trainer", "PPOTrainer"): trainer,
+        ("openrlhf.trainer.ppo_trainer_async", "PPOTrainerAsync"): trainer_async,
     }
     assert {(p.module, p.attribute) for p in PATCH_POINTS if p.kind == "swap"} == set(replacements)
     saved = []
@@ -207,6 +232,33 @@ def check_contracts() -> None:
                               "GenerateSamplesActor.remote(")):
         if needle not in inspect.getsource(fn):
             raise RuntimeError(f"patch point {name}: {fn.__qualname__} no longer calls {needle[:-1]}")
+    save_src = inspect.getsource(getattr(ppo_actor.PolicyModelActor, "__ray_actor_class__",
+                                         ppo_actor.PolicyModelActor).save_checkpoint)
+    if 'f"{tag}_hf"' not in save_src or '"_actor"' not in save_src:
+        raise RuntimeError("patch point save-checkpoint: save_checkpoint no longer writes <tag>_hf beside _actor")
+    step_src = inspect.getsource(ppo_trainer.BasePPOTrainer.train_step)
+    # (Ray's tracing adds a trailing _ray_trace_ctx to methods of classes it made remote)
+    if _params(ppo_trainer.BasePPOTrainer.train_step)[:3] != ["self", "rollout_samples", "global_step"] or \
+            "make_experience_batch(rollout_samples)" not in step_src:
+        raise RuntimeError("patch point train-step: BasePPOTrainer.train_step(rollout_samples, global_step) changed")
+    from openrlhf.trainer.ppo_utils import samples_generator as sg
+
+    dispatch_src = inspect.getsource(sg.SamplesGenerator._dispatch_prompts_to_vllm)
+    for needle in ("self.vllm_engines[", ".generate_responses.remote(", "sampling_params=sampling_params",
+                   "num_samples=n_samples", "SamplingParams("):
+        if needle not in dispatch_src:
+            raise RuntimeError(f"patch point dispatch-prompts: _dispatch_prompts_to_vllm no longer has {needle!r}")
+    if "seed" not in getattr(sg.SamplingParams, "__struct_fields__", ()) and \
+            "seed" not in inspect.signature(sg.SamplingParams).parameters:
+        raise RuntimeError("patch point dispatch-prompts: vllm.SamplingParams has no per-request seed")
+    for mod, cls_name in ((ppo_trainer, "PPOTrainer"), (ppo_trainer_async, "GenerateSamplesActor")):
+        init = getattr(getattr(mod, cls_name), "__ray_actor_class__", getattr(mod, cls_name)).__init__
+        if "SamplesGenerator(" not in inspect.getsource(init) or mod.SamplesGenerator is not sg.SamplesGenerator:
+            raise RuntimeError(f"patch point samples-generator: {cls_name}.__init__ no longer builds SamplesGenerator")
+    if "total_consumed_prompts" not in inspect.getsource(ppo_trainer.BasePPOTrainer.init_checkpoint_states) or \
+            _params(getattr(ppo_trainer_async.GenerateSamplesActor, "__ray_actor_class__",
+                            ppo_trainer_async.GenerateSamplesActor).fit)[:3] != ["self", "episode", "total_consumed_prompts"]:
+        raise RuntimeError("patch point resume-position: the prompt position is no longer restored as expected")
     init_src = inspect.getsource(getattr(ppo_actor.PolicyModelActor, "__ray_actor_class__",
                                          ppo_actor.PolicyModelActor).init_model_from_pretrained)
     if "ActorPPOTrainer(" not in init_src:

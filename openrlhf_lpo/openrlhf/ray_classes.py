@@ -1,6 +1,19 @@
-"""Ray-side LPO classes swapped into OpenRLHF 0.11.2 by ``openrlhf_lpo.openrlhf.patches``.
+"""Ray-side classes swapped into OpenRLHF 0.11.2 by ``openrlhf_lpo.openrlhf.patches``.
+
+Every ``lpo-train`` run gets the runtime safety nets; lpo, maxrl and ``--lpo.end_kl`` runs get the LPO
+classes, which include them:
+
+* reward errors (``reward_guard.RewardErrorGuard``): every rollout sample's reward error counted,
+  ``reward/error_frac`` logged, the run stopped only when errors persist;
+* per-request sampling seeds from the run seed and the prompt/sample position (``request_seeds.py``;
+  upstream's vLLM requests carry no seed);
+* HF exports rotated with ``--ckpt.max_num`` (``HFExportRotation``, openrlhf_lpo/hf_exports.py; upstream
+  rotates only the DeepSpeed state under ``ckpt.path/_actor``).
 
 Public names (stable):
+    RuntimePolicyActor, RuntimePPOTrainer, RuntimeTrainingActor, RuntimePPOTrainerAsync
+                        the stock classes plus the safety nets (every other estimator)
+    RemoteRuntimePolicyActor, RemoteRuntimePPOTrainer, RemoteRuntimeTrainingActor, RemoteRuntimePPOTrainerAsync
     LPOPolicyActor      subclass of the class behind ``@ray.remote PolicyModelActor``; builds
                         ``LPOActorTrainer`` instead of ``ActorPPOTrainer``; saves a VLM's processor
                         files with its HF checkpoints
@@ -33,14 +46,20 @@ from openrlhf.trainer import ppo_trainer_async as _async_mod
 from openrlhf.trainer.ray import ppo_actor as _ppo_actor_mod
 from openrlhf.utils.logging_utils import init_logger
 
+from openrlhf_lpo.hf_exports import rotate_for_args
 from openrlhf_lpo.openrlhf.actor_trainer import LPOActorTrainer
 from openrlhf_lpo.openrlhf.config import dp_size
 from openrlhf_lpo.openrlhf.experience_maker import LPOExperienceMaker, rank_experiences
+from openrlhf_lpo.openrlhf.request_seeds import SeededGenerateSamples, SeededRollouts
+from openrlhf_lpo.openrlhf.reward_guard import RewardErrorGuard
 from openrlhf_lpo.openrlhf.vlm import save_processor_files
 
 __all__ = ["LPOPolicyActor", "LPOTrainer", "LPOTrainingActor", "LPOGenerateSamplesActor", "LPOTrainerAsync",
            "RemoteLPOPolicyActor",
-           "RemoteLPOTrainer", "RemoteLPOTrainingActor", "RemoteLPOTrainerAsync", "unwrap_ray_class"]
+           "RemoteLPOTrainer", "RemoteLPOTrainingActor", "RemoteLPOTrainerAsync", "unwrap_ray_class",
+           "RuntimePolicyActor", "RuntimePPOTrainer", "RuntimeTrainingActor", "RuntimePPOTrainerAsync",
+           "RemoteRuntimePolicyActor", "RemoteRuntimePPOTrainer", "RemoteRuntimeTrainingActor",
+           "RemoteRuntimePPOTrainerAsync"]
 
 logger = init_logger(__name__)
 
@@ -64,7 +83,77 @@ def _seed_prompt_order(strategy) -> None:
     torch.manual_seed(int(strategy.args.train.seed))
 
 
-class LPOPolicyActor(_StockPolicyActor):
+# ----------------------------------------------------------------------------- every estimator
+
+
+class HFExportRotation:
+    """Policy-actor mixin: after each checkpoint, rank 0 prunes the ``<tag>_hf`` exports (hf_exports.py)."""
+
+    def save_checkpoint(self, tag, *args, **kwargs):
+        result = super().save_checkpoint(tag, *args, **kwargs)
+        ckpt = self.strategy.args.ckpt
+        if ckpt.save_hf and self.strategy.is_rank_0():
+            for path in rotate_for_args(ckpt, keep=[tag]):
+                logger.info(f"Removed HF export {path} (--ckpt.max_num / --ckpt.hf_max_num)")
+        return result
+
+
+class RuntimePolicyActor(HFExportRotation, _StockPolicyActor):
+    """The stock policy actor whose HF exports rotate with --ckpt.max_num."""
+
+
+def _broadcast_to_vllm(self):
+    # The stock method's zero-argument super() fails when Ray dispatches it on a subclass of the
+    # remote class (measured: "super(type, obj): obj must be an instance or subtype of type");
+    # called explicitly, the same stock code runs as written (lock, pause/resume, sync).
+    return _StockTrainingActor.broadcast_to_vllm(self)
+
+
+class RuntimePPOTrainer(RewardErrorGuard, SeededRollouts, _StockPPOTrainer):
+    """The stock sync trainer with the reward-error window and seeded rollouts."""
+
+
+class RuntimeTrainingActor(RewardErrorGuard, _StockTrainingActor):
+    """The stock async training actor with the reward-error window."""
+
+    broadcast_to_vllm = _broadcast_to_vllm
+
+
+RemoteRuntimeTrainingActor = ray.remote(RuntimeTrainingActor)
+
+
+class RuntimeGenerateSamplesActor(SeededGenerateSamples, _StockGenerateSamplesActor):
+    """The stock async sample generator with seeded rollouts."""
+
+
+RemoteRuntimeGenerateSamplesActor = ray.remote(RuntimeGenerateSamplesActor)
+
+
+class _AsyncTrainer(_StockPPOTrainerAsync):
+    """PPOTrainerAsync starting our two actor classes (its __init__ looks both up at call time: they are
+    swapped for that call only)."""
+
+    training_actor = sample_actor = None
+
+    def __init__(self, *args, **kwargs):
+        with mock.patch.object(_async_mod, "TrainingActor", self.training_actor), \
+                mock.patch.object(_async_mod, "GenerateSamplesActor", self.sample_actor):
+            super().__init__(*args, **kwargs)
+
+
+class RuntimePPOTrainerAsync(_AsyncTrainer):
+    training_actor, sample_actor = RemoteRuntimeTrainingActor, RemoteRuntimeGenerateSamplesActor
+
+
+RemoteRuntimePolicyActor = ray.remote(num_gpus=1)(RuntimePolicyActor)
+RemoteRuntimePPOTrainer = ray.remote(RuntimePPOTrainer)
+RemoteRuntimePPOTrainerAsync = ray.remote(RuntimePPOTrainerAsync)
+
+
+# ----------------------------------------------------------------------------- lpo, maxrl, --lpo.end_kl
+
+
+class LPOPolicyActor(HFExportRotation, _StockPolicyActor):
     def init_model_from_pretrained(self, *args, **kwargs):
         # ppo_actor.py looks ActorPPOTrainer up at call time: swap it for this call only.
         with mock.patch.object(_ppo_actor_mod, "ActorPPOTrainer", LPOActorTrainer):
@@ -115,7 +204,7 @@ class _LPOTrainerMixin:
             return super().train_step(rollout_samples, global_step)
 
 
-class LPOTrainer(_LPOTrainerMixin, _StockPPOTrainer):
+class LPOTrainer(RewardErrorGuard, SeededRollouts, _LPOTrainerMixin, _StockPPOTrainer):
     def __init__(self, pretrain, strategy, *args, **kwargs):
         _seed_prompt_order(strategy)
         super().__init__(pretrain, strategy, *args, **kwargs)
@@ -128,22 +217,18 @@ class LPOTrainer(_LPOTrainerMixin, _StockPPOTrainer):
         return evaluate(self, global_step, **generate_kwargs)
 
 
-class LPOTrainingActor(_LPOTrainerMixin, _StockTrainingActor):
+class LPOTrainingActor(RewardErrorGuard, _LPOTrainerMixin, _StockTrainingActor):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._use_lpo_experience_maker()
 
-    def broadcast_to_vllm(self):
-        # The stock method's zero-argument super() fails when Ray dispatches it on a subclass of the
-        # remote class (measured: "super(type, obj): obj must be an instance or subtype of type");
-        # called explicitly, the same stock code runs as written (lock, pause/resume, sync).
-        return _StockTrainingActor.broadcast_to_vllm(self)
+    broadcast_to_vllm = _broadcast_to_vllm
 
 
 RemoteLPOTrainingActor = ray.remote(LPOTrainingActor)
 
 
-class LPOGenerateSamplesActor(_StockGenerateSamplesActor):
+class LPOGenerateSamplesActor(SeededGenerateSamples, _StockGenerateSamplesActor):
     def __init__(self, pretrain, strategy, *args, **kwargs):
         _seed_prompt_order(strategy)
         super().__init__(pretrain, strategy, *args, **kwargs)
@@ -162,12 +247,8 @@ class LPOGenerateSamplesActor(_StockGenerateSamplesActor):
 RemoteLPOGenerateSamplesActor = ray.remote(LPOGenerateSamplesActor)
 
 
-class LPOTrainerAsync(_StockPPOTrainerAsync):
-    def __init__(self, *args, **kwargs):
-        # PPOTrainerAsync.__init__ looks both actor classes up at call time: swap them for this call only.
-        with mock.patch.object(_async_mod, "TrainingActor", RemoteLPOTrainingActor), \
-                mock.patch.object(_async_mod, "GenerateSamplesActor", RemoteLPOGenerateSamplesActor):
-            super().__init__(*args, **kwargs)
+class LPOTrainerAsync(_AsyncTrainer):
+    training_actor, sample_actor = RemoteLPOTrainingActor, RemoteLPOGenerateSamplesActor
 
 
 RemoteLPOPolicyActor = ray.remote(num_gpus=1)(LPOPolicyActor)

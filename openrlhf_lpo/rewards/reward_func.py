@@ -21,7 +21,14 @@ reads the label through it, and :func:`check_label` (used by ``lpo-train``'s pre
 runs the same parser, so a label the preflight accepts is a label the reward can grade.
 
 Returned per batch: ``rewards`` and ``scores`` (float tensors) and ``extra_logs``
-(``answer_found``, ``grader_timeout``; the same keys for every task so batches concatenate).
+(``answer_found``, ``grader_timeout``, ``reward/error_frac``; the same keys for every task and every
+batch, so batches concatenate).
+
+A sample whose reward cannot be computed never ends the run: anything its task's reward raises (the
+sandbox's ``Popen`` hitting EAGAIN/EMFILE, the grader pool failing to start, a label naming an unknown
+task) scores 0 with status ``error``, as does a task that reports status ``error`` itself (the code
+sandbox died or exited early). Each such sample counts in ``reward/error_frac`` and its cause goes to
+the trainer (:mod:`openrlhf_lpo.reward_errors`), which stops the run only when errors persist.
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ from __future__ import annotations
 import json
 import os
 from typing import Callable, Dict, List, Tuple
+
+from openrlhf_lpo.reward_errors import ERROR_KEY, cause_text, note_error
 
 REWARDS: Dict[str, Callable[[str, dict], Tuple[float, str]]] = {}
 
@@ -206,6 +215,32 @@ def score_one(query: str, prompt: str, label) -> Tuple[float, str]:
     return REWARDS[parsed["task"]](assistant_text(response_of(query, prompt), prompt), parsed)
 
 
+def _task_of(label) -> str:
+    """The task a label names, for error reports (never raises)."""
+    try:
+        return str(parse_label(label)["task"])
+    except Exception:  # noqa: BLE001  (an unknown task: its own name)
+        try:
+            return str(json.loads(label).get("task"))
+        except Exception:  # noqa: BLE001
+            return "?"
+
+
+def score_or_error(query: str, prompt: str, label) -> Tuple[float, str]:
+    """:func:`score_one`, with any exception (and a task's own status ``error``) scored ``(0.0, "error")``
+    and reported with its cause."""
+    try:
+        reward, status = score_one(query, prompt, label)
+    except Exception as e:  # noqa: BLE001  (one failed reward must not end the run)
+        note_error(_task_of(label), cause_text(e))
+        return 0.0, "error"
+    if status == "error":
+        note_error(_task_of(label), "the task reported status 'error' (for code: the sandbox died, exited early "
+                                    "or could not start the program)")
+        return 0.0, "error"
+    return reward, status
+
+
 def reward_func(queries: List[str], prompts: List[str], labels: List[str]) -> dict:
     """OpenRLHF reward hook: one reward per query (see module docstring)."""
     import torch
@@ -215,12 +250,13 @@ def reward_func(queries: List[str], prompts: List[str], labels: List[str]) -> di
             f"reward_func got {len(queries)} queries, {len(prompts)} prompts, {len(labels)} labels; "
             "they must have the same length"
         )
-    rewards, found, timeouts = [], [], []
+    rewards, found, timeouts, errors = [], [], [], []
     for query, prompt, label in zip(queries, prompts, labels):
-        reward, status = score_one(query, prompt, label)
+        reward, status = score_or_error(query, prompt, label)
         rewards.append(reward)
         found.append(0.0 if status == "no_answer" else 1.0)
         timeouts.append(1.0 if status == "timeout" else 0.0)
+        errors.append(1.0 if status == "error" else 0.0)
     rewards_t = torch.tensor(rewards, dtype=torch.float32)
     return {
         "rewards": rewards_t,
@@ -228,6 +264,7 @@ def reward_func(queries: List[str], prompts: List[str], labels: List[str]) -> di
         "extra_logs": {
             "answer_found": torch.tensor(found, dtype=torch.float32),
             "grader_timeout": torch.tensor(timeouts, dtype=torch.float32),
+            ERROR_KEY: torch.tensor(errors, dtype=torch.float32),
         },
     }
 

@@ -169,7 +169,9 @@ def test_reward_func_code_labels(monkeypatch):
     assert rf.reward_func(queries[:2], [prompt] * 2, [label] * 2)["rewards"].tolist() == [1.0, 0.0]
     monkeypatch.setenv("LPO_CODE_REWARD", "most")
     with pytest.raises(ValueError, match="LPO_CODE_REWARD='most' must be one of"):
-        rf.reward_func(queries[:1], [prompt], [label])
+        code_reward(CORRECT, SUM_TESTS)
+    # in the reward hook the error costs the sample (status error, reported), never the run
+    assert rf.reward_func(queries[:1], [prompt], [label])["extra_logs"]["reward/error_frac"].tolist() == [1.0]
     assert code_reward(CORRECT, SUM_TESTS, mode="all") == (1.0, "ok")
 
 

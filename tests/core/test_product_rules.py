@@ -64,7 +64,10 @@ def test_rooms_import_one_way():
     # the rules DESIGN.md states
     assert not edges.get("listwise"), "listwise.py is pure torch: it imports nothing of ours"
     # the extension may call down into the evaluation package (training-time eval), never the reverse
-    assert edges["openrlhf"] <= {"listwise", "metrics", "evaluation"}, edges["openrlhf"]
+    # reward_errors.py (shared by the reward file and the trainer) and hf_exports.py (shared by the DeepSpeed
+    # and Megatron actors) are leaves: they import nothing of ours
+    assert edges["openrlhf"] <= {"listwise", "metrics", "evaluation", "reward_errors", "hf_exports"}, edges["openrlhf"]
+    assert not edges.get("reward_errors") and not edges.get("hf_exports")
     assert not edges.get("engines"), edges.get("engines")
     assert not ({"cpu", "cpu_megatron", "openrlhf", "demo"} & edges["megatron"]), edges["megatron"]
     # evaluation reads benchmark data through the product's readers (data: code sets, Geometry3k with its
@@ -94,26 +97,46 @@ def test_no_device_names_outside_the_cpu_mode():
     assert len(PRODUCT) > 60  # the scan covers the whole product
 
 
-def _evaluation_module_graph():
-    """evaluation.<module> -> the evaluation modules it imports (relative or absolute, at any depth)."""
+def _module_name(path: Path) -> str:
+    name = ".".join(path.relative_to(REPO).with_suffix("").parts)
+    return name[:-len(".__init__")] if name.endswith(".__init__") else name
+
+
+def module_graph(paths):
+    """Module -> modules of ours it imports (at any depth of the file, relative imports resolved)."""
+    names = {_module_name(p): p for p in paths}
     edges = defaultdict(set)
-    for path in sorted(REPO.glob("evaluation/*.py")):
-        src = path.stem
+    for name, path in names.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom):
-                if node.level == 1:
-                    names = [node.module] if node.module else [a.name for a in node.names]
-                elif node.level == 0 and node.module and node.module.split(".")[0] == "evaluation":
-                    parts = node.module.split(".")
-                    names = [parts[1]] if len(parts) > 1 else [a.name for a in node.names]
-                else:
-                    continue
-            elif isinstance(node, ast.Import):
-                names = [a.name.split(".")[1] for a in node.names if a.name.startswith("evaluation.")]
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")
+                    base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+                targets = [base] + [f"{base}.{a.name}" for a in node.names]
             else:
                 continue
-            edges[src] |= {n.split(".")[0] for n in names if n and n.split(".")[0] != src}
+            edges[name] |= {t for t in targets if t in names and t != name}
     return edges
+
+
+def test_product_modules_import_one_way():
+    """No two modules of the product import each other, directly or around a loop (the CPU engine and its
+    image backends did: cpu_engine -> cpu_vlm -> cpu_engine); evaluation/ is checked by its own rules."""
+    edges = module_graph(sorted(REPO.glob("openrlhf_lpo/**/*.py")))
+    assert_acyclic(edges)
+    assert edges["openrlhf_lpo.engines.cpu_engine"] >= {"openrlhf_lpo.engines.cpu_vlm", "openrlhf_lpo.engines.backends"}
+    assert edges["openrlhf_lpo.engines.cpu_vlm"] == {"openrlhf_lpo.engines.backends"}
+
+
+def _evaluation_module_graph():
+    """evaluation.<module> -> the evaluation modules it imports (relative or absolute, at any depth)."""
+    edges = module_graph(sorted(REPO.glob("evaluation/*.py")))
+    short = lambda module: module.rpartition(".")[2]  # noqa: E731
+    return defaultdict(set, {short(m): {short(d) for d in dst} for m, dst in edges.items()})
 
 
 def test_evaluation_modules_import_one_way():

@@ -31,3 +31,28 @@ def test_terminals_keep_the_normal_bars():
             "print(install(Tty()))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
+
+
+DEMO_BARS = r"""
+from openrlhf_lpo.demo.warmup import _bar
+for name in ("warm-up (SFT)", "lpo-fwd", "held-out evaluation"):  # every bar of lpo-demo goes through _bar
+    bar = _bar(300, name, True)
+    for i in range(300):
+        bar.update(1)
+        bar.set_postfix(acc=i)
+    bar.close()
+"""
+
+
+def test_lpo_demo_and_benchmark_bars_are_lines_in_a_log_file(tmp_path):
+    """lpo-demo (and the benchmarks that reuse its warm-up and step bars) wrote one carriage-return
+    frame per update into a log file (642 in one demo log); now a line every 5% at most."""
+    log = tmp_path / "demo.log"
+    with open(log, "w") as f:
+        out = subprocess.run([sys.executable, "-c", DEMO_BARS], stdout=f, stderr=subprocess.STDOUT, timeout=120)
+    assert out.returncode == 0, log.read_text()[-2000:]
+    text = log.read_text()
+    assert "\r" not in text
+    for name in ("warm-up (SFT)", "lpo-fwd", "held-out evaluation"):
+        lines = [line for line in text.splitlines() if line.startswith(name)]
+        assert 2 <= len(lines) <= 21 and "300/300" in lines[-1], lines

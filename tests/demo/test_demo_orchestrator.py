@@ -41,6 +41,8 @@ def test_pipeline_argv_is_accepted_by_lpo_train_parser(tmp_path):
         assert args.algo.advantage.estimator == ("lpo" if m.is_lpo else upstream[name])
         assert str(args.lpo.temperature) == m.temperature and args.lpo.end_kl
         assert args.ckpt.save_steps == 10 and args.ckpt.save_hf and not args.ckpt.disable_ds  # jobs can resume
+        # 4 exports for the held-out evaluation, more than --ckpt.max_num 3: none rotated away
+        assert args.ckpt.hf_max_num == -1
     extra = RLConfig(k=8, prompts_per_step=16, steps=40, pipeline_args=("--actor.num_gpus_per_node", "2"))
     assert build_parser_and_parse(pipeline_argv(METHODS["lpo-fwd"], extra, str(tmp_path), str(tmp_path / "p.jsonl"),
                                                 tmp_path / "x", 5)).actor.num_gpus_per_node == 2  # appended last

@@ -60,10 +60,11 @@ def e2e(tmp_path_factory):
     rc1, log1 = _run(base + ["--data.max_samples", "8", "--train.num_episodes", "1",
                              "--logger.tensorboard_dir", str(w / "tb1")], env, w / "run1.log")
     parity1 = [json.loads(x) for x in (w / "parity.jsonl").read_text().splitlines()] if (w / "parity.jsonl").exists() else []
+    hf1 = sorted(p.name for p in (w / "ckpt").glob("*_hf"))  # HF exports after run 1 (rotated with the state)
     rc2, log2 = _run(base + ["--data.max_samples", "8", "--train.num_episodes", "2", "--ckpt.load_enable",
                              "--logger.tensorboard_dir", str(w / "tb2")], env, w / "run2.log")
     # steps and metrics from tensorboard: Ray may drop the trainer's last forwarded log lines at exit
-    return dict(w=w, rc1=rc1, log1=log1, rc2=rc2, log2=log2, parity1=parity1,
+    return dict(w=w, rc1=rc1, log1=log1, rc2=rc2, log2=log2, parity1=parity1, hf1=hf1,
                 tb1=tb_scalars(w / "tb1"), tb2=tb_scalars(w / "tb2"))
 
 
@@ -79,8 +80,7 @@ def test_two_iterations_and_weight_sync(e2e):
     end_kl, groups = tb["train/lpo/kl_end"], tb["train/lpo/groups"]
     assert sorted(end_kl) == [1, 2] and all(v >= 0 for v in end_kl.values())
     assert [groups[s] for s in (1, 2)] == [4.0, 4.0]  # reduced over DP
-    ck = e2e["w"] / "ckpt"
-    assert (ck / "global_step2_hf" / "model.safetensors.index.json").exists()
+    assert e2e["hf1"] == ["global_step2_hf"]  # step 1's export went with its state (--ckpt.max_num 1)
 
 
 def test_resume_continues_from_checkpoint(e2e):
@@ -90,3 +90,6 @@ def test_resume_continues_from_checkpoint(e2e):
     assert (actor / "latest").read_text() == "global_step4"
     assert sorted(p.name for p in actor.glob("global_step*")) == ["global_step4"]  # --ckpt.max_num 1
     assert (actor / "global_step4" / "meta.json").exists()
+    ck = e2e["w"] / "ckpt"
+    assert sorted(p.name for p in ck.glob("*_hf")) == ["global_step4_hf"]
+    assert (ck / "global_step4_hf" / "model.safetensors.index.json").exists()

@@ -61,7 +61,13 @@ def test_non_lpo_namespace_is_stock():
     args = build_parser_and_parse(BASE + ["--algo.advantage.estimator", "group_norm"])
     assert args.algo.advantage.estimator == "group_norm"
     assert args.actor.entropy_coef is None  # untouched
-    assert args.lpo.divergence is None and flags._lpo_before_train(args) is None  # nothing patched
+    assert args.lpo.divergence is None
+    from openrlhf.trainer import ppo_trainer
+
+    from openrlhf_lpo.openrlhf.ray_classes import RuntimePPOTrainer, unwrap_ray_class
+
+    with flags._lpo_before_train(args):  # no LPO class: the stock trainer with the runtime safety nets
+        assert unwrap_ray_class(ppo_trainer.PPOTrainer) is RuntimePPOTrainer
 
 
 BAD = [
@@ -114,7 +120,8 @@ def test_invalid_combinations_fail_at_parse_time(argv, needle, capsys):
 
 
 def test_main_swaps_classes_only_around_train(monkeypatch):
-    """main() runs the stock train() with the LPO classes in place (train stops at ray.init here)."""
+    """main() runs the stock train() with the LPO classes in place for lpo, with the stock classes' runtime
+    subclasses for other estimators (train stops at ray.init here)."""
     monkeypatch.setenv("LPO_CPU_MODE", "0")  # the CPU-mode flag group would start Ray itself
     import openrlhf.trainer.ppo_trainer as ppo_trainer
     import openrlhf.trainer.ray.ppo_actor as ppo_actor
@@ -142,7 +149,14 @@ def test_main_swaps_classes_only_around_train(monkeypatch):
     with no_check, mock.patch("ray.is_initialized", return_value=False), mock.patch("ray.init", fake_init):
         with pytest.raises(Stop):
             main(BASE + ["--algo.advantage.estimator", "group_norm", "--preflight", "off"])
-    assert seen == {"actor": stock_actor, "trainer": stock_trainer}
+    # other estimators: the stock classes plus the runtime safety nets (reward errors, seeds, HF rotation)
+    from openrlhf_lpo.openrlhf.ray_classes import (RemoteRuntimePolicyActor, RemoteRuntimePPOTrainer,
+                                                   RuntimePolicyActor, RuntimePPOTrainer, unwrap_ray_class)
+
+    assert seen == {"actor": RemoteRuntimePolicyActor, "trainer": RemoteRuntimePPOTrainer}
+    assert unwrap_ray_class(stock_trainer) in RuntimePPOTrainer.__mro__ and unwrap_ray_class(stock_actor) in \
+        RuntimePolicyActor.__mro__
+    assert ppo_actor.PolicyModelActor is stock_actor and ppo_trainer.PPOTrainer is stock_trainer  # restored
 
 
 def test_async_trainer_is_swapped_for_lpo(monkeypatch):

@@ -60,3 +60,45 @@ def test_check_contracts_detects_a_changed_signature(monkeypatch):
     monkeypatch.setattr(loss.PolicyLoss, "forward", forward)
     with pytest.raises(RuntimeError, match="policy-loss"):
         patches.check_contracts()
+
+
+def test_runtime_classes_for_other_estimators_swap_and_restore():
+    import openrlhf.trainer.ppo_trainer as ppo_trainer
+    import openrlhf.trainer.ppo_trainer_async as async_mod
+    import openrlhf.trainer.ray.ppo_actor as ppo_actor
+    from openrlhf_lpo.openrlhf import ray_classes as rc
+
+    stock = (ppo_actor.PolicyModelActor, ppo_trainer.PPOTrainer, async_mod.PPOTrainerAsync)
+    with patches.apply_patches(lpo=False):
+        assert rc.unwrap_ray_class(ppo_actor.PolicyModelActor) is rc.RuntimePolicyActor
+        assert rc.unwrap_ray_class(ppo_trainer.PPOTrainer) is rc.RuntimePPOTrainer
+        assert rc.unwrap_ray_class(async_mod.PPOTrainerAsync) is rc.RuntimePPOTrainerAsync
+    assert (ppo_actor.PolicyModelActor, ppo_trainer.PPOTrainer, async_mod.PPOTrainerAsync) == stock
+    # the safety nets only wrap the stock behaviour: train_step, save_checkpoint, the samples generator
+    own = {name for cls in (rc.RuntimePPOTrainer, rc.RuntimePolicyActor, rc.RuntimeTrainingActor)
+           for klass in cls.__mro__ if klass.__module__.startswith("openrlhf_lpo") for name in vars(klass)
+           if callable(vars(klass)[name]) and not name.startswith("__")}
+    assert own == {"train_step", "save_checkpoint", "init_checkpoint_states", "broadcast_to_vllm"}
+
+
+def test_seeded_samples_generator_swap_is_scoped():
+    import openrlhf.trainer.ppo_trainer as ppo_trainer
+    import openrlhf.trainer.ppo_trainer_async as async_mod
+    from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
+
+    from openrlhf_lpo.openrlhf.request_seeds import SeededSamplesGenerator, seeded_samples_generator
+
+    with seeded_samples_generator():
+        assert ppo_trainer.SamplesGenerator is SeededSamplesGenerator is async_mod.SamplesGenerator
+    assert ppo_trainer.SamplesGenerator is SamplesGenerator is async_mod.SamplesGenerator
+
+
+def test_check_contracts_detects_a_dispatch_that_no_longer_calls_the_engines(monkeypatch):
+    from openrlhf.trainer.ppo_utils import samples_generator as sg
+
+    def _dispatch_prompts_to_vllm(self, prompts, labels, *, images=None, **generate_kwargs):
+        return [engine.generate.remote(p) for engine, p in zip(self.vllm_engines, prompts)]
+
+    monkeypatch.setattr(sg.SamplesGenerator, "_dispatch_prompts_to_vllm", _dispatch_prompts_to_vllm)
+    with pytest.raises(RuntimeError, match="patch point dispatch-prompts"):
+        patches.check_contracts()

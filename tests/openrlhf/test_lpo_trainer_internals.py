@@ -316,3 +316,66 @@ def test_a_registered_projection_trains_its_own_gradient_in_every_path(tiny_mode
         assert max_abs_diff(grads[4][0], grads[2][0]) < 1e-6 * max_abs(grads[4][0])
     finally:
         listwise.PROJECTIONS.pop(name, None)
+
+
+# ----------------------------------------------------------------------------- no-grad passes under dynamic batching
+
+
+def test_budget_partition_never_exceeds_the_budget():
+    """Karmarkar-Karp (what the micro-batches used alone) can put more than the budget into one part even
+    when first fit needs no more parts; the partition then falls back to first-fit bins split to the
+    agreed count. Planted: 19 samples, budget 86 tokens, 7 micro-batches (first fit needs 7)."""
+    weights = [28, 53, 12, 37, 47, 39, 36, 20, 22, 18, 24, 10, 52, 6, 42, 14, 32, 18, 58]
+    assert layout.first_fit_count(weights, 86) == 7
+    assert max(sum(weights[j] for j in p) for p in layout._partitions(weights, 7, False)) == 88  # KK alone: over
+    assert max(sum(weights[j] for j in p) for p in layout.budget_partition(weights, 7, 86)) <= 86
+    g = torch.Generator().manual_seed(0)
+    for trial in range(300):
+        n = int(torch.randint(1, 25, (1,), generator=g))
+        weights = torch.randint(1, 60, (n,), generator=g).tolist()
+        budget = int(torch.randint(40, 130, (1,), generator=g))
+        need = layout.first_fit_count(weights, budget)
+        for parts_n in range(need, min(need + 3, n) + 1):
+            parts = layout.budget_partition(weights, parts_n, budget)
+            assert len(parts) == parts_n and sorted(j for p in parts for j in p) == list(range(n))
+            assert all(len(p) == 1 or sum(weights[j] for j in p) <= budget for p in parts), (weights, budget, parts)
+
+
+def test_pre_pass_and_end_kl_follow_the_token_budget(tiny_model_dir, gloo_world1):
+    """F12: under --train.dynamic_batch_enable the later windows' no-grad pre-pass runs the window's own
+    token-budget micro-batches (the plan's), and the --lpo.end_kl pass budget micro-batches, never over
+    --train.max_tokens_per_gpu, instead of one forward per sample at micro 1. Forwards are counted on the
+    real actor; the gradient stays exact (the dynamic rows of test_lpo_gradient_exactness)."""
+    budget = 40
+    args = parse_args(tiny_model_dir, micro=1, train_batch=8, packing=True, extra=[
+        "--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", str(budget), "--rollout.max_tokens_per_gpu",
+        str(budget), "--train.max_epochs", "2", "--lpo.end_kl"])
+    actor = make_actor(tiny_model_dir, packing=True)
+    exps = make_experiences(args, CPUStrategy(args), actor, make_rollout_samples(G, K, seed=2))
+    forwards = []
+    real_forward = actor.forward
+
+    def counting_forward(sequences, *a, **kw):  # the real forward, recorded
+        forwards.append((torch.is_grad_enabled(), int(kw["attention_mask"].bool().sum())))
+        return real_forward(sequences, *a, **kw)
+
+    actor.forward = counting_forward
+    grads, status, trainer = run_lpo_step(args, actor, exps, lr=0.5)
+    items = trainer.replay_buffer.items
+    tokens = [int(it.total_length.reshape(-1)[0]) for it in items]
+    plans = trainer.last_window_plan
+    assert [p.mode for p in plans] == ["shortcut", "pre_pass", "pre_pass", "pre_pass"]
+    assert len(grads) == 4 and status["lpo/kl_end"] >= 0.0
+    no_grad = [t for grad, t in forwards if not grad]
+    # per pre-pass window: the plan's micro-batches, in order; then the end-of-update pass
+    expected = [sum(tokens[i] for i in mb) for p in plans if p.mode == "pre_pass" for mb in p.micro_batches]
+    end = trainer.pass_shapes[-1]
+    assert no_grad == expected + end
+    assert trainer.pass_shapes[:-1] == [[sum(tokens[i] for i in mb) for mb in p.micro_batches]
+                                        for p in plans if p.mode == "pre_pass"]
+    assert len(end) == layout.first_fit_count(tokens, budget) < len(items)
+    assert max(no_grad) <= budget and max(t for grad, t in forwards if grad) <= budget
+    n_pre_pass_samples = sum(len(mb) for p in plans if p.mode == "pre_pass" for mb in p.micro_batches)
+    assert len(no_grad) < n_pre_pass_samples + len(items)  # one forward per sample before
+    print(f"\n[F12] no-grad forwards {len(no_grad)} for {n_pre_pass_samples + len(items)} samples, "
+          f"tokens {no_grad} (budget {budget})")

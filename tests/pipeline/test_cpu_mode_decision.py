@@ -140,3 +140,52 @@ def test_cpu_mode_off_leaves_the_run_on_the_gpu_path():
         assert f"[openrlhf_lpo.cpu] CPU mode off: {reason}" in r["log"]
     if not __import__("torch").cuda.is_available():
         assert res["cuda"] != "works"  # the real torch.cuda, not the CPU mode's redirection
+
+
+JOIN = r"""
+import contextlib, json, os, time
+import ray
+from openrlhf_lpo.cli import flags, plan
+from openrlhf_lpo.cli.train_ppo_ray import _check_cluster, build_parser_and_parse
+
+args = build_parser_and_parse(["--actor.model_name_or_path", "x", "--reward.remote_url", "r.py",
+                               "--algo.advantage.estimator", "group_norm", "--rollout.n_samples_per_prompt", "2",
+                               "--actor.num_nodes", "1", "--actor.num_gpus_per_node", "1", "--vllm.num_engines", "1",
+                               "--algo.kl.init_coef", "0", "--cpu.mode", "auto"])
+with contextlib.ExitStack() as stack:
+    flags.enter_before_train(stack, args)  # the CPU-mode probe asks the cluster for its GPUs here
+    _check_cluster(args, plan)             # then Ray is joined as stock OpenRLHF's train() would
+
+    @ray.remote(num_cpus=0)
+    def worker():
+        from openrlhf_lpo import progress
+        print("LPO_WORKER_LINE_REACHES_THE_DRIVER", flush=True)
+        keys = ("NCCL_DEBUG", "TOKENIZERS_PARALLELISM", "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS")
+        return {k: os.environ.get(k) for k in keys}, progress._STATE["installed"]
+
+    env, hooked = ray.get(worker.remote())
+    job_env = ray.get_runtime_context().runtime_env
+    time.sleep(3)  # worker output is forwarded asynchronously
+    print(json.dumps({"env": env, "hooked": hooked, "hook": job_env.get("worker_process_setup_hook"),
+                      "job_env_vars": job_env.get("env_vars", {})}), flush=True)
+    ray.shutdown()
+"""
+
+
+def test_gpu_less_driver_joins_a_gpu_cluster_as_stock_openrlhf_would(ray_head):
+    """F7: after the CPU-mode probe said "off" (the cluster has GPUs), Ray is initialised exactly as the stock
+    train() would: the stock runtime env vars reach the workers, worker output reaches the driver, and the
+    project's worker_process_setup_hook runs. (The probe used to leave its own connection up, with
+    log_to_driver=False and no runtime env, so the stock ray.init was skipped.)"""
+    address = ray_head(2)
+    env = dict(os.environ, RAY_ADDRESS=address, NCCL_DEBUG="LPO_TEST_VALUE")
+    env.pop("LPO_CPU_MODE", None)
+    env.pop("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", None)
+    out = subprocess.run([sys.executable, "-c", JOIN], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "[openrlhf_lpo.cpu] CPU mode off: the Ray cluster at" in out.stderr and "has 2 GPUs" in out.stderr
+    assert res["env"] == {"NCCL_DEBUG": "LPO_TEST_VALUE", "TOKENIZERS_PARALLELISM": env.get("TOKENIZERS_PARALLELISM", "true"),
+                          "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}, res
+    assert res["hook"] == "openrlhf_lpo.progress.worker_setup" and res["hooked"] is True
+    assert "LPO_WORKER_LINE_REACHES_THE_DRIVER" in out.stdout + out.stderr  # log_to_driver

@@ -190,3 +190,26 @@ def test_code_recipe_sends_the_sandbox_settings_to_every_ray_worker():
     args = build_parser_and_parse(script_args("train_code_qwen3_1.7b.sh", "grpo"))
     assert args.data.apply_chat_template and args.reward.remote_url[0].endswith("openrlhf_lpo/rewards/reward_func.py")
     assert args.data.prompt_dataset == "data/prime_code_train.jsonl"
+
+
+ONE_NODE_RECIPES = ["train_math_qwen3_1.7b.sh", "train_math_qwen3_8b.sh", "train_countdown_qwen3_4b.sh",
+                    "train_code_qwen3_1.7b.sh"]  # (long_context: --train.dynamic_batch_enable, see docs/megatron.md)
+
+
+@pytest.mark.parametrize("script", ONE_NODE_RECIPES)
+def test_any_single_node_recipe_runs_on_megatron_with_the_defaults(script, megatron_layout_model):
+    """README: "any recipe: BACKEND=megatron". With the backend's defaults on one 8-GPU node the engines
+    take 4 GPUs and the actor the other 4 (TP 4, DP 1): the placement needs 8 GPUs, not 12."""
+    from openrlhf_lpo.cli import plan
+
+    args = build_parser_and_parse(script_args(script, "lpo_fwd", BACKEND="megatron", MODEL=megatron_layout_model))
+    assert (args.backend, args.megatron.tp) == ("megatron", 4)
+    assert args.actor.num_nodes * args.actor.num_gpus_per_node == 4 and args.vllm.num_engines == 4
+    assert plan.gpus_needed(args) == 8
+
+
+def test_megatron_defaults_say_what_to_set_when_the_node_is_full():
+    run_env = {k: v for k, v in os.environ.items() if k not in ("ACTOR_GPUS", "VLLM_ENGINES", "NNODES", "BACKEND")}
+    out = subprocess.run(["bash", str(SCRIPTS_DIR / "train_math_qwen3_1.7b.sh")], capture_output=True, text=True,
+                         env=dict(run_env, LPO_PRINT_ARGS="1", BACKEND="megatron", VLLM_ENGINES="8"))
+    assert out.returncode == 2 and "leave no GPU for the actor; lower VLLM_ENGINES or set ACTOR_GPUS" in out.stderr

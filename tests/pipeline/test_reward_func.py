@@ -31,7 +31,7 @@ def test_countdown_rewards_ignore_the_prompt_example():
     assert out["rewards"].tolist() == [1.0, 0.0, 0.0]
     assert out["scores"].tolist() == [1.0, 0.0, 0.0]
     assert out["extra_logs"]["answer_found"].tolist() == [1.0, 0.0, 1.0]
-    assert set(out["extra_logs"]) == {"answer_found", "grader_timeout"}
+    assert set(out["extra_logs"]) == {"answer_found", "grader_timeout", "reward/error_frac"}
 
 
 def test_math_rewards_match_the_shared_grader():
@@ -61,7 +61,9 @@ def test_math_reward_from_a_thread():
 
 def test_bad_labels_and_lengths():
     with pytest.raises(ValueError, match="unknown"):
-        rf.reward_func(["x"], ["x"], [json.dumps({"task": "chess"})])
+        rf.parse_label(json.dumps({"task": "chess"}))
+    # in the reward hook an unknown task costs its sample only (test_reward_errors.py)
+    assert rf.reward_func(["x"], ["x"], [json.dumps({"task": "chess"})])["extra_logs"]["reward/error_frac"].tolist() == [1.0]
     with pytest.raises(ValueError, match="same length"):
         rf.reward_func(["a", "b"], ["a"], ["1", "2"])
     assert rf.parse_label("42") == {"task": "math", "answer": "42"}

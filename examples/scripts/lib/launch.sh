@@ -2,7 +2,8 @@
 # Inputs: TASK (configs/tasks/<TASK>.sh), METHOD (configs/methods/<METHOD>.sh), BACKEND
 # (configs/backends/<BACKEND>.sh: deepspeed, the default, or megatron with MEGATRON_TP/MEGATRON_PP) and
 # FAMILY (configs/families/<FAMILY>.sh: OpenRLHF's recipe families long_context and async; default standard).
-# Environment knobs: NNODES, GPUS_PER_NODE, VLLM_ENGINES, VLLM_TP, RAY_ADDRESS, WORKING_DIR, SAVE_ROOT,
+# Environment knobs: NNODES, GPUS_PER_NODE, VLLM_ENGINES, VLLM_TP, RAY_ADDRESS, WORKING_DIR, SAVE_ROOT (default
+# ~/lpo_runs: checkpoints, TensorBoard and the final model under $SAVE_ROOT/$RUN_NAME, never inside the checkout),
 # WANDB_KEY, EXTRA_ARGS (appended last, so they override the recipe), LPO_PRINT_ARGS=1 (print the
 # flags one per line and exit: used by tests/pipeline to parse every recipe with the lpo-train parser),
 # LPO_PRINT_RUNTIME_ENV=1 (print the Ray job's runtime env and exit). A task may set TASK_ENV=(NAME=value ...):
@@ -20,8 +21,9 @@ source "$CONFIGS/methods/$METHOD.sh"
 
 NNODES="${NNODES:-1}"
 GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
-SAVE_ROOT="${SAVE_ROOT:-$ROOT/runs}"
+SAVE_ROOT="${SAVE_ROOT:-${HOME:-/tmp}/lpo_runs}"  # outside the checkout; shared storage on a multi-node cluster
 RUN_NAME="${RUN_NAME:-${TASK}_${METHOD}}"
+echo "[launch] checkpoints, TensorBoard and the final model go to $SAVE_ROOT/$RUN_NAME (SAVE_ROOT=...; --dry-run prints the disk they need)" >&2
 source "$CONFIGS/backends/$BACKEND.sh"  # CLUSTER_ARGS
 FAMILY="${FAMILY:-standard}"             # OpenRLHF recipe family: standard, long_context, async
 FAMILY_ARGS=()

@@ -88,7 +88,7 @@ def _check_disk(ctx, anchors: dict) -> None:
             continue
         entry["flags"].append(path)
         entry["need"] += need.bytes_under(path)
-        if flag == "--ckpt.path":  # old training checkpoints are rotated away (exports are not)
+        if flag == "--ckpt.path":  # old training checkpoints are rotated away (old exports too; not counted: conservative)
             entry["reuse"] += _used(os.path.join(path, "_actor"))
     ctx.say("disk: " + "; ".join(f"{what} in {where}" for what, _, where in need.parts))
     for entry in by_device.values():

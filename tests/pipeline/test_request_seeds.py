@@ -1,0 +1,79 @@
+"""Per-request sampling seeds (openrlhf_lpo/openrlhf/request_seeds.py): every sample's seed comes from the
+run seed and the prompt/sample position, so which engine serves a prompt does not change its samples.
+
+Real Ray, the real stock dispatch loop (SamplesGenerator._dispatch_prompts_to_vllm with its load
+balancer) and real rollout engines behind OpenRLHF's engine interface (the CPU engine: vLLM needs a GPU;
+both take the seed from SamplingParams.seed), the stock single-turn executor and a reward file."""
+
+import json
+import os
+import subprocess
+import sys
+
+from openrlhf_lpo.openrlhf.request_seeds import prompt_seed, sample_seed
+
+PROBE = r"""
+import json, sys
+from types import SimpleNamespace
+from openrlhf_lpo import cpu
+cpu.enable_cpu_mode()
+import ray
+ray.init(num_cpus=2, num_gpus=0, include_dashboard=False, runtime_env=cpu.ray_runtime_env())
+from transformers import AutoTokenizer
+from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
+from openrlhf_lpo.cli.train_ppo_ray import build_parser_and_parse
+from openrlhf_lpo.engines.cpu_engine import create_cpu_engines
+from openrlhf_lpo.openrlhf.request_seeds import SeededSamplesGenerator
+
+model, reward = sys.argv[1], sys.argv[2]
+args = build_parser_and_parse(["--actor.model_name_or_path", model, "--reward.remote_url", reward,
+                               "--algo.advantage.estimator", "group_norm", "--rollout.n_samples_per_prompt", "2",
+                               "--train.seed", "7"])
+tok = AutoTokenizer.from_pretrained(model)
+two = create_cpu_engines(2, 1, model, seed=7, remote_rm_url=reward)
+engines = {1: two[:1], 2: two}
+prompts, labels = [f"Say something {i}:" for i in range(4)], ["x"] * 4
+kw = dict(temperature=1.0, top_p=1.0, max_new_tokens=6, min_new_tokens=1, max_len=256, n_samples_per_prompt=2)
+
+def generator(cls, n):
+    return cls(strategy=SimpleNamespace(args=args), prompts_dataloader=None, eval_dataloader=None, tokenizer=tok,
+               vllm_engines=engines[n])
+
+def dispatch(gen):
+    return [[o["observation_tokens"] for o in ray.get(ref)] for ref in gen._dispatch_prompts_to_vllm(prompts, labels, **kw)]
+
+out = {}
+for n in (1, 2):
+    gen = generator(SeededSamplesGenerator, n)
+    out[f"seeded{n}"], out[f"seeded{n}_next"] = dispatch(gen), dispatch(gen)
+    out[f"stock{n}"] = dispatch(generator(SamplesGenerator, n))
+resumed = generator(SeededSamplesGenerator, 2)
+resumed.prompts_dispatched = 4  # a resume restores total_consumed_prompts
+out["resumed"] = dispatch(resumed)
+print(json.dumps(out))
+"""
+
+
+def test_samples_depend_on_their_position_not_on_the_engine(tiny_model_dir, repo_env, tmp_path):
+    from e2e_common import TOY_REWARD
+
+    out = subprocess.run([sys.executable, "-c", PROBE, tiny_model_dir, str(TOY_REWARD)], env=repo_env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert all(len(group) == 2 for group in r["seeded1"])  # one list of K per prompt, as the stock caller expects
+    # one engine or two (the balancer sends prompts 1 and 3 to the second): the same samples
+    assert r["seeded1"] == r["seeded2"] and r["seeded1_next"] == r["seeded2_next"]
+    assert sum(len({tuple(s) for s in group}) > 1 for group in r["seeded1"]) >= 3  # K different seeds per prompt
+    assert r["seeded1_next"] != r["seeded1"]  # the next batch of the same prompts: new positions, new samples
+    assert r["resumed"] == r["seeded2_next"]  # restored position: the uninterrupted run's samples
+    # upstream (no seed in SamplingParams): the samples depend on the engine (seeded --train.seed + i) and on
+    # what it generated before
+    assert r["stock1"] != r["stock2"]
+
+
+def test_seeds_are_a_fixed_function_of_run_seed_and_position():
+    seeds = {prompt_seed(7, "train", p) for p in range(1000)} | {prompt_seed(8, "train", 0), prompt_seed(7, "eval", 0, 0)}
+    assert len(seeds) == 1002 and all(0 <= s < 2 ** 63 for s in seeds)
+    assert prompt_seed(7, "train", 3) == prompt_seed(7, "train", 3)
+    assert len({sample_seed(prompt_seed(7, "train", 0), k) for k in range(64)}) == 64
