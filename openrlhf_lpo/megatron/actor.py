@@ -28,7 +28,8 @@ with which others it was batched: the old-log-prob pass and the training pass se
 * Virtual pipeline stages (``vpp > 1``, PP > 1): ``self.model`` is a :class:`ModelChunks` of
   ``vpp`` DDP-wrapped chunks run by megatron's interleaved 1F1B schedule; the micro-batch count
   is padded to a multiple of PP with one-sequence micro-batches that carry no loss (the schedule
-  needs ``M % pp == 0``).
+  needs ``M % pp == 0``), and every packed row of a pass to the longest one (a trailing pad
+  segment: the interleaved schedule sends fixed shapes).
 * :meth:`save_checkpoint` / :meth:`load_checkpoint` — :mod:`.checkpoint`: layout-free
   ``global_stepN`` directories (safetensors + JSON), resumable in another TP/PP layout.
 """
@@ -48,7 +49,7 @@ from openrlhf_lpo.megatron.device import group_device, local_device
 from openrlhf_lpo.megatron.layout import validate_layout
 from openrlhf_lpo.megatron.losses import LossSpec, get_policy_loss
 from openrlhf_lpo.megatron.model import attention_span, build_gpt_model, transformer_config_from_hf
-from openrlhf_lpo.megatron.packing import PackedMicroBatch, pack_micro_batch
+from openrlhf_lpo.megatron.packing import PackedMicroBatch, pack_micro_batch, pad_to_tokens
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _NO_LOSS_STATS: dict = {}  # what a schedule-padding micro-batch reports (dropped from the results)
@@ -248,7 +249,12 @@ class MegatronActor:
             mb["packed"] = pack_micro_batch(mb["sequences"], mb["attention_mask"], A, self.pad_multiple)
             self._check_span(mb["packed"])
             out.append(mb)
-        return out + self._schedule_padding(len(out), batch["sequences"])
+        out += self._schedule_padding(len(out), batch["sequences"])
+        if self.cfg.vpp > 1:  # fixed shapes for the interleaved schedule: one packed length per pass
+            total = max(mb["packed"].num_tokens for mb in out)
+            for mb in out:
+                mb["packed"] = pad_to_tokens(mb["packed"], total)
+        return out
 
     def _schedule_padding(self, num: int, sequences: torch.Tensor) -> List[Dict]:
         """Loss-free micro-batches that bring the count to a multiple of PP for the interleaved

@@ -234,10 +234,17 @@ def transformer_config_from_hf(
     )
     if recompute:
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    if pp > 1:
+    if pp > 1 and vpp == 1:
         # every micro-batch is one packed row of its own length: the pipeline exchanges shapes
         # first (0.16.1 accepts that only with the alltoall dispatcher, unused by dense models)
         kwargs.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
+    if vpp > 1:
+        # interleaved 1F1B sends activations forward and gradients backward in one call, at pp 2 to
+        # the same peer: batched p2p matches them by order and swaps them (garbage gradients on
+        # gloo, measured), megatron's unbatched p2p sends the two directions on different groups (as
+        # Megatron-LM runs interleaving: batch_p2p_comm = not overlap_p2p_comm). Its blocking shape
+        # exchange is batched too, so shapes are fixed: the actor pads a pass's rows to one length
+        kwargs.update(batch_p2p_comm=False)
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 

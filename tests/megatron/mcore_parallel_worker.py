@@ -13,12 +13,10 @@ import json
 import os
 import sys
 import time
-import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mcore_worker as W  # noqa: E402  (joins the gloo world: same argv)
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 
 from openrlhf_lpo import listwise  # noqa: E402
 from openrlhf_lpo.megatron import convert, memory  # noqa: E402
@@ -145,8 +143,9 @@ def check_layouts():
     lp_on, lp_off = torch.tensor(out["tp2_sp"]["logp"]), torch.tensor(out["tp2"]["logp"])
     out["tp2_sp"]["logp_vs_sp_off"] = float((lp_on - lp_off).abs().max())
     # negative control: SP without the TP sum of the norms' gradients (each rank saw T/tp tokens)
-    from megatron.core.distributed import finalize_model_grads as fmg
+    import importlib
 
+    fmg = importlib.import_module("megatron.core.distributed.finalize_model_grads")  # the module, not the function
     orig = fmg._allreduce_non_tensor_model_parallel_grads
     fmg._allreduce_non_tensor_model_parallel_grads = lambda *a, **k: None
     try:
@@ -212,18 +211,23 @@ def main():
 
 
 if __name__ == "__main__":
-    try:
-        main()
-        results["ok"] = True
-    except Exception:
-        results["ok"] = False
-        results["error"] = traceback.format_exc()
-    tmp = os.path.join(W.OUT, f"rank{W.RANK}.json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(results, f, indent=1)
-    os.replace(tmp, os.path.join(W.OUT, f"rank{W.RANK}.json"))
-    if results["ok"]:
-        dist.barrier()
-        dist.destroy_process_group()
-    else:
-        os._exit(1)
+    W.run_and_report(main, results)
+
+
+def check_debug_vpp():  # TEMPORARY
+    cfg, hf, hf_sd, batch, ref_lp, full = inputs()
+    grads = reference_grads(hf, batch, full)
+    spec = LossSpec(name="listwise", group_size=W.K)
+    out = {}
+    for name, kw in {"tp2pp2_vpp2": dict(tp=2, pp=2, vpp=2, micro_batch_size=2),
+                     "tp2pp2_vpp2_sp": dict(tp=2, pp=2, vpp=2, micro_batch_size=2, sequence_parallel=True),
+                     "tp2pp2_vpp2_sp_mbs4": dict(tp=2, pp=2, vpp=2, micro_batch_size=4, sequence_parallel=True),
+                     "pp2_vpp2_mbs2": dict(pp=2, vpp=2, micro_batch_size=2),
+                     "tp2pp2_mbs2": dict(tp=2, pp=2, micro_batch_size=2)}.items():
+        actor = MegatronActor(cfg, MegatronActorConfig(**kw, **SGD), hf_weights=hf_sd.__getitem__)
+        g, m = grad_of_step(actor, hf_sd, full, spec)
+        worst = sorted(((float((g[k] - grads[k]).abs().max()), k) for k in g), reverse=True)[:4]
+        out[name] = {"grad_norm": m["grad_norm"], "rel": rel_diff(g, grads), "worst": worst}
+        log(f"{name}: {out[name]}")
+        del actor
+    results["checks"]["debug"] = out

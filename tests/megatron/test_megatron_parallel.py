@@ -16,6 +16,8 @@ import pytest
 from openrlhf_lpo.tiny import build_tiny_model
 
 from .conftest import launch_world
+from .test_megatron_flags import _argv as flag_argv
+from .test_megatron_flags import _parse
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "examples" / "scripts"
@@ -113,18 +115,7 @@ def four_layers(tmp_path_factory):
 
 
 def _argv(d, *extra):
-    return ["--actor.model_name_or_path", d, "--reward.remote_url", "http://127.0.0.1:1/reward",
-            "--data.prompt_dataset", "unused", "--actor.num_gpus_per_node", "4",
-            "--rollout.n_samples_per_prompt", "2", "--algo.advantage.estimator", "group_norm",
-            "--train.batch_size", "8", "--rollout.batch_size", "4", "--train.micro_batch_size", "2",
-            "--actor.lr_scheduler", "constant", "--actor.lr_warmup_ratio", "0", "--vllm.num_engines", "1",
-            "--backend", "megatron", *extra]
-
-
-def _parse(argv):
-    from openrlhf_lpo.cli.train_ppo_ray import build_parser_and_parse
-
-    return build_parser_and_parse(argv)
+    return flag_argv(d, "--vllm.num_engines", "1", "--backend", "megatron", *extra)
 
 
 def test_sequence_parallel_and_vpp_flags_reach_the_actor_config(four_layers):
@@ -175,7 +166,28 @@ def test_mixture_of_experts_models_are_refused_with_the_plan(tmp_path, capsys):
     assert "does not support mixture-of-experts models yet (model_type 'qwen3_moe')" in err
     assert "docs/megatron.md" in err and "DeepSpeed backend" in err
     assert "Mixture of experts" in (REPO / "docs" / "megatron.md").read_text()
-    assert _parse(_argv(str(moe))[:-2]).backend == "deepspeed"
+    assert _parse(flag_argv(str(moe))).backend == "deepspeed"
+
+
+def test_packed_rows_pad_to_the_multiple_sp_needs_and_to_one_length():
+    """SP: every sequence padded at its tail to a multiple of TP (cu_seqlens over the padded lengths);
+    VPP: a trailing pad segment brings a row to the pass's common length; action positions unchanged."""
+    import torch
+
+    from openrlhf_lpo.megatron import packing
+
+    seq = torch.tensor([[0, 7, 8, 9], [5, 6, 0, 0]])
+    am = torch.tensor([[0, 1, 1, 1], [1, 1, 0, 0]])
+    pk = packing.pack_micro_batch(seq, am, 2, pad_multiple=2)
+    assert pk.cu_seqlens.tolist() == [0, 4, 6] and pk.num_tokens % 2 == 0 and pk.seq_lens == [3, 2]
+    assert pk.tokens[0].tolist() == [7, 8, 9, 0, 5, 6]
+    assert pk.action_index[pk.action_valid].tolist() == [0, 1]  # 8 and 9 are predicted at packed positions 0, 1
+    wide = packing.pad_to_tokens(pk, 10)
+    assert wide.cu_seqlens.tolist() == [0, 4, 6, 10] and wide.tokens[0].tolist()[6:] == [0] * 4
+    assert wide.position_ids[0].tolist()[6:] == [0, 1, 2, 3] and wide.max_seqlen == 4
+    assert torch.equal(wide.action_index, pk.action_index) and packing.pad_to_tokens(pk, 6) is pk
+    with pytest.raises(ValueError, match="cannot pad a packed row of 6 tokens to 4"):
+        packing.pad_to_tokens(pk, 4)
 
 
 # ----------------------------------------------------------------------------- memory formula
