@@ -213,21 +213,3 @@ def main():
 if __name__ == "__main__":
     W.run_and_report(main, results)
 
-
-def check_debug_vpp():  # TEMPORARY
-    cfg, hf, hf_sd, batch, ref_lp, full = inputs()
-    grads = reference_grads(hf, batch, full)
-    spec = LossSpec(name="listwise", group_size=W.K)
-    out = {}
-    for name, kw in {"tp2pp2_vpp2": dict(tp=2, pp=2, vpp=2, micro_batch_size=2),
-                     "tp2pp2_vpp2_sp": dict(tp=2, pp=2, vpp=2, micro_batch_size=2, sequence_parallel=True),
-                     "tp2pp2_vpp2_sp_mbs4": dict(tp=2, pp=2, vpp=2, micro_batch_size=4, sequence_parallel=True),
-                     "pp2_vpp2_mbs2": dict(pp=2, vpp=2, micro_batch_size=2),
-                     "tp2pp2_mbs2": dict(tp=2, pp=2, micro_batch_size=2)}.items():
-        actor = MegatronActor(cfg, MegatronActorConfig(**kw, **SGD), hf_weights=hf_sd.__getitem__)
-        g, m = grad_of_step(actor, hf_sd, full, spec)
-        worst = sorted(((float((g[k] - grads[k]).abs().max()), k) for k in g), reverse=True)[:4]
-        out[name] = {"grad_norm": m["grad_norm"], "rel": rel_diff(g, grads), "worst": worst}
-        log(f"{name}: {out[name]}")
-        del actor
-    results["checks"]["debug"] = out

@@ -236,15 +236,17 @@ def math_data(tmp_path_factory):
 @pytest.mark.parametrize("script", sorted(RECIPES))
 def test_large_recipe_dry_run_with_the_real_config_and_its_cluster(script, math_data, tmp_path):
     """``MODEL=<dir with the real config.json> LPO_DRY_RUN=1 bash <script>`` prints the plan (every
-    layout rule checked against the real dimensions); the header's cluster holds the flags exactly
-    and one node fewer does not."""
+    layout rule checked against the real dimensions; ``--preflight off``, whose model check rightly
+    refuses a folder without weights); the header's cluster holds the flags exactly and one node
+    fewer does not."""
     from openrlhf_lpo.cli.train_ppo_ray import build_parser_and_parse
     from openrlhf_lpo.megatron.cluster import PlacementError, demands_from_args, plan_placement
 
     config, nodes, gpus, tp, pp, vllm_tp = RECIPES[script]
     model = str(MODEL_CONFIGS / config)
     out = subprocess.run(["bash", str(SCRIPTS / script)], capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                         env=_env(MODEL=model, DATA=math_data, LPO_DRY_RUN="1", RAY_ADDRESS=""))
+                         env=_env(MODEL=model, DATA=math_data, LPO_DRY_RUN="1", RAY_ADDRESS="",
+                                  EXTRA_ARGS="--preflight off"))  # a config-only folder: no weights
     assert out.returncode == 0, out.stderr[-3000:]
     assert "flags are valid; nothing was started" in out.stdout and f"GPUs needed: {gpus}\n" in out.stdout
     assert f"vLLM engines: {gpus // 2} (8 x TP {vllm_tp})" in out.stdout
@@ -279,3 +281,23 @@ def test_recipe_header_memory_is_the_formula(script):
         assert f"{label} {m[key] / GB:.1f} GB" in text, (key, m[key] / GB)
     assert f"~ {m['static total'] / GB:.0f} GB" in text
     assert f"{m['parameters per GPU'] / 1e9:.2f}B" in text
+
+
+def test_preflight_names_the_virtual_pipeline_layout_of_a_checkpoint(tmp_path):
+    """``lpo-train``'s resume line says VPP when the checkpoint was written with it (layout-free: it
+    resumes anyway) and stays as before at VPP 1."""
+    import json
+    from types import SimpleNamespace
+
+    from openrlhf_lpo.megatron import checkpoint, preflight
+
+    said = []
+    ctx = SimpleNamespace(model=SimpleNamespace(config=None), say=said.append)
+    for vpp in (2, 1):
+        tag = tmp_path / f"vpp{vpp}" / "global_step1"
+        tag.mkdir(parents=True)
+        (tag / "meta.json").write_text(json.dumps({"format": checkpoint.FORMAT, "step": 1,
+                                                   "layout": {"tp": 1, "pp": 2, "vpp": vpp, "dp": 2}}))
+        preflight.check_resume(ctx, str(tag.parent), str(tag))
+    assert "written at TP1 PP2 VPP2 DP2; layout-free" in said[0]
+    assert "written at TP1 PP2 DP2; layout-free" in said[1]
