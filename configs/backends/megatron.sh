@@ -27,3 +27,6 @@ CLUSTER_ARGS=(
   --vllm.num_engines "$VLLM_ENGINES" --vllm.tensor_parallel_size "$VLLM_TP"
   --vllm.gpu_memory_utilization 0.85 --vllm.enable_prefix_caching
 )
+# MEGATRON_SP=1: sequence parallelism (TP > 1); MEGATRON_VPP=V: virtual pipeline stages (PP > 1)
+[ "${MEGATRON_SP:-0}" != "1" ] || CLUSTER_ARGS+=(--megatron.sequence_parallel)
+[ "${MEGATRON_VPP:-1}" = "1" ] || CLUSTER_ARGS+=(--megatron.vpp "$MEGATRON_VPP")

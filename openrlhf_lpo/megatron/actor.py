@@ -22,6 +22,14 @@ with which others it was batched: the old-log-prob pass and the training pass se
   ``finalize_model_grads`` (DP reduce, tied-embedding and q/k-norm grads), Megatron optimizer
   with gradient clipping. ``listwise_surrogate`` runs a no-grad coefficient pass first.
   ``recompute=True`` (``--actor.gradient_checkpointing_enable``) recomputes every layer.
+* Sequence parallelism (``sequence_parallel=True``, TP > 1): every sequence of a packed row is
+  padded at its tail to a multiple of TP (so the row splits evenly over the TP ranks); the pads
+  are never read by a real token (causal attention) and no loss or log-prob reads them.
+* Virtual pipeline stages (``vpp > 1``, PP > 1): ``self.model`` is a :class:`ModelChunks` of
+  ``vpp`` DDP-wrapped chunks run by megatron's interleaved 1F1B schedule; the micro-batch count
+  is padded to a multiple of PP with one-sequence micro-batches that carry no loss (the schedule
+  needs ``M % pp == 0``), and every packed row of a pass to the longest one (a trailing pad
+  segment: the interleaved schedule sends fixed shapes).
 * :meth:`save_checkpoint` / :meth:`load_checkpoint` — :mod:`.checkpoint`: layout-free
   ``global_stepN`` directories (safetensors + JSON), resumable in another TP/PP layout.
 """
@@ -41,9 +49,15 @@ from openrlhf_lpo.megatron.device import group_device, local_device
 from openrlhf_lpo.megatron.layout import validate_layout
 from openrlhf_lpo.megatron.losses import LossSpec, get_policy_loss
 from openrlhf_lpo.megatron.model import attention_span, build_gpt_model, transformer_config_from_hf
-from openrlhf_lpo.megatron.packing import PackedMicroBatch, pack_micro_batch
+from openrlhf_lpo.megatron.packing import PackedMicroBatch, pack_micro_batch, pad_to_tokens
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_NO_LOSS_STATS: dict = {}  # what a schedule-padding micro-batch reports (dropped from the results)
+
+
+def _no_loss(output):
+    """Loss of a schedule-padding micro-batch: zero, counting no response, connected to the graph."""
+    return output.sum() * 0.0, torch.zeros((), dtype=torch.int, device=output.device), _NO_LOSS_STATS
 
 
 @dataclass
@@ -63,6 +77,7 @@ class MegatronActorConfig:
     seed: int = 42
     use_te: Optional[bool] = None
     recompute: bool = False  # --actor.gradient_checkpointing_enable: full recompute of every layer
+    sequence_parallel: bool = False  # --megatron.sequence_parallel (needs tp > 1)
     timeout_minutes: int = 60  # NCCL/gloo timeout of megatron's process groups (OpenRLHF: 60)
     extra: dict = field(default_factory=dict)
 
@@ -77,10 +92,9 @@ def initialize_parallel(tp: int, pp: int, hf_config=None, vpp: int = 1, timeout_
     if not dist.is_initialized():
         raise ValueError("torch.distributed must be initialised before building the Megatron actor")
     validate_layout(dist.get_world_size(), tp, pp, hf_config, vpp)
-    if vpp != 1:
-        raise ValueError(f"--megatron.vpp {vpp}: virtual pipeline stages are not supported yet (use 1)")
     if ps.model_parallel_is_initialized():
-        if ps.get_tensor_model_parallel_world_size() == tp and ps.get_pipeline_model_parallel_world_size() == pp:
+        if (ps.get_tensor_model_parallel_world_size() == tp and ps.get_pipeline_model_parallel_world_size() == pp
+                and (ps.get_virtual_pipeline_model_parallel_world_size() or 1) == vpp):
             return
         groups.release(ps)
     check_tp_groups_within_nodes(tp)
@@ -88,6 +102,7 @@ def initialize_parallel(tp: int, pp: int, hf_config=None, vpp: int = 1, timeout_
     # groups hand consecutive actors the same chunk of experiences)
     ps.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, order="tp-cp-ep-pp-dp",
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
         distributed_timeout_minutes=int(timeout_minutes),
     )
 
@@ -115,6 +130,24 @@ def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
         return (torch.log(z) - ex / z).squeeze(-1)
 
 
+class ModelChunks(torch.nn.ModuleList):
+    """The ``vpp`` DDP-wrapped model chunks of one PP rank, used where a single DDP model is
+    (``train``/``eval``/``parameters``/``zero_grad_buffer``/``broadcast_params``)."""
+
+    def zero_grad_buffer(self):
+        for chunk in self:
+            chunk.zero_grad_buffer()
+
+    def broadcast_params(self):
+        for chunk in self:
+            chunk.broadcast_params()
+
+
+def model_chunk_list(model) -> list:
+    """The chunks of ``model`` (a :class:`ModelChunks`, or one model)."""
+    return list(model) if isinstance(model, ModelChunks) else [model]
+
+
 class MegatronActor:
     """Megatron-core policy for one rank. ``hf_weights``: an HF checkpoint dir, a mapping or
     getter of HF tensors, or a :class:`convert.TensorReader` (None: megatron's random init)."""
@@ -131,32 +164,40 @@ class MegatronActor:
             raise ValueError(f"--megatron.params_dtype {cfg.params_dtype!r}: choose one of {sorted(DTYPES)}")
         if cfg.micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {cfg.micro_batch_size}")
+        if cfg.sequence_parallel and cfg.tp < 2:
+            raise ValueError("--megatron.sequence_parallel needs --megatron.tp > 1 (it splits the sequence over TP ranks)")
         initialize_parallel(cfg.tp, cfg.pp, hf_config, cfg.vpp, cfg.timeout_minutes)
         _seed(cfg.seed)
         dtype = DTYPES[cfg.params_dtype]
         self.tconfig = transformer_config_from_hf(hf_config, cfg.tp, cfg.pp, params_dtype=dtype,
-                                                  recompute=cfg.recompute)
+                                                  recompute=cfg.recompute, sequence_parallel=cfg.sequence_parallel,
+                                                  vpp=cfg.vpp)
         self.attention_span = attention_span(hf_config)
-        model = build_gpt_model(hf_config, config=self.tconfig, use_te=cfg.use_te)
-        model.to(local_device())  # norms and other small params are built on the CPU (NCCL rejects them)
-        self.uses_te = convert.uses_te_names(model)
+        # one chunk per virtual stage (vpp 1: the rank's whole stage)
+        chunks = [build_gpt_model(hf_config, config=self.tconfig, use_te=cfg.use_te,
+                                  vp_stage=v if cfg.vpp > 1 else None) for v in range(cfg.vpp)]
+        for chunk in chunks:
+            chunk.to(local_device())  # norms and other small params are built on the CPU (NCCL rejects them)
+        self.uses_te = convert.uses_te_names(chunks)
         self.weights_read = 0  # elements of HF tensors this rank read (its stage, its TP slices)
         if hf_weights is not None:
             reader = convert.as_reader(hf_weights)
-            convert.load_hf_weights(model, reader, hf_config)
+            convert.load_hf_weights(chunks, reader, hf_config)
             self.weights_read = reader.elements_read
         self.half = dtype != torch.float32
         if self.half:
             from megatron.core.transformer.module import Float16Module
 
-            model = Float16Module(self.tconfig, model)
+            chunks = [Float16Module(self.tconfig, chunk) for chunk in chunks]
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=False,
             overlap_param_gather=False,
             use_distributed_optimizer=cfg.use_distributed_optimizer,
         )
-        self.model = DDP(self.tconfig, ddp_config, model)
+        # later chunks without bucketing, as Megatron-LM builds interleaved models
+        chunks = [DDP(self.tconfig, ddp_config, chunk, disable_bucketing=i > 0) for i, chunk in enumerate(chunks)]
+        self.model = chunks[0] if cfg.vpp == 1 else ModelChunks(chunks)
         self.model.broadcast_params()
         opt_config = OptimizerConfig(
             optimizer="adam",
@@ -172,10 +213,10 @@ class MegatronActor:
             params_dtype=dtype,
             use_distributed_optimizer=cfg.use_distributed_optimizer,
         )
-        self.optimizer = get_megatron_optimizer(opt_config, [self.model])
+        self.optimizer = get_megatron_optimizer(opt_config, chunks)
         self.tconfig.finalize_model_grads_func = finalize_model_grads
         self.tconfig.grad_scale_func = self.optimizer.scale_loss
-        self.tconfig.no_sync_func = self.model.no_sync
+        self.tconfig.no_sync_func = chunks[0].no_sync if cfg.vpp == 1 else [c.no_sync for c in chunks]
         self.step = 0
         self.ps = ps
 
@@ -192,6 +233,11 @@ class MegatronActor:
     def is_last_stage(self) -> bool:
         return self.ps.is_pipeline_last_stage()
 
+    @property
+    def pad_multiple(self) -> int:
+        """Every packed sequence is padded to this many tokens: TP under sequence parallelism."""
+        return self.cfg.tp if self.cfg.sequence_parallel else 1
+
     def _micro_batches(self, batch: Dict[str, torch.Tensor], mbs: int) -> List[Dict]:
         """Split into micro-batches of ``mbs`` rows and pack each into one THD row."""
         B = batch["sequences"].shape[0]
@@ -201,10 +247,28 @@ class MegatronActor:
         out = []
         for i in range(0, B, mbs):
             mb = {k: v[i : i + mbs] for k, v in batch.items()}
-            mb["packed"] = pack_micro_batch(mb["sequences"], mb["attention_mask"], A)
+            mb["packed"] = pack_micro_batch(mb["sequences"], mb["attention_mask"], A, self.pad_multiple)
             self._check_span(mb["packed"])
             out.append(mb)
+        out += self._schedule_padding(len(out), batch["sequences"])
+        if self.cfg.vpp > 1:  # fixed shapes for the interleaved schedule: one packed length per pass
+            total = max(mb["packed"].num_tokens for mb in out)
+            for mb in out:
+                mb["packed"] = pad_to_tokens(mb["packed"], total)
         return out
+
+    def _schedule_padding(self, num: int, sequences: torch.Tensor) -> List[Dict]:
+        """Loss-free micro-batches that bring the count to a multiple of PP for the interleaved
+        schedule (it needs ``M % pp == 0``): one sequence of ``pad_multiple`` pad tokens each."""
+        pp = self.cfg.pp
+        if self.cfg.vpp == 1 or num % pp == 0:
+            return []
+        n = self.pad_multiple
+        seq = torch.zeros(1, n + 1, dtype=sequences.dtype, device=sequences.device)
+        mask = torch.ones_like(seq)
+        mask[0, 0] = 0  # n real (pad-id) tokens, one action column
+        packed = pack_micro_batch(seq, mask, 1, self.pad_multiple)
+        return [{"packed": packed, "schedule_padding": True} for _ in range(pp - num % pp)]
 
     def _check_span(self, packed: PackedMicroBatch) -> None:
         span = self.attention_span
@@ -239,6 +303,8 @@ class MegatronActor:
         pk: PackedMicroBatch = mb["packed"]
         kwargs = {"fp32_output": False} if self.half else {}  # logits stay bf16; action rows upcast
         out = model(pk.tokens, pk.position_ids, None, packed_seq_params=pk.packed_seq_params(), **kwargs)
+        if mb.get("schedule_padding"):
+            return out, _no_loss
         return out, partial(loss_fn, mb)
 
     def _run(self, batch, loss_fn, forward_only: bool, mbs: int):
@@ -246,10 +312,12 @@ class MegatronActor:
 
         mbatches = self._micro_batches(batch, mbs)
         fb = get_forward_backward_func()
-        return fb(
+        chunks = model_chunk_list(self.model)
+        outs = fb(
             forward_step_func=partial(self._forward_step, loss_fn=loss_fn),
-            data_iterator=iter(mbatches),
-            model=[self.model],
+            # the interleaved schedule reads one iterator per chunk, each over every micro-batch
+            data_iterator=[iter(mbatches) for _ in chunks] if len(chunks) > 1 else iter(mbatches),
+            model=chunks,
             num_microbatches=len(mbatches),
             # one packed row per micro-batch; with PP the stages exchange each row's length
             # (variable_seq_lengths in the config), so this is only an upper bound
@@ -257,6 +325,7 @@ class MegatronActor:
             micro_batch_size=1,
             forward_only=forward_only,
         )
+        return [o for o in outs if o is not _NO_LOSS_STATS]
 
     def _broadcast_from_last_stage(self, t: Optional[torch.Tensor], shape, dtype) -> torch.Tensor:
         if self.ps.get_pipeline_model_parallel_world_size() == 1:

@@ -1,4 +1,4 @@
-"""Layout-free checkpoints of the Megatron actor: resume in any TP / PP / DP layout, no pickle.
+"""Layout-free checkpoints of the Megatron actor: resume in any TP / PP / VPP / DP layout, no pickle.
 
 Directory ``root`` (OpenRLHF's ``ckpt.path/_actor``)::
 
@@ -14,8 +14,9 @@ Tensors are stored **un-sharded** under megatron's global names (fused QKV group
 moments, gathered over the data-parallel ranks of the distributed optimizer and over TP; the TP
 ranks of the first DP replica take turns writing them (tensor i by TP rank i % tp). Loading
 reads through :func:`convert.read_split` only the rows/columns a rank owns in the *current*
-layout, so a checkpoint written at TP2 resumes at TP1, PP2 at TP2, with or without the
-distributed optimizer (tests/megatron: TP2 -> TP1 and PP2 -> TP2 continue the uninterrupted run).
+layout, so a checkpoint written at TP2 resumes at TP1, PP2 at TP2, PP2 x VPP2 at VPP1, with or
+without the distributed optimizer (tests/megatron: TP2 -> TP1, PP2 -> TP2 and VPP2 -> VPP1 continue
+the uninterrupted run).
 
 Safety: safetensors and JSON hold no code; ``client_state.pt`` is loaded with ``weights_only=True``.
 Crash safety: everything is written into ``<tag>.partial/``, renamed to ``<tag>/`` when complete,
@@ -145,12 +146,13 @@ def _set_step(optimizer, step: int) -> None:
 
 
 def _stage_params(actor) -> List[Tuple[str, str, torch.nn.Parameter]]:
-    """(local name, global name, parameter) of this rank's stage, in model order."""
-    ps = actor.ps
-    L = _get(actor.hf_config, "num_hidden_layers")
-    offset = ps.get_pipeline_model_parallel_rank() * (L // ps.get_pipeline_model_parallel_world_size())
-    model = convert.unwrap(actor.model)
-    return [(n, convert.local_to_global(n, offset), p) for n, p in model.named_parameters()]
+    """(local name, global name, parameter) of this rank's stage (all its virtual-pipeline
+    chunks), in model order."""
+    out = []
+    for chunk in convert.chunks_of(actor.model):
+        offset = convert.chunk_offset(chunk)
+        out.extend((n, convert.local_to_global(n, offset), p) for n, p in convert.unwrap(chunk).named_parameters())
+    return out
 
 
 def _ckpt_name(key: str, global_name: str) -> str:
@@ -255,6 +257,7 @@ def save(actor, root: str, tag: str, client_state: dict, max_num: Optional[int] 
             "state_keys": list(keys[1:]),
             "layout": {"tp": ps.get_tensor_model_parallel_world_size(),
                        "pp": ps.get_pipeline_model_parallel_world_size(),
+                       "vpp": int(getattr(actor.cfg, "vpp", 1)),
                        "dp": ps.get_data_parallel_world_size(),
                        "distributed_optimizer": bool(actor.cfg.use_distributed_optimizer),
                        "params_dtype": actor.cfg.params_dtype},

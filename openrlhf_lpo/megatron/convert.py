@@ -13,6 +13,10 @@ Layout facts (checked by tests/megatron against HF logits and by bit-exact round
 * PP: stage ``p`` holds global layers ``[p*L/pp, (p+1)*L/pp)`` under local indices; the first
   stage holds the embedding, the last the final norm and ``output_layer`` (with tied embeddings
   and pp>1 the last stage keeps its own copy of the embedding as ``output_layer.weight``).
+  With ``vpp`` virtual stages, chunk ``v`` of stage ``p`` holds the ``L/(pp*vpp)`` layers from
+  :func:`model.chunk_layer_offset` on; the embedding is in chunk 0 of stage 0, the final norm and
+  output layer in the last chunk of the last stage. A built model is one chunk or a list of chunks
+  (each chunk's offset is read from its first layer's ``layer_number``).
 * RoPE needs no permutation (megatron's non-interleaved rotary = HF ``rotate_half``).
 * The Transformer Engine spec fuses the pre-attention / pre-MLP RMSNorm weights into
   ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight``; both name sets are handled.
@@ -40,7 +44,7 @@ from typing import Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 
-from openrlhf_lpo.megatron.model import _get, arch_spec, head_dim, num_kv_heads
+from openrlhf_lpo.megatron.model import _get, arch_spec, chunk_layer_offset, head_dim, num_kv_heads
 
 # TP split kinds
 COL, ROW, REP, GATE_UP = "col", "row", "rep", "gate_up"
@@ -147,17 +151,18 @@ def rule_for(global_name: str, cfg, te_names: bool = False) -> Rule:
     raise KeyError(f"no HF mapping for megatron tensor {global_name!r}")
 
 
-def expected_local_names(cfg, tp: int, pp: int, pp_rank: int, te_names: bool = False) -> List[str]:
-    """Megatron (local-index) tensor names held by one stage."""
+def expected_local_names(cfg, tp: int, pp: int, pp_rank: int, te_names: bool = False, vpp: int = 1,
+                         vp_stage: int = 0) -> List[str]:
+    """Megatron (local-index) tensor names held by one stage (one chunk of it with ``vpp > 1``)."""
     L = _get(cfg, "num_hidden_layers")
-    per = L // pp
+    per = L // (pp * vpp)
     names = []
-    if pp_rank == 0:
+    if pp_rank == 0 and vp_stage == 0:
         names.append("embedding.word_embeddings.weight")
     suffixes = list(layer_rules(cfg, te_names))
     for j in range(per):
         names.extend(f"decoder.layers.{j}.{s}" for s in suffixes)
-    if pp_rank == pp - 1:
+    if pp_rank == pp - 1 and vp_stage == vpp - 1:
         names.append("decoder.final_layernorm.weight")
         tied = bool(_get(cfg, "tie_word_embeddings", False))
         if not tied or pp > 1:
@@ -293,16 +298,19 @@ def hf_to_mcore_local(
     pp_rank: int,
     te_names: bool = False,
     names: Optional[List[str]] = None,
+    vpp: int = 1,
+    vp_stage: int = 0,
 ) -> Iterator[Tuple[str, torch.Tensor]]:
-    """Yield ``(local_megatron_name, shard)`` for one (tp_rank, pp_rank), one tensor at a time.
+    """Yield ``(local_megatron_name, shard)`` for one (tp_rank, pp_rank[, vp_stage]), one tensor at a time.
 
     ``source``: a :class:`TensorReader` or what it accepts (checkpoint dir, mapping, getter).
     Only the stage's HF tensors are touched, and of each only this rank's rows/columns.
     """
     reader = as_reader(source)
-    L = _get(cfg, "num_hidden_layers")
-    offset = pp_rank * (L // pp)
-    for local in names if names is not None else expected_local_names(cfg, tp, pp, pp_rank, te_names):
+    offset = chunk_layer_offset(_get(cfg, "num_hidden_layers"), pp, pp_rank, vpp, vp_stage)
+    if names is None:
+        names = expected_local_names(cfg, tp, pp, pp_rank, te_names, vpp, vp_stage)
+    for local in names:
         rule = rule_for(local_to_global(local, offset), cfg, te_names)
         yield local, _read_hf_shard(reader, rule, cfg, tp, tp_rank).contiguous()
 
@@ -374,8 +382,21 @@ def unwrap(model):
     return model
 
 
+def chunks_of(model) -> List:
+    """The model chunks of a rank: a list / ``ModuleList`` of chunks (virtual pipeline), or one model."""
+    if isinstance(model, (list, tuple, torch.nn.ModuleList)):
+        return list(model)
+    return [model]
+
+
+def chunk_offset(chunk) -> int:
+    """Global index of the chunk's first decoder layer (megatron's ``layer_number`` is 1-based)."""
+    layers = unwrap(chunk).decoder.layers
+    return int(layers[0].layer_number) - 1 if len(layers) else 0
+
+
 def uses_te_names(model) -> bool:
-    return any(k.endswith("layer_norm_weight") for k, _ in unwrap(model).named_parameters())
+    return any(k.endswith("layer_norm_weight") for c in chunks_of(model) for k, _ in unwrap(c).named_parameters())
 
 
 def local_tensors(model) -> Dict[str, torch.Tensor]:
@@ -390,7 +411,8 @@ def local_tensors(model) -> Dict[str, torch.Tensor]:
 
 
 def load_hf_weights(model, source, cfg) -> int:
-    """Copy HF weights into the current rank's model stage; returns the number of tensors set.
+    """Copy HF weights into the current rank's model stage (one chunk or a list of chunks);
+    returns the number of tensors set.
 
     ``source``: checkpoint dir, mapping, getter or :class:`TensorReader` (only this rank's
     slices are read). Raises ``ValueError`` when a shape does not match (config/checkpoint mismatch).
@@ -398,19 +420,23 @@ def load_hf_weights(model, source, cfg) -> int:
     from megatron.core import parallel_state as ps
 
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-    pp, pp_rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
-    target = local_tensors(model)
     te = uses_te_names(model)
+    reader = as_reader(source)
     n = 0
     with torch.no_grad():
-        for name, shard in hf_to_mcore_local(source, cfg, tp, tp_rank, pp, pp_rank, te, names=list(target)):
-            dst = target[name]
-            if tuple(dst.shape) != tuple(shard.shape):
-                raise ValueError(
-                    f"shape mismatch for {name}: model {tuple(dst.shape)} vs converted HF {tuple(shard.shape)}"
-                )
-            dst.copy_(shard.to(dst.dtype))
-            n += 1
+        for chunk in chunks_of(model):
+            target = local_tensors(chunk)
+            offset = chunk_offset(chunk)
+            for name in target:
+                rule = rule_for(local_to_global(name, offset), cfg, te)
+                shard = _read_hf_shard(reader, rule, cfg, tp, tp_rank).contiguous()
+                dst = target[name]
+                if tuple(dst.shape) != tuple(shard.shape):
+                    raise ValueError(
+                        f"shape mismatch for {name}: model {tuple(dst.shape)} vs converted HF {tuple(shard.shape)}"
+                    )
+                dst.copy_(shard.to(dst.dtype))
+                n += 1
     return n
 
 
@@ -429,31 +455,33 @@ def export_hf_weights(model, cfg, dtype: Optional[torch.dtype] = None) -> Iterat
     tp = ps.get_tensor_model_parallel_world_size()
     pp = ps.get_pipeline_model_parallel_world_size()
     pp_rank = ps.get_pipeline_model_parallel_rank()
-    L = _get(cfg, "num_hidden_layers")
     te = uses_te_names(model)
-    mine = local_tensors(model)
+    mine: Dict[str, torch.Tensor] = {}  # global name -> local tensor (over this rank's chunks)
     meta = []
-    for local, t in mine.items():
-        g = local_to_global(local, pp_rank * (L // pp))
-        if _skip_on_export(g, cfg):
-            continue
-        rule = rule_for(g, cfg, te)
-        full_shape = list(t.shape)
-        if rule.split in (COL, GATE_UP):
-            full_shape[0] *= tp
-        elif rule.split == ROW:
-            full_shape[1] *= tp
-        meta.append((local, g, tuple(full_shape), dtype or t.dtype))
+    for chunk in chunks_of(model):
+        offset = chunk_offset(chunk)
+        for local, t in local_tensors(chunk).items():
+            g = local_to_global(local, offset)
+            if _skip_on_export(g, cfg):
+                continue
+            rule = rule_for(g, cfg, te)
+            full_shape = list(t.shape)
+            if rule.split in (COL, GATE_UP):
+                full_shape[0] *= tp
+            elif rule.split == ROW:
+                full_shape[1] *= tp
+            mine[g] = t
+            meta.append((g, tuple(full_shape), dtype or t.dtype))
     if pp > 1:
         gathered: List = [None] * pp
         dist.all_gather_object(gathered, meta, group=pp_group)
     else:
         gathered = [meta]
     for owner, stage_meta in enumerate(gathered):
-        for local, g, full_shape, tdtype in stage_meta:
+        for g, full_shape, tdtype in stage_meta:
             rule = rule_for(g, cfg, te)
             if owner == pp_rank:
-                shard = mine[local].detach()
+                shard = mine[g].detach()
                 if dtype is not None:  # cast before the gather: half the traffic for bf16 engines
                     shard = shard.to(dtype)
                 if tp > 1 and rule.split != REP:

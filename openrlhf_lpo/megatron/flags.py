@@ -1,9 +1,11 @@
 """``--backend megatron`` flag group for ``lpo-train`` (loaded by openrlhf_lpo.cli as a plugin).
 
 Flags: ``--backend {deepspeed,megatron}`` (default deepspeed), ``--megatron.tp N``,
-``--megatron.pp M``, ``--megatron.vpp V`` (1 only for now), ``--megatron.params_dtype
-{bf16,fp32}``, ``--megatron.distributed_optimizer``, ``--megatron.timeout_minutes`` (process
-groups' NCCL/gloo timeout, default 60 as OpenRLHF's DeepSpeed strategy).
+``--megatron.pp M``, ``--megatron.vpp V`` (virtual pipeline stages, interleaved 1F1B, needs PP > 1),
+``--megatron.sequence_parallel`` (needs TP > 1), ``--megatron.cp`` (1 only: context parallelism
+needs Transformer Engine, see ``CP_REFUSAL``), ``--megatron.params_dtype {bf16,fp32}``,
+``--megatron.distributed_optimizer``, ``--megatron.timeout_minutes`` (process groups' NCCL/gloo
+timeout, default 60 as OpenRLHF's DeepSpeed strategy).
 
 Stock flags the Megatron actor honours: ``--actor.gradient_checkpointing_enable`` (full layer
 recompute), ``--actor.eps_clip_low_high``, ``--vllm.sync_with_ray``, ``--vllm.enable_prefix_caching``,
@@ -27,6 +29,17 @@ from openrlhf_lpo.cli.flags import FlagError, FlagGroup, register_flag_group
 
 BACKENDS = ("deepspeed", "megatron")
 
+# why context parallelism (and with it ring attention) is refused, and what to use instead
+CP_REFUSAL = (
+    "context parallelism is not supported by --backend megatron: megatron-core 0.16.1 runs it only inside "
+    "Transformer Engine's attention (its local DotProductAttention asserts context_parallel_size == 1), so "
+    "it can be neither built nor tested without TE. For long sequences use --megatron.sequence_parallel "
+    "(activations split over the TP ranks) with --actor.gradient_checkpointing_enable and a larger "
+    "--megatron.tp / --megatron.pp, or the DeepSpeed backend's ring attention (--ds.ring_attn_size)"
+)
+# mixture-of-experts checkpoints (docs/megatron.md, "Mixture of experts: the plan")
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3")
+
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
     if any(a.dest == "backend" for a in parser._actions):
@@ -36,7 +49,12 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="policy training backend (default deepspeed)")
     g.add_argument("--megatron.tp", type=int, default=1, help="tensor-parallel size of the Megatron actor")
     g.add_argument("--megatron.pp", type=int, default=1, help="pipeline-parallel size of the Megatron actor")
-    g.add_argument("--megatron.vpp", type=int, default=1, help="virtual pipeline stages per rank (1 only)")
+    g.add_argument("--megatron.vpp", type=int, default=1,
+                   help="virtual pipeline stages per PP rank (interleaved 1F1B; needs --megatron.pp > 1)")
+    g.add_argument("--megatron.sequence_parallel", action="store_true", default=False,
+                   help="sequence parallelism: norms/residuals hold 1/tp of the tokens (needs --megatron.tp > 1)")
+    g.add_argument("--megatron.cp", type=int, default=1,
+                   help="context-parallel size; only 1 (context parallelism needs Transformer Engine)")
     g.add_argument("--megatron.params_dtype", type=str, choices=("bf16", "fp32"), default="bf16")
     g.add_argument("--megatron.distributed_optimizer", action="store_true", default=False,
                    help="shard optimizer state over data-parallel ranks")
@@ -60,6 +78,13 @@ def _validate(args: argparse.Namespace) -> None:
         raise FlagError(str(e)) from None
     if m.timeout_minutes < 1:
         raise FlagError(f"--megatron.timeout_minutes must be >= 1, got {m.timeout_minutes}")
+    if m.cp != 1:
+        raise FlagError(f"--megatron.cp {m.cp}: {CP_REFUSAL}")
+    if args.ds.ring_attn_size > 1:
+        raise FlagError(f"--ds.ring_attn_size > 1 is not supported with --backend megatron: {CP_REFUSAL}")
+    if m.sequence_parallel and m.tp < 2:
+        raise FlagError("--megatron.sequence_parallel needs --megatron.tp > 1: it splits each layer's "
+                        "norm/residual activations over the tensor-parallel ranks")
     gpn = args.actor.num_gpus_per_node
     if m.tp > gpn or gpn % m.tp:
         raise FlagError(
@@ -80,6 +105,13 @@ def _validate(args: argparse.Namespace) -> None:
             "tower. Train VLMs such as Qwen2.5-VL on the DeepSpeed backend (drop --backend megatron; "
             "configs/tasks/geometry_qwen2.5-vl-3b.sh)"
         )
+    if hf_config.model_type in MOE_MODEL_TYPES or getattr(hf_config, "num_experts", None):
+        raise FlagError(
+            f"--backend megatron does not support mixture-of-experts models yet (model_type "
+            f"{hf_config.model_type!r}): the HF<->Megatron conversion of routers and experts and expert "
+            "parallelism are not built (plan: docs/megatron.md, 'Mixture of experts'). Train MoE models on the "
+            "DeepSpeed backend (drop --backend megatron)"
+        )
     if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
         raise FlagError(
             f"--backend megatron supports model_type {SUPPORTED_MODEL_TYPES}, got {hf_config.model_type!r}"
@@ -88,13 +120,10 @@ def _validate(args: argparse.Namespace) -> None:
         validate_layout(world, m.tp, m.pp, hf_config, m.vpp)
     except ValueError as e:
         raise FlagError(f"--backend megatron: {e}") from None
-    if m.vpp != 1:
-        raise FlagError(f"--megatron.vpp {m.vpp}: virtual pipeline stages are not supported yet (use 1)")
     # dynamic batching and ring attention first: the stock parser switches --ds.packing_samples on for
     # both, and the message must name the flag the user gave
     unsupported = [
         (args.train.dynamic_batch_enable, "--train.dynamic_batch_enable"),
-        (args.ds.ring_attn_size > 1, "--ds.ring_attn_size > 1"),
         (args.ds.packing_samples, "--ds.packing_samples"),
         (args.ds.tensor_parallel_size > 1, "--ds.tensor_parallel_size > 1 (use --megatron.tp)"),
         (args.ds.enable_sleep, "--ds.enable_sleep"),

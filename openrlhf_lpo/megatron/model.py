@@ -13,6 +13,17 @@ parallelism the config allows a different packed length per micro-batch.
 present, the local (pure megatron-core) spec with the packed-sequence attention of
 :mod:`openrlhf_lpo.megatron.attention` otherwise. The two specs name the pre-attention and pre-MLP
 norms differently; :mod:`openrlhf_lpo.megatron.convert` handles both.
+
+Sequence parallelism (``--megatron.sequence_parallel``, TP > 1): the norms, residuals and dropout
+of each layer hold ``T/tp`` of the packed row's tokens per TP rank (megatron's all-gather before
+the column-parallel QKV / fc1 and reduce-scatter after the row-parallel proj / fc2). TE's norms
+support it; megatron-core's torch norm of the local spec asserts it off, so the local spec uses
+:class:`SequenceParallelRMSNorm` (torch RMSNorm whose weight is marked ``sequence_parallel``: its
+gradient is partial per TP rank and ``finalize_model_grads`` sums it over TP).
+
+Virtual pipeline stages (``--megatron.vpp V``): each PP rank builds ``V`` model chunks
+(``vp_stage`` 0..V-1); chunk ``v`` of PP rank ``p`` holds layers ``[(v*pp+p)*L/(pp*V), ...)``
+(:func:`chunk_layer_offset`), the interleaved 1F1B schedule runs them.
 """
 
 from __future__ import annotations
@@ -127,6 +138,27 @@ def num_kv_heads(hf_config) -> int:
     return _get(hf_config, "num_key_value_heads") or _get(hf_config, "num_attention_heads")
 
 
+def chunk_layer_offset(num_layers: int, pp: int, pp_rank: int, vpp: int = 1, vp_stage: int = 0) -> int:
+    """Global index of the first layer of model chunk ``vp_stage`` on pipeline rank ``pp_rank``
+    (uniform stages: megatron's interleaved assignment, ``L % (pp*vpp) == 0``)."""
+    return (vp_stage * pp + pp_rank) * (num_layers // (pp * vpp))
+
+
+class SequenceParallelRMSNorm:
+    """Local-spec norm that also runs under sequence parallelism: ``torch.nn.RMSNorm`` whose weight
+    carries ``sequence_parallel = config.sequence_parallel`` (each TP rank sees ``T/tp`` tokens,
+    so ``finalize_model_grads`` sums the weight's gradient over TP). Without SP it is exactly
+    megatron-core's ``WrappedTorchNorm`` for RMSNorm."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        if config.normalization != "RMSNorm":
+            raise ValueError(f"normalization {config.normalization!r}: the Megatron actor builds RMSNorm models only")
+        norm = torch.nn.RMSNorm(normalized_shape=hidden_size, eps=eps)
+        for p in norm.parameters():
+            p.sequence_parallel = bool(config.sequence_parallel)
+        return norm
+
+
 def te_available() -> bool:
     """Transformer Engine importable and an accelerator present."""
     from openrlhf_lpo.megatron.device import accelerator_available
@@ -141,11 +173,14 @@ def transformer_config_from_hf(
     params_dtype: torch.dtype = torch.float32,
     use_cpu_initialization: Optional[bool] = None,
     recompute: bool = False,
+    sequence_parallel: bool = False,
+    vpp: int = 1,
     **overrides: Any,
 ):
     """Build a megatron-core ``TransformerConfig`` equivalent to a registered HF config.
 
-    ``recompute``: ``--actor.gradient_checkpointing_enable`` -> full recompute of every layer
+    ``sequence_parallel`` (needs ``tp > 1``) and ``vpp`` (virtual pipeline stages per PP rank)
+    are megatron's. ``recompute``: ``--actor.gradient_checkpointing_enable`` -> full recompute of every layer
     (granularity ``full``, method ``uniform``, 1 layer per checkpoint): only each layer's input
     is kept for the backward pass."""
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -185,7 +220,8 @@ def transformer_config_from_hf(
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
         use_cpu_initialization=use_cpu_initialization,
-        sequence_parallel=False,
+        sequence_parallel=bool(sequence_parallel),
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
@@ -198,10 +234,17 @@ def transformer_config_from_hf(
     )
     if recompute:
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    if pp > 1:
+    if pp > 1 and vpp == 1:
         # every micro-batch is one packed row of its own length: the pipeline exchanges shapes
         # first (0.16.1 accepts that only with the alltoall dispatcher, unused by dense models)
         kwargs.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
+    if vpp > 1:
+        # interleaved 1F1B sends activations forward and gradients backward in one call, at pp 2 to
+        # the same peer: batched p2p matches them by order and swaps them (garbage gradients on
+        # gloo, measured), megatron's unbatched p2p sends the two directions on different groups (as
+        # Megatron-LM runs interleaving: batch_p2p_comm = not overlap_p2p_comm). Its blocking shape
+        # exchange is batched too, so shapes are fixed: the actor pads a pass's rows to one length
+        kwargs.update(batch_p2p_comm=False)
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
@@ -219,8 +262,26 @@ def layer_spec(hf_config, use_te: Optional[bool] = None):
     if use_te:
         return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
     spec = specs.get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm")
-    spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
+    sub = spec.submodules
+    sub.self_attention.submodules.core_attention = PackedDotProductAttention
+    sub.input_layernorm = sub.pre_mlp_layernorm = SequenceParallelRMSNorm
+    if qk_norm:
+        sub.self_attention.submodules.q_layernorm = sub.self_attention.submodules.k_layernorm = SequenceParallelRMSNorm
     return spec
+
+
+def block_spec(hf_config, config, use_te: Optional[bool] = None, vp_stage: Optional[int] = None):
+    """The decoder block of one stage: the layer spec, and for the local spec the final norm as
+    :class:`SequenceParallelRMSNorm` (megatron's default there is the torch norm, which refuses SP)."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    if use_te is None:
+        use_te = te_available()
+    spec = layer_spec(hf_config, use_te)
+    if use_te:
+        return spec
+    n = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[spec] * n, layer_norm=SequenceParallelRMSNorm)
 
 
 def build_gpt_model(
@@ -249,7 +310,7 @@ def build_gpt_model(
         post_process = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     return GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(hf_config, use_te),
+        transformer_layer_spec=block_spec(hf_config, config, use_te, vp_stage),
         vocab_size=_get(hf_config, "vocab_size"),
         max_sequence_length=_get(hf_config, "max_position_embeddings", 4096),
         pre_process=pre_process,

@@ -116,3 +116,21 @@ def pack_micro_batch(
         action_tokens=sequences[:, S - A :],
         seq_lens=[int(x) for x in lens.tolist()],
     )
+
+
+def pad_to_tokens(pk: PackedMicroBatch, total: int) -> PackedMicroBatch:
+    """``pk`` with a trailing segment of pad tokens so the row holds ``total`` tokens (one packed
+    length for every micro-batch of a pass: the interleaved pipeline schedule sends fixed shapes).
+    The segment is a sequence of its own in ``cu_seqlens``; no action position points into it."""
+    extra = int(total) - pk.num_tokens
+    if extra < 0:
+        raise ValueError(f"cannot pad a packed row of {pk.num_tokens} tokens to {total}")
+    if extra == 0:
+        return pk
+    dev = pk.tokens.device
+    tokens = torch.cat([pk.tokens, torch.zeros(1, extra, dtype=pk.tokens.dtype, device=dev)], 1)
+    positions = torch.cat([pk.position_ids, torch.arange(extra, device=dev, dtype=pk.position_ids.dtype)[None]], 1)
+    cu = torch.cat([pk.cu_seqlens, torch.tensor([int(total)], dtype=pk.cu_seqlens.dtype, device=dev)])
+    return PackedMicroBatch(tokens=tokens, position_ids=positions, cu_seqlens=cu, max_seqlen=max(pk.max_seqlen, extra),
+                            action_index=pk.action_index, action_valid=pk.action_valid,
+                            action_tokens=pk.action_tokens, seq_lens=pk.seq_lens)

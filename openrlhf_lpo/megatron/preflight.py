@@ -42,8 +42,9 @@ def check_resume(ctx, root: str, tag_dir: str) -> None:
                                  f"--actor.model_name_or_path {ctx.model.name}; use that model, or a new "
                                  "--ckpt.path") from None
     layout = meta.get("layout", {})
+    vpp = f" VPP{layout['vpp']}" if layout.get("vpp", 1) > 1 else ""
     ctx.say(f"resume: {tag_dir} (Megatron, step {meta.get('step')}, written at TP{layout.get('tp')} "
-            f"PP{layout.get('pp')} DP{layout.get('dp')}; layout-free: resumes in this layout)")
+            f"PP{layout.get('pp')}{vpp} DP{layout.get('dp')}; layout-free: resumes in this layout)")
 
 
 register_resume_format(ResumeFormat("megatron", _is_megatron, check_resume))

@@ -163,6 +163,7 @@ def megatron_config_from_args(args):
         temperature=args.rollout.temperature,
         seed=_seed_of(args),
         recompute=bool(getattr(args.actor, "gradient_checkpointing_enable", False)),
+        sequence_parallel=bool(getattr(m, "sequence_parallel", False)),
         timeout_minutes=int(getattr(m, "timeout_minutes", 60)),
     )
 

@@ -25,8 +25,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_world(out_dir: Path, world: int = WORLD, suite: str = "layouts", timeout: int = 900):
-    """Run ``mcore_worker.py`` on ``world`` gloo ranks; return the per-rank result dicts."""
+def launch_world(out_dir: Path, world: int = WORLD, suite: str = "layouts", timeout: int = 900,
+                 worker: str = "mcore_worker.py"):
+    """Run ``worker`` (default ``mcore_worker.py``) on ``world`` gloo ranks; return the per-rank result dicts."""
     out_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", MCORE_WORKER_SUITE=suite)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
@@ -36,7 +37,7 @@ def launch_world(out_dir: Path, world: int = WORLD, suite: str = "layouts", time
         log = open(out_dir / f"log{r}.txt", "w")
         procs.append(
             subprocess.Popen(
-                [sys.executable, str(HERE / "mcore_worker.py"), str(r), str(world), port, str(out_dir)],
+                [sys.executable, str(HERE / worker), str(r), str(world), port, str(out_dir)],
                 env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO),
             )
         )

@@ -895,19 +895,24 @@ def process_group_census() -> dict:
             "gloo_loop_threads": threads}
 
 
-if __name__ == "__main__":
+def run_and_report(entry, record):
+    """Run ``entry()``; write ``record`` (with ok / error) to OUT/rank{RANK}.json; leave the world."""
     try:
-        main()
-        results["ok"] = True
+        entry()
+        record["ok"] = True
     except Exception:
-        results["ok"] = False
-        results["error"] = traceback.format_exc()
+        record["ok"] = False
+        record["error"] = traceback.format_exc()
     tmp = os.path.join(OUT, f"rank{RANK}.json.tmp")
     with open(tmp, "w") as f:
-        json.dump(results, f, indent=1)
+        json.dump(record, f, indent=1)
     os.replace(tmp, os.path.join(OUT, f"rank{RANK}.json"))
-    if results["ok"]:
+    if record["ok"]:
         dist.barrier()
         dist.destroy_process_group()
     else:
         os._exit(1)
+
+
+if __name__ == "__main__":
+    run_and_report(main, results)

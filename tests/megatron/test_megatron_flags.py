@@ -96,15 +96,19 @@ def test_every_megatron_refusal_exits_2_naming_the_flag(tiny_dir, capsys, extra,
     assert needle in capsys.readouterr().err
 
 
-def test_virtual_pipeline_stages_are_refused(tmp_path, capsys):
-    """A layout that fits (4 layers = pp 2 x vpp 2) still stops at --megatron.vpp: not implemented."""
+def test_virtual_pipeline_stages_reach_the_megatron_config(tmp_path, capsys):
+    """4 layers = pp 2 x vpp 2 parses and reaches the actor config (tests/megatron/test_megatron_parallel.py
+    runs it); 4 layers do not split into pp 2 x vpp 4."""
+    from openrlhf_lpo.megatron.ray_actor import megatron_config_from_args
+
     four = build_tiny_model(tmp_path / "q3l4", arch="qwen3", hidden_size=64, num_layers=4, num_heads=4,
                             num_kv_heads=2, head_dim=16, intermediate_size=128)
+    a = _parse(_argv(four, "--backend", "megatron", "--megatron.pp", "2", "--megatron.vpp", "2"))
+    assert megatron_config_from_args(a).vpp == 2
     with pytest.raises(SystemExit) as e:
-        _parse(_argv(four, "--backend", "megatron", "--megatron.pp", "2", "--megatron.vpp", "2"))
+        _parse(_argv(four, "--backend", "megatron", "--megatron.pp", "2", "--megatron.vpp", "4"))
     assert e.value.code == 2
-    assert "--megatron.vpp 2: virtual pipeline stages are not supported yet (use 1)" in capsys.readouterr().err
-    assert _parse(_argv(four, "--backend", "megatron", "--megatron.pp", "2")).megatron.pp == 2  # vpp 1 is fine
+    assert "num_hidden_layers=4 is not divisible by --megatron.pp 2 x --megatron.vpp 4" in capsys.readouterr().err
 
 
 def test_unsupported_or_unreadable_models_are_refused(tmp_path, capsys):

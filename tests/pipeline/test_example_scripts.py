@@ -43,6 +43,8 @@ EXPECTED_TASK = {
     "train_math_qwen3_8b_async.sh": (256, 128, 4096, "Qwen/Qwen3-8B-Base"),
     "train_math_qwen3_8b_megatron.sh": (256, 128, 4096, None),
     "train_math_qwen3_14b_megatron.sh": (256, 128, 4096, None),
+    "train_math_qwen3_32b_megatron.sh": (256, 128, 4096, None),
+    "train_math_r1_distill_llama_70b_megatron.sh": (256, 128, 4096, None),
     "train_geometry_qwen2.5_vl_3b.sh": (128, 64, 1024, "Qwen/Qwen2.5-VL-3B-Instruct"),
 }
 # image recipes: OpenRLHF 0.11.2's VLM flags
@@ -50,11 +52,15 @@ EXPECTED_IMAGES = {"train_geometry_qwen2.5_vl_3b.sh"}
 EXPECTED_DEFAULT_MODEL = {
     "train_math_qwen3_8b_megatron.sh": "Qwen/Qwen3-8B-Base",
     "train_math_qwen3_14b_megatron.sh": "Qwen/Qwen3-14B-Base",
+    "train_math_qwen3_32b_megatron.sh": "Qwen/Qwen3-32B",
+    "train_math_r1_distill_llama_70b_megatron.sh": "deepseek-ai/DeepSeek-R1-Distill-Llama-70B",
 }
-# Megatron recipes: (tp, pp, actor GPUs); 8B fits one 8-GPU node, 14B two (docs/megatron.md)
+# Megatron recipes: (tp, pp, actor GPUs); 8B fits one 8-GPU node, 14B two, 32B four, 70B eight (docs/megatron.md)
 EXPECTED_MEGATRON = {
     "train_math_qwen3_8b_megatron.sh": (2, 1, 4),
     "train_math_qwen3_14b_megatron.sh": (4, 1, 8),
+    "train_math_qwen3_32b_megatron.sh": (8, 2, 16),
+    "train_math_r1_distill_llama_70b_megatron.sh": (8, 4, 32),
 }
 
 

@@ -1,0 +1,7 @@
+# MATH (7.5k problems), Qwen3-32B: the 8B recipe (batch 256 / mini-batch 128 prompts, 4096 response
+# tokens) with the 32B model; meant for the Megatron actor
+# (examples/scripts/train_math_qwen3_32b_megatron.sh). Qwen released no Qwen3-32B-Base: the default is
+# the post-trained Qwen3-32B (set MODEL to another checkpoint of the same shape).
+MODEL="${MODEL:-Qwen/Qwen3-32B}"
+source "$(dirname "${BASH_SOURCE[0]}")/math_qwen3-8b.sh"
+TASK_NAME=math_qwen3-32b

@@ -1,0 +1,181 @@
+"""Per-GPU memory of the Megatron actor at a recipe's shapes (the tables of docs/megatron.md).
+
+Static memory of the pipeline stage with the most parameters (``P_s``: its layers, plus the
+embedding on the first stage and the output layer on the last; vocab-parallel, so divided by TP
+like the layers; norms replicated):
+
+* bf16 weights ``2 P_s / tp``; fp32 gradient buffer ``4 P_s / tp`` (``grad_reduce_in_fp32``);
+* fp32 main params + Adam moments ``12 P_s / (tp * dp)`` with the distributed optimizer, ``12 P_s / tp``
+  without.
+
+Activations of one packed micro-batch of ``T`` tokens (``A`` of them action positions), bf16, per
+layer and token (``h`` hidden, ``q = heads * head_dim``, ``k = kv_heads * head_dim``, ``f`` FFN):
+
+* full recompute (``--actor.gradient_checkpointing_enable``): the layer input only, ``2 h`` bytes,
+  divided by ``tp`` under sequence parallelism; plus the working set of the one layer being
+  recomputed (its activations below, for one layer);
+* without recompute, what a layer keeps for backward with flash attention (no score matrix):
+  the norm/residual-side tensors ``4 h`` (two norm inputs, QKV and fc1 inputs; sharded by ``tp``
+  only under sequence parallelism: megatron keeps the SP shard and re-gathers in backward) and the
+  TP-sharded ``(2q + 2k + 3f) / tp`` (q, k, v, attention output, fc1 output gate+up, SwiGLU output),
+  times 2 bytes.
+
+Under 1F1B the first stage holds ``pp`` micro-batches in flight (``L/pp`` layers each), i.e. ``L``
+layers' worth. Logits: the packed row ``[T, V/tp]`` in bf16 and the ``[A, V/tp]`` action rows in fp32
+(the vocab-parallel cross-entropy input). ``python -m openrlhf_lpo.megatron.memory MODEL --tp 8
+--pp 2 --dp 1 --sp`` prints the table for a model folder or config.json (recompute on unless
+``--no-recompute``; ``examples/model_configs/`` holds the real models' configs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+GB = 1e9
+
+
+def _get(cfg, name, default=None):
+    if isinstance(cfg, dict):
+        return cfg.get(name, default)
+    return getattr(cfg, name, default)
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    tied: bool
+    qk_norm: bool
+    qkv_bias: bool
+
+    @classmethod
+    def of(cls, hf_config) -> "Shape":
+        heads = _get(hf_config, "num_attention_heads")
+        hidden = _get(hf_config, "hidden_size")
+        mt = _get(hf_config, "model_type")
+        return cls(hidden=hidden, layers=_get(hf_config, "num_hidden_layers"), heads=heads,
+                   kv_heads=_get(hf_config, "num_key_value_heads") or heads,
+                   head_dim=_get(hf_config, "head_dim") or hidden // heads, ffn=_get(hf_config, "intermediate_size"),
+                   vocab=_get(hf_config, "vocab_size"), tied=bool(_get(hf_config, "tie_word_embeddings", False)),
+                   qk_norm=mt == "qwen3", qkv_bias=mt == "qwen2")
+
+    @property
+    def q(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def k(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def layer_parameters(self) -> int:
+        attn = self.hidden * (self.q + 2 * self.k) + self.q * self.hidden
+        if self.qkv_bias:
+            attn += self.q + 2 * self.k
+        norms = 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
+        return attn + 3 * self.hidden * self.ffn + norms
+
+    @property
+    def parameters(self) -> int:
+        """Parameters of the HF model (the output layer counted once when tied)."""
+        embed = self.vocab * self.hidden
+        return self.layers * self.layer_parameters + embed * (1 if self.tied else 2) + self.hidden
+
+
+def stage_parameters(shape: Shape, pp: int, stage: int) -> int:
+    """Parameters a pipeline stage holds (a tied embedding has its own output copy on the last
+    stage when pp > 1)."""
+    n = shape.layers // pp * shape.layer_parameters
+    embed = shape.vocab * shape.hidden
+    if stage == 0:
+        n += embed
+    if stage == pp - 1:
+        n += shape.hidden  # final norm
+        if not shape.tied or pp > 1:
+            n += embed
+    return n
+
+
+def rank_parameters(shape: Shape, tp: int, pp: int, stage: int) -> int:
+    """Elements one TP rank of ``stage`` holds: everything sharded by TP except the norms (and
+    Qwen3's q/k norms), which are replicated."""
+    norms = shape.layers // pp * (2 * shape.hidden + (2 * shape.head_dim if shape.qk_norm else 0))
+    if stage == pp - 1:
+        norms += shape.hidden
+    return (stage_parameters(shape, pp, stage) - norms) // tp + norms
+
+
+def layer_activation_bytes_per_token(shape: Shape, tp: int, sequence_parallel: bool, recompute: bool) -> float:
+    """Bytes per token one layer keeps for the backward pass (bf16; see the module docstring)."""
+    side = shape.hidden / (tp if sequence_parallel else 1)
+    if recompute:
+        return 2 * side
+    return 2 * (4 * side + (2 * shape.q + 2 * shape.k + 3 * shape.ffn) / tp)
+
+
+def actor_memory(hf_config, tp: int, pp: int, dp: int, tokens: int, action_tokens: int,
+                 sequence_parallel: bool = False, recompute: bool = True,
+                 distributed_optimizer: bool = True) -> Dict[str, float]:
+    """Per-GPU memory (bytes) of the most loaded stage of the Megatron actor; keys in table order."""
+    shape = Shape.of(hf_config)
+    p = max(rank_parameters(shape, tp, pp, s) for s in range(pp))
+    out: Dict[str, float] = {"parameters": float(shape.parameters), "parameters per GPU": float(p)}
+    out["bf16 weights"] = 2.0 * p
+    out["fp32 gradient buffer"] = 4.0 * p
+    out["fp32 main params + Adam moments"] = 12.0 * p / (dp if distributed_optimizer else 1)
+    out["static total"] = out["bf16 weights"] + out["fp32 gradient buffer"] + out["fp32 main params + Adam moments"]
+    per_token = layer_activation_bytes_per_token(shape, tp, sequence_parallel, recompute)
+    out["activations kept for backward"] = per_token * tokens * shape.layers  # pp in flight x L/pp layers
+    if recompute:
+        out["one recomputed layer"] = layer_activation_bytes_per_token(shape, tp, sequence_parallel, False) * tokens
+    out["logits, bf16 [T, V/tp]"] = 2.0 * tokens * shape.vocab / tp
+    out["action rows, fp32 [A, V/tp]"] = 4.0 * action_tokens * shape.vocab / tp
+    out["total"] = sum(v for k, v in out.items() if k not in ("parameters", "parameters per GPU", "static total"))
+    return out
+
+
+def format_table(rows: Dict[str, float]) -> List[str]:
+    lines = []
+    for k, v in rows.items():
+        if k.startswith("parameters"):
+            lines.append(f"{k}: {v / 1e9:.2f}B")
+        else:
+            lines.append(f"{k}: {v / GB:.2f} GB")
+    return lines
+
+
+def _load_config(path: str) -> dict:
+    f = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    with open(f) as fh:
+        return json.load(fh)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model", help="model folder with a config.json, or the config.json")
+    ap.add_argument("--tp", type=int, required=True)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--dp", type=int, default=1)
+    ap.add_argument("--tokens", type=int, default=5120, help="tokens of one packed micro-batch")
+    ap.add_argument("--actions", type=int, default=4096, help="action (response) tokens of the micro-batch")
+    ap.add_argument("--sp", action="store_true", help="--megatron.sequence_parallel")
+    ap.add_argument("--no-recompute", action="store_true", help="without --actor.gradient_checkpointing_enable")
+    ap.add_argument("--no-distributed-optimizer", action="store_true")
+    a = ap.parse_args(argv)
+    rows = actor_memory(_load_config(a.model), a.tp, a.pp, a.dp, a.tokens, a.actions, a.sp, not a.no_recompute,
+                        not a.no_distributed_optimizer)
+    print("\n".join(format_table(rows)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
