@@ -551,8 +551,9 @@ def make_replay_experiences(args, strategy, actor, fresh, old_groups, seed=1, st
     maker = LPOExperienceMaker(None, None, None, None, FixedKLController(0.0), strategy, _Tok())
     maker.replay = ReplayBuffer(args.lpo.replay_batches, int(args.train.seed))
     half = len(old_groups) // 2
-    maker.replay.add(old_groups[:half], step=1)
-    maker.replay.add(old_groups[half:], step=2)
+    for batch, born in ((old_groups[:half], 1), (old_groups[half:], 2)):
+        if batch:
+            maker.replay.add(batch, step=born)
     maker.replay_step = step
     probe = copy.deepcopy(maker.replay)  # the same seeded draw, to name the drawn groups
     want = int(args.lpo.replay_ratio * (len(fresh) // args.rollout.n_samples_per_prompt))
@@ -584,7 +585,7 @@ def make_replay_experiences(args, strategy, actor, fresh, old_groups, seed=1, st
         e.info["kl"] = torch.zeros(len(e.sequences))
     exps = maker.after_replay_forward(samples_list, snapshot)
     exps = maker.compute_advantages_and_returns(exps)
-    return exps, {"drawn": drawn, "pi_t": pi_t, "status": dict(maker.last_replay_stats)}
+    return exps, {"drawn": drawn, "pi_t": pi_t, "status": dict(maker.last_replay_stats), "buffer": maker.replay}
 
 
 def replay_check(experiences, behaviour, info, limit, K, dp, n_fresh):
