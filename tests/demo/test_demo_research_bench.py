@@ -1,0 +1,87 @@
+"""benchmarks/toy_sample_efficiency.py --suite research: the grid, the contrasts' paired differences against a
+direct computation, and the four figures, on real in-process runs of a micro model."""
+
+import importlib.util
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+from openrlhf_lpo.demo.loop import RLConfig, run_inprocess
+from openrlhf_lpo.demo.methods import METHODS
+from openrlhf_lpo.demo.stats import paired_ci
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "toy_sample_efficiency.py"
+K = 8
+METHODS_RUN = ("grpo", "lpo-fwd", "lpo-rev", "lpo-tv", "lpo-fwd2rev-step", "lpo-fwd2rev-entropy", "lpo-fwd-tau0.5",
+               "lpo-fwd-tau2", "lpo-fwd-replay")
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("toy_sample_efficiency", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_research_grid_and_contrasts():
+    bench = _bench()
+    grid = bench.research_grid([4, 8])
+    assert len(grid) == len(set(grid)) == 2 * 8 + 5
+    assert {m for m, k in grid if k == 4} == set(bench.RESEARCH_FAMILY)
+    assert ("lpo-fwd-replay", 8) in grid and ("lpo-fwd-replay", 4) not in grid
+    contrasts = bench.research_contrasts([4, 8])
+    assert ("lpo-alpha2", "lpo-fwd", 4) in contrasts and ("lpo-fwd-replay", "grpo", 8) in contrasts
+    assert ("lpo-fwd2rev-entropy", "lpo-rev", 8) in contrasts and ("lpo-fwd-tau2", "lpo-fwd", 8) in contrasts
+    assert all((m, k) in grid and (ref, k) in grid for m, ref, k in contrasts)
+    assert bench.research_grid([4]) == [(m, 4) for m in bench.RESEARCH_FAMILY]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from openrlhf_lpo.tiny import build_tiny_model
+
+    model = build_tiny_model(tmp_path_factory.mktemp("m") / "micro", seed=3, hidden_size=32, num_layers=1,
+                             num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64)
+    out = {}
+    for seed in (0, 1):
+        for m in METHODS_RUN:
+            cfg = RLConfig(task="tripsum", k=K, prompts_per_step=2, steps=2, seed=seed, threads=1, eval_every=1,
+                           eval_prompts=4, eval_samples=4, mini_batches=2)
+            rows = []
+            run_inprocess(METHODS[m], cfg, str(model), on_row=rows.append, progress=False)
+            out[(m, K, seed)] = rows
+    return out
+
+
+def test_contrasts_match_a_direct_computation_and_the_figures_are_written(runs, tmp_path):
+    bench = _bench()
+    seeds = [0, 1]
+    assert bench.check_pairing(runs) == 2
+    contrasts = [c for c in bench.research_contrasts([K]) if c[0] in METHODS_RUN and c[1] in METHODS_RUN]
+    diffs = bench.contrast_differences(runs, contrasts, seeds, window=2)
+    assert set(diffs) == {f"{m}|{ref}|{K}" for m, ref, _ in contrasts}
+    for m, ref, _ in contrasts:
+        for key in ("heldout_pass@1", "reward_final", "entropy_final"):
+            def final(name, s):
+                rows = runs[(name, K, s)]
+                if key == "heldout_pass@1":
+                    return [r[key] for r in rows if key in r][-1]
+                train = [r for r in rows if r["step"] >= 1][-2:]
+                return sum(r[{"reward_final": "reward", "entropy_final": "entropy"}[key]] for r in train) / len(train)
+
+            want = paired_ci([final(m, s) for s in seeds], [final(ref, s) for s in seeds])
+            got = diffs[f"{m}|{ref}|{K}"][key]
+            assert got["mean"] == pytest.approx(want.mean, abs=1e-12) and got["n"] == 2
+            assert math.isnan(want.half) or got["ci95"] == pytest.approx(want.half, abs=1e-12)
+    text = bench.format_contrasts(diffs)
+    assert re.search(r"lpo-fwd-replay +grpo +8 ", text) and text.count("\n") == len(diffs) + 2
+    agg = bench.aggregate(runs, list(METHODS_RUN), [K], seeds, window=2)
+    paths = bench.plot_research(agg, runs, [K], seeds, tmp_path, "test")
+    assert [p.name for p in paths] == ["divergences.png", "schedules.png", "tau_scale.png", "replay.png"]
+    for p in paths:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
+    # the replay curve's x axis is the fresh rollouts generated: 0, 16, 32
+    xs, ys, _ = bench._curves(runs, "lpo-fwd-replay", K, seeds, "heldout_pass@1", x_key="fresh_rollouts")
+    assert xs == [0.0, 16.0, 32.0] and len(ys) == 3
