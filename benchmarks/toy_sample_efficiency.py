@@ -362,6 +362,33 @@ def _curves(runs: Dict[Job, List[Dict]], method: str, k: int, seeds, key: str, x
     return xs, [c.mean for c in cis], [0.0 if math.isnan(c.half) else c.half for c in cis]
 
 
+def _cell_points(agg: Dict, methods_x, k: int, key: str):
+    """x, mean and 95% half-width of ``key`` for each (method, x) with data at K = k."""
+    xs, ys, es = [], [], []
+    for m, x in methods_x:
+        v = agg["cells"].get(f"{m}|{k}", {}).get(key)
+        if v and v["n"]:
+            xs.append(x)
+            ys.append(v["mean"])
+            es.append(0.0 if math.isnan(v["ci95"]) else v["ci95"])
+    return xs, ys, es
+
+
+def _band(ax, xs, ys, es, color, label, marker="o"):
+    """A mean curve with its 95% band."""
+    ax.plot(xs, ys, color=color, marker=marker, markersize=3, label=label)
+    ax.fill_between(xs, [y - e for y, e in zip(ys, es)], [y + e for y, e in zip(ys, es)], color=color, alpha=0.15)
+
+
+def _style(ax, title: str, legend: bool, xlabel: Optional[str] = None):
+    if xlabel:
+        ax.set_xlabel(xlabel)
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    if legend:
+        ax.legend(fontsize=7)
+
+
 def _save(fig, out_png: Path) -> Path:
     import matplotlib.pyplot as plt
 
@@ -393,20 +420,12 @@ def plot_research(agg: Dict, runs: Dict[Job, List[Dict]], ks: Sequence[int], see
     for col, (key, label) in enumerate(keys):
         ax = axes[0][col]
         for j, k in enumerate(ks):
-            xs, ys, es = [], [], []
-            for i, m in enumerate(RESEARCH_FAMILY):
-                v = agg["cells"].get(f"{m}|{k}", {}).get(key)
-                if v and v["n"]:
-                    xs.append(i + (j - (len(ks) - 1) / 2) * 0.18)
-                    ys.append(v["mean"])
-                    es.append(0.0 if math.isnan(v["ci95"]) else v["ci95"])
+            xs, ys, es = _cell_points(agg, [(m, i + (j - (len(ks) - 1) / 2) * 0.18) for i, m in
+                                            enumerate(RESEARCH_FAMILY)], k, key)
             ax.errorbar(xs, ys, yerr=es, fmt="o", capsize=3, label=f"K={k}")
         ax.set_xticks(range(len(RESEARCH_FAMILY)))
         ax.set_xticklabels([m.replace("lpo-", "") for m in RESEARCH_FAMILY], rotation=60, fontsize=8)
-        ax.set_title(label, fontsize=9)
-        ax.grid(alpha=0.3)
-        if col == 0:
-            ax.legend(fontsize=8)
+        _style(ax, label, col == 0)
     fig.suptitle(f"divergence family at step end ({title})", fontsize=10)
     paths.append(_save(fig, out_dir / "divergences.png"))
     k8 = RESEARCH_K_ONLY
@@ -421,16 +440,9 @@ def plot_research(agg: Dict, runs: Dict[Job, List[Dict]], ks: Sequence[int], see
         for m in ("lpo-fwd", "lpo-rev") + RESEARCH_SCHEDULES:
             xs, ys, es = _curves(runs, m, k8, seeds, key)
             if xs:
-                ax.plot(xs, ys, color=METHODS[m].color, label=m, marker="o" if key.startswith("heldout") else None,
-                        markersize=3)
-                ax.fill_between(xs, [y - e for y, e in zip(ys, es)], [y + e for y, e in zip(ys, es)],
-                                color=METHODS[m].color, alpha=0.15)
+                _band(ax, xs, ys, es, METHODS[m].color, m, "o" if key.startswith("heldout") else None)
         ax.axvline(20, color="grey", linestyle=":", linewidth=1)
-        ax.set_xlabel("RL step")
-        ax.set_title(label, fontsize=9)
-        ax.grid(alpha=0.3)
-        if col == 0:
-            ax.legend(fontsize=7)
+        _style(ax, label, col == 0, "RL step")
     fig.suptitle(f"forward -> reverse KL by step (@20, dotted) and by entropy, K={k8} ({title})", fontsize=10)
     paths.append(_save(fig, out_dir / "schedules.png"))
     # 3. tau scale
@@ -438,13 +450,7 @@ def plot_research(agg: Dict, runs: Dict[Job, List[Dict]], ks: Sequence[int], see
     scales = (("lpo-fwd-tau0.5", 0.5), ("lpo-fwd", 1.0), ("lpo-fwd-tau2", 2.0))
     for col, (key, label) in enumerate(keys):
         ax = axes[0][col]
-        xs, ys, es = [], [], []
-        for m, x in scales:
-            v = agg["cells"].get(f"{m}|{k8}", {}).get(key)
-            if v and v["n"]:
-                xs.append(x)
-                ys.append(v["mean"])
-                es.append(0.0 if math.isnan(v["ci95"]) else v["ci95"])
+        xs, ys, es = _cell_points(agg, scales, k8, key)
         ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, color="C0", label="LPO-fwd")
         g = agg["cells"].get(f"grpo|{k8}", {}).get(key)
         if g and g["n"]:
@@ -452,11 +458,7 @@ def plot_research(agg: Dict, runs: Dict[Job, List[Dict]], ks: Sequence[int], see
         ax.set_xscale("log", base=2)
         ax.set_xticks([0.5, 1, 2])
         ax.set_xticklabels(["0.5", "1", "2"])
-        ax.set_xlabel("tau scale (x group std)")
-        ax.set_title(label, fontsize=9)
-        ax.grid(alpha=0.3)
-        if col == 0:
-            ax.legend(fontsize=7)
+        _style(ax, label, col == 0, "tau scale (x group std)")
     fig.suptitle(f"--lpo.temperature_scale, K={k8} ({title})", fontsize=10)
     paths.append(_save(fig, out_dir / "tau_scale.png"))
     # 4. replay against the fresh rollouts generated
@@ -468,14 +470,8 @@ def plot_research(agg: Dict, runs: Dict[Job, List[Dict]], ks: Sequence[int], see
         for m in ("lpo-fwd", "lpo-fwd-replay", "grpo"):
             xs, ys, es = _curves(runs, m, k8, seeds, key, x_key="fresh_rollouts")
             if xs:
-                ax.plot(xs, ys, color=METHODS[m].color, marker="o", markersize=3, label=m)
-                ax.fill_between(xs, [y - e for y, e in zip(ys, es)], [y + e for y, e in zip(ys, es)],
-                                color=METHODS[m].color, alpha=0.15)
-        ax.set_xlabel("fresh rollouts generated")
-        ax.set_title(label, fontsize=9)
-        ax.grid(alpha=0.3)
-        if col == 0:
-            ax.legend(fontsize=7)
+                _band(ax, xs, ys, es, METHODS[m].color, m)
+        _style(ax, label, col == 0, "fresh rollouts generated")
     fig.suptitle(f"listwise replay (4 batches, 1 replayed group per fresh group), K={k8} ({title})", fontsize=10)
     paths.append(_save(fig, out_dir / "replay.png"))
     return paths

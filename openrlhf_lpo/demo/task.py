@@ -154,11 +154,16 @@ _PAIRSUM_LABEL = re.compile(r"pairsum:(\d{5}):(\d{1,2})")
 _PAIRSUM_ANSWER = re.compile(r"(\d)\+(\d)")
 
 
-def _pairsum_parse(label: str) -> Tuple[str, int]:
-    m = _PAIRSUM_LABEL.fullmatch(str(label).strip())
+def _digits_label(label: str, task: str, pattern, n: int) -> Tuple[str, int]:
+    """``(digits, target)`` of a ``<task>:<n digits>:<target>`` label."""
+    m = pattern.fullmatch(str(label).strip())
     if not m:
-        raise ValueError(f"not a pairsum label: {label!r} (expected 'pairsum:<5 digits>:<target>')")
+        raise ValueError(f"not a {task} label: {label!r} (expected '{task}:<{n} digits>:<target>')")
     return m.group(1), int(m.group(2))
+
+
+def _pairsum_parse(label: str) -> Tuple[str, int]:
+    return _digits_label(label, "pairsum", _PAIRSUM_LABEL, PAIRSUM_DIGITS)
 
 
 def pairsum_pairs(digits: str, target: int) -> List[Tuple[int, int]]:
@@ -215,10 +220,7 @@ _TRIPSUM_ANSWER = re.compile(r"(\d)\+(\d)\+(\d)")
 
 
 def _tripsum_parse(label: str) -> Tuple[str, int]:
-    m = _TRIPSUM_LABEL.fullmatch(str(label).strip())
-    if not m:
-        raise ValueError(f"not a tripsum label: {label!r} (expected 'tripsum:<6 digits>:<target>')")
-    return m.group(1), int(m.group(2))
+    return _digits_label(label, "tripsum", _TRIPSUM_LABEL, TRIPSUM_DIGITS)
 
 
 def tripsum_triples(digits: str, target: int) -> List[Tuple[int, int, int]]:

@@ -13,10 +13,7 @@ from openrlhf_lpo import listwise as lw
 # ------------------------------------------------------------------ float64 reference (numpy)
 
 
-def ref_softmax(x):
-    z = x - x.max(axis=-1, keepdims=True)
-    e = np.exp(z)
-    return e / e.sum(axis=-1, keepdims=True)
+from simplex_reference import finite_differences, softmax as ref_softmax  # noqa: E402
 
 
 def ref_temperature(r, mode):
@@ -62,12 +59,7 @@ def ref_divergence(s, w, name):
 
 def ref_coefficients(s, w, name, h=1e-6):
     """Central finite differences of the reference divergence (float64)."""
-    out = np.zeros_like(s)
-    for k in range(s.shape[1]):
-        e = np.zeros_like(s)
-        e[:, k] = h
-        out[:, k] = (ref_divergence(s + e, w, name) - ref_divergence(s - e, w, name)) / (2 * h)
-    return out
+    return finite_differences(lambda x: ref_divergence(x, w, name), s, h)
 
 
 # ------------------------------------------------------------------ strategies

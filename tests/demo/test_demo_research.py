@@ -55,17 +55,9 @@ def test_tripsum_checker_against_brute_force():
             assert score(c + "<|im_end|>", label) == float(c in good)
 
 
-def test_tripsum_heldout_split_is_disjoint_by_digit_set():
-    task = get_task("tripsum")
-    canon = lambda q: ("".join(sorted(q.split(":")[0].split(" "))), q.split(":")[1])  # noqa: E731
-    train = {canon(q) for q, _ in task.problems(2000, seed=1, split="train")}
-    held = {canon(q) for q, _ in task.problems(400, seed=2, split="heldout")}
-    assert train and held and not (train & held)
-    _, lab = task.problems(1, seed=3)[0]
-    digits, target = lab.split(":")[1:]
-    assert task.split_of(f"tripsum:{digits[::-1]}:{target}") == task.split_of(lab)
+def test_tripsum_rejects_labels_of_another_shape():
     with pytest.raises(ValueError, match="tripsum label"):
-        task.is_correct("1+2+3", "tripsum:123:6")
+        get_task("tripsum").is_correct("1+2+3", "tripsum:123:6")
 
 
 # ----------------------------------------------------------------------------- methods

@@ -8,8 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from openrlhf_lpo.demo.loop import RLConfig, run_inprocess
-from openrlhf_lpo.demo.methods import METHODS
 from openrlhf_lpo.demo.stats import paired_ci
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "toy_sample_efficiency.py"
@@ -39,20 +37,11 @@ def test_research_grid_and_contrasts():
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    from openrlhf_lpo.tiny import build_tiny_model
+def runs(micro_tiny_model):
+    from conftest import inprocess_runs
 
-    model = build_tiny_model(tmp_path_factory.mktemp("m") / "micro", seed=3, hidden_size=32, num_layers=1,
-                             num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64)
-    out = {}
-    for seed in (0, 1):
-        for m in METHODS_RUN:
-            cfg = RLConfig(task="tripsum", k=K, prompts_per_step=2, steps=2, seed=seed, threads=1, eval_every=1,
-                           eval_prompts=4, eval_samples=4, mini_batches=2)
-            rows = []
-            run_inprocess(METHODS[m], cfg, str(model), on_row=rows.append, progress=False)
-            out[(m, K, seed)] = rows
-    return out
+    return inprocess_runs(micro_tiny_model, METHODS_RUN, K, (0, 1), task="tripsum", prompts_per_step=2, steps=2,
+                          eval_every=1, eval_prompts=4, eval_samples=4, mini_batches=2)
 
 
 def test_contrasts_match_a_direct_computation_and_the_figures_are_written(runs, tmp_path):
