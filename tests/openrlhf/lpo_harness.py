@@ -205,7 +205,7 @@ def check_matrix_row(row, rel_tol):
         assert rp["trained"] and rp["stale"], f"the case must train replayed groups and drop stale ones: {rp}"
         assert rp["trained"] == rp["expected_trained"], rp
         assert rp["logged"] == {"lpo/replay_groups": len(rp["trained"]), "lpo/replay_dropped_stale": len(rp["stale"]),
-                                "lpo/replay_drawn": len(rp["worst"])}, rp
+                                "lpo/replay_drawn": len(rp["worst"]), "lpo/replay_dropped_layout": rp["trim"]}, rp
 
 
 class _Tok:
@@ -475,7 +475,7 @@ def matrix_case_args(model_dir, K, G, micro, dp, packing, div, correction=None, 
 
 def run_matrix_case(model_dir, state, actor, samples, *, K, G, micro, dp, rank, packing, div, correction=None,
                     temperature="std", behaviour_noise=0.0, seed=1, budget=None, whole=None, composed=False,
-                    replay=False, temperature_scale=1.0):
+                    replay=False, temperature_scale=1.0, replay_keep=None):
     extra = ["--algo.kl.use_loss", "--algo.kl.init_coef", "0.1", "--algo.kl.estimator", "k3",
              "--actor.entropy_coef", "0.01"] if composed else []
     if temperature_scale != 1.0:
@@ -484,13 +484,16 @@ def run_matrix_case(model_dir, state, actor, samples, *, K, G, micro, dp, rank, 
     if replay:
         actor.model.load_state_dict(state)
         old_groups, behaviour, limit = replay_buffer_groups(actor, G + 2, K, seed=seed + 100)
+        if replay_keep is not None:  # a threshold that lets exactly replay_keep of the drawn groups pass
+            seed_args = matrix_case_args(model_dir, K, G, micro, dp, packing, div, correction, temperature)
+            limit = keep_threshold(actor, old_groups, behaviour, int(seed_args.train.seed), G, replay_keep)
         extra += ["--lpo.replay_batches", "2", "--lpo.replay_ratio", "1", "--lpo.replay_max_abs_s", repr(limit)]
     args = matrix_case_args(model_dir, K, G, micro, dp, packing, div, correction, temperature, budget=budget,
                             extra=extra)
     actor.model.load_state_dict(state)
     if replay:
-        exps, replay_info = make_replay_experiences(args, CPUStrategy(args), actor, samples, old_groups, seed=seed,
-                                                    behaviour_noise=behaviour_noise)
+        exps, replay_info = make_replay_experiences(args, CPUStrategy(args), actor, samples, old_groups, behaviour,
+                                                    seed=seed, behaviour_noise=behaviour_noise)
     else:
         exps = make_experiences(args, CPUStrategy(args), actor, samples, seed=seed, behaviour_noise=behaviour_noise,
                                 reference_noise=0.2 if composed else 0.0)
@@ -506,7 +509,7 @@ def run_matrix_case(model_dir, state, actor, samples, *, K, G, micro, dp, rank, 
                                          kl_coef=0.1 if composed else 0.0, entropy_coef=0.01 if composed else 0.0,
                                          behaviour=behaviour, temperature_scale=temperature_scale)
         if replay:
-            result["replay"] = replay_check(exps, behaviour, replay_info, limit, K, dp, G)
+            result["replay"] = replay_check(exps, replay_info, limit, dp, G)
     return result
 
 
@@ -517,56 +520,71 @@ def replay_buffer_groups(actor, n_groups, K, seed):
     """``n_groups`` old prompt groups (prompts 'old-prompt-i') whose behaviour log-probs are planted: the
     actor's own plus per-group Gaussian noise of growing scale (0.02 ... 0.6), so some groups are stale.
     Returns (groups of single-sample Experiences with rollout_log_probs, {sample_key: planted log-probs},
-    a staleness threshold between the groups' max |s_t| values)."""
+    a staleness threshold between the groups' max |s_t| values: their median)."""
     import numpy as np
 
     samples = make_rollout_samples(n_groups, K, seed=seed, vocab=(4, 90))
     g = torch.Generator().manual_seed(seed)
     scales = np.linspace(0.02, 0.6, n_groups)
-    groups, planted, worst = [], {}, []
+    groups, planted = [], {}
     for gi in range(n_groups):
         members = samples[gi * K:(gi + 1) * K]
-        deltas = []
         for m in members:
             m.prompts = [f"old-prompt-{gi}"]
             with torch.no_grad():
                 lp = actor(m.sequences, m.action_mask, attention_mask=m.attention_mask).double()
-            mu = (lp + scales[gi] * torch.randn(lp.shape, generator=g, dtype=lp.dtype)) * m.action_mask
-            m.rollout_log_probs = mu.float()
-            planted[sample_key(m)] = mu.float().double()[0].numpy()
-            mask = m.action_mask[0].double().numpy()
-            deltas.append(abs(float(((lp[0].numpy() - mu.float().double()[0].numpy()) * mask).sum() / mask.sum())))
+            mu = ((lp + scales[gi] * torch.randn(lp.shape, generator=g, dtype=lp.dtype)) * m.action_mask).float()
+            m.rollout_log_probs = mu
+            planted[sample_key(m)] = mu.double()[0].numpy()
         groups.append(members)
-        worst.append(max(deltas))
-    limit = float(np.median(worst))
+    limit = float(np.median([_max_abs_s(actor, grp, planted) for grp in groups]))
     return groups, planted, limit
 
 
-def make_replay_experiences(args, strategy, actor, fresh, old_groups, seed=1, step=3, behaviour_noise=0.0):
-    """LPOExperienceMaker.make_experience_batch's replay path (replay_samples -> the old-log-prob forward,
-    done here with ``actor`` -> after_replay_forward -> advantages) with a buffer holding ``old_groups``
-    as two earlier rollout batches. Returns (experiences, {"drawn": keys of the drawn groups, "status"})."""
+def _buffer(old_groups, seed):
+    """The replay buffer make_replay_experiences starts from: the old groups as two earlier batches."""
     from openrlhf_lpo.openrlhf.replay import ReplayBuffer
 
-    maker = LPOExperienceMaker(None, None, None, None, FixedKLController(0.0), strategy, _Tok())
-    maker.replay = ReplayBuffer(args.lpo.replay_batches, int(args.train.seed))
+    buf = ReplayBuffer(2, seed)
     half = len(old_groups) // 2
     for batch, born in ((old_groups[:half], 1), (old_groups[half:], 2)):
         if batch:
-            maker.replay.add(batch, step=born)
+            buf.add(batch, step=born)
+    return buf
+
+
+def _max_abs_s(actor, group, behaviour):
+    """max_k |mean_t (log pi_t - log mu)| of a group: pi_t from ``actor`` (one sample at a time), mu planted."""
+    worst = 0.0
+    for m in group:
+        with torch.no_grad():
+            lp = actor(m.sequences, m.action_mask, attention_mask=m.attention_mask).double()[0].numpy()
+        mask = m.action_mask[0].double().numpy()
+        mu = behaviour[sample_key(m)][:mask.shape[0]]
+        worst = max(worst, abs(float(((lp - mu) * mask).sum() / max(mask.sum(), 1))))
+    return worst
+
+
+def keep_threshold(actor, old_groups, behaviour, seed, n_draw, keep, step=3):
+    """A staleness threshold between the ``keep``-th and the next smallest max |s_t| of the groups the
+    seeded draw of make_replay_experiences picks."""
+    worst = sorted(_max_abs_s(actor, g, behaviour) for g in _buffer(old_groups, seed).draw(n_draw, step))
+    return (worst[keep - 1] + worst[keep]) / 2
+
+
+def make_replay_experiences(args, strategy, actor, fresh, old_groups, behaviour=None, seed=1, step=3,
+                            behaviour_noise=0.0):
+    """LPOExperienceMaker.make_experience_batch's replay path (replay_samples -> the old-log-prob forward,
+    done here with ``actor`` -> after_replay_forward -> advantages) with a buffer holding ``old_groups``
+    as two earlier rollout batches. Returns (experiences, info): the drawn groups' keys and, from the
+    planted ``behaviour`` and the actor's own per-sample forward at the start parameters, their max |s_t|."""
+    maker = LPOExperienceMaker(None, None, None, None, FixedKLController(0.0), strategy, _Tok())
+    maker.replay = _buffer(old_groups, int(args.train.seed))
     maker.replay_step = step
-    probe = copy.deepcopy(maker.replay)  # the same seeded draw, to name the drawn groups
     want = int(args.lpo.replay_ratio * (len(fresh) // args.rollout.n_samples_per_prompt))
-    drawn_groups = probe.draw(want, step)
+    drawn_groups = copy.deepcopy(maker.replay).draw(want, step)  # the same seeded draw, to name the groups
     drawn = [tuple(sample_key(m) for m in grp) for grp in drawn_groups]
-    pi_t = []  # each drawn sample's log-probs at the start parameters, one sample at a time
-    for grp in drawn_groups:
-        rows = []
-        for m in grp:
-            with torch.no_grad():
-                lp = actor(m.sequences, m.action_mask, attention_mask=m.attention_mask).double()[0].numpy()
-            rows.append((lp, m.action_mask[0].double().numpy()))
-        pi_t.append(rows)
+    worst = [_max_abs_s(actor, grp, behaviour) for grp in drawn_groups] if behaviour else []
     fresh = copy.deepcopy(fresh)
     if behaviour_noise:  # the engine's log-probs of the fresh rollout (the correction is on)
         g = torch.Generator().manual_seed(seed)
@@ -585,25 +603,15 @@ def make_replay_experiences(args, strategy, actor, fresh, old_groups, seed=1, st
         e.info["kl"] = torch.zeros(len(e.sequences))
     exps = maker.after_replay_forward(samples_list, snapshot)
     exps = maker.compute_advantages_and_returns(exps)
-    return exps, {"drawn": drawn, "pi_t": pi_t, "status": dict(maker.last_replay_stats), "buffer": maker.replay}
+    return exps, {"drawn": drawn, "worst": worst, "status": dict(maker.last_replay_stats), "buffer": maker.replay}
 
 
-def replay_check(experiences, behaviour, info, limit, K, dp, n_fresh):
-    """The drawn groups the staleness filter must keep, computed here: max |s_t| of each from its planted
-    behaviour log-probs and the harness's own forward at the start parameters (numpy float64); kept in
-    draw order, the last ones trimmed until fresh + kept divides over the ranks. Against what trained."""
-    import numpy as np
-
+def replay_check(experiences, info, limit, dp, n_fresh):
+    """The drawn groups the staleness filter must keep (max |s_t| <= limit, computed by the harness), in
+    draw order with the last ones trimmed until fresh + kept divides over the ranks, against what trained."""
     trained_keys = {sample_key(it) for it in flat_items(experiences)}
-    worst = []
-    for keys, group in zip(info["drawn"], info["pi_t"]):
-        w = 0.0
-        for k, (lp, mask) in zip(keys, group):
-            mu = behaviour[k][:mask.shape[0]]
-            w = max(w, abs(float(((lp - mu) * mask).sum() / max(mask.sum(), 1))))
-        worst.append(w)
-    kept = [g for g, w in enumerate(worst) if w <= limit]
-    kept = kept[:len(kept) - (n_fresh + len(kept)) % dp]
+    passing = [g for g, w in enumerate(info["worst"]) if w <= limit]
+    trim = (n_fresh + len(passing)) % dp
     trained = []
     for g, keys in enumerate(info["drawn"]):
         inside = [k in trained_keys for k in keys]
@@ -611,9 +619,10 @@ def replay_check(experiences, behaviour, info, limit, K, dp, n_fresh):
         if all(inside):
             trained.append(g)
     st = info["status"]
-    return {"trained": trained, "expected_trained": kept, "stale": [g for g, w in enumerate(worst) if w > limit],
-            "worst": worst, "limit": limit,
-            "logged": {k: int(st[k]) for k in ("lpo/replay_groups", "lpo/replay_dropped_stale", "lpo/replay_drawn")}}
+    return {"trained": trained, "expected_trained": passing[:len(passing) - trim], "trim": trim,
+            "stale": [g for g, w in enumerate(info["worst"]) if w > limit], "worst": info["worst"], "limit": limit,
+            "logged": {k: int(st[k]) for k in ("lpo/replay_groups", "lpo/replay_dropped_stale", "lpo/replay_drawn",
+                                               "lpo/replay_dropped_layout")}}
 
 
 def matrix_cases(K, dp):
@@ -652,6 +661,9 @@ def matrix_cases(K, dp):
     cases += [(f"replay,micro={m},div={d}" + (f",offpolicy={c[0]}" if c else ""),
                dict(packing=False, micro=m, div=d, replay=True, correction=c, behaviour_noise=0.3 if c else 0.0))
               for d, m, c in replay]
+    if dp == 2:  # 3 of the 4 drawn groups pass the filter: one more is dropped so both ranks hold 3 groups
+        cases.append((f"replay,keep=3,micro={K // 2},div=fwd",
+                      dict(packing=False, micro=K // 2, div="fwd", replay=True, replay_keep=3)))
     return cases
 
 
