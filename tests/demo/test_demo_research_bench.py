@@ -74,3 +74,14 @@ def test_contrasts_match_a_direct_computation_and_the_figures_are_written(runs, 
     # the replay curve's x axis is the fresh rollouts generated: 0, 16, 32
     xs, ys, _ = bench._curves(runs, "lpo-fwd-replay", K, seeds, "heldout_pass@1", x_key="fresh_rollouts")
     assert xs == [0.0, 16.0, 32.0] and len(ys) == 3
+
+
+def test_auto_switch_entropy_is_halfway_along_fwd_entropy_drop():
+    bench = _bench()
+    runs = {0: [{"step": 0}] + [{"step": t, "reward": 0.1, "entropy": e} for t, e in enumerate([0.9, 0.8, 0.7, 0.6, 0.5,
+                                                                                             0.4, 0.3], 1)],
+            1: [{"step": t, "reward": 0.1, "entropy": e} for t, e in enumerate([1.0, 1.0, 1.0, 0.2, 0.2, 0.2], 1)]}
+    # heads: mean(0.9, 0.8, 0.7) = 0.8 and 1.0 -> 0.9; tails: mean(0.5, 0.4, 0.3) = 0.4 and 0.2 -> 0.3
+    assert bench.auto_switch_entropy(runs) == pytest.approx(0.6)
+    with pytest.raises(ValueError, match="need >= 6"):
+        bench.auto_switch_entropy({0: runs[1][:4]})
