@@ -501,6 +501,19 @@ def plot_research(agg: Dict, runs: Dict[Job, List[Dict]], ks: Sequence[int], see
 # ----------------------------------------------------------------------------- running
 
 
+def job_config(base, k: int, seed: int) -> Dict:
+    """A run's RLConfig as JSON has it (tuples become lists), as its done-file stores it."""
+    return json.loads(json.dumps(dataclasses.asdict(dataclasses.replace(base, k=k, seed=seed))))
+
+
+def finished(done_path: Path, cfg: Dict, switch_entropy: Optional[float]) -> Optional[Dict]:
+    """The done-file of a finished run with these settings (kept on a rerun), else None."""
+    if not done_path.exists():
+        return None
+    prev = json.loads(done_path.read_text())
+    return prev if prev.get("config") == cfg and prev.get("switch_entropy") == switch_entropy else None
+
+
 def _run_job(spec: Dict) -> Dict:
     """One (method, K, seed) run in a worker process; writes its metrics and a done-file."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -519,6 +532,8 @@ def _run_job(spec: Dict) -> Dict:
     if spec.get("switch_entropy") is not None:
         method = dataclasses.replace(method, switch_entropy=spec["switch_entropy"])
     t0, c0 = time.time(), time.process_time()
+    # a rerun rewrites the metrics: its old done-file goes first, so a stop halfway leaves no done-file
+    (out / "metrics" / f"{spec['name']}.done.json").unlink(missing_ok=True)
     writer = MetricsWriter(out / "metrics" / f"{spec['name']}.jsonl")
     try:
         run_inprocess(method, cfg, spec["model"], on_row=writer, progress=False,
@@ -627,15 +642,13 @@ def main(argv=None) -> int:
         specs = []
         for seed in seeds:
             for m, k in pairs:
-                cfg = dataclasses.asdict(dataclasses.replace(base, k=k, seed=seed))
+                cfg = job_config(base, k, seed)
                 name = job_name(m, k, seed)
-                done_path = out / "metrics" / f"{name}.done.json"
                 entropy = switch_entropy if m == ENTROPY_METHOD else None
-                if done_path.exists():
-                    prev = json.loads(done_path.read_text())
-                    if prev.get("config") == cfg and prev.get("switch_entropy") == entropy:
-                        done[name] = prev
-                        continue
+                prev = finished(out / "metrics" / f"{name}.done.json", cfg, entropy)
+                if prev is not None:
+                    done[name] = prev
+                    continue
                 specs.append({"name": name, "method": m, "config": cfg, "model": warm["path"], "out": str(out),
                               "start_eval": start[seed], "switch_entropy": entropy})
         return specs

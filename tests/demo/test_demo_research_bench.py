@@ -85,3 +85,25 @@ def test_auto_switch_entropy_is_halfway_along_fwd_entropy_drop():
     assert bench.auto_switch_entropy(runs) == pytest.approx(0.6)
     with pytest.raises(ValueError, match="need >= 6"):
         bench.auto_switch_entropy({0: runs[1][:4]})
+
+
+def test_a_rerun_keeps_finished_runs_of_the_same_settings(tmp_path):
+    """The done-file holds the config as JSON has it (tuples as lists); a rerun with the same settings keeps
+    the run, other settings or another entropy threshold redo it."""
+    import dataclasses
+    import json
+
+    from openrlhf_lpo.demo.loop import RLConfig
+
+    bench = _bench()
+    base = RLConfig(k=4, seed=0, pipeline_args=("--x", "1"))
+    path = tmp_path / "run.done.json"
+    assert bench.finished(path, bench.job_config(base, 8, 1), None) is None
+    cfg = bench.job_config(base, 8, 1)
+    path.write_text(json.dumps({"name": "run", "config": cfg, "switch_entropy": 0.5}))
+    assert bench.finished(path, bench.job_config(base, 8, 1), 0.5)["name"] == "run"
+    assert cfg["k"] == 8 and cfg["seed"] == 1 and cfg["pipeline_args"] == ["--x", "1"]
+    assert bench.finished(path, bench.job_config(base, 8, 1), 0.4) is None
+    assert bench.finished(path, bench.job_config(dataclasses.replace(base, lr=1e-3), 8, 1), 0.5) is None
+    # the old comparison (asdict, tuples) never matched what json stored: every rerun redid the grid
+    assert dataclasses.asdict(dataclasses.replace(base, k=8, seed=1)) != json.loads(path.read_text())["config"]

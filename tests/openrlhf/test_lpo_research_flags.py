@@ -102,7 +102,8 @@ def test_megatron_refuses_schedules_and_replay(flag, needle, capsys, tiny_model_
 def test_dry_run_shows_effective_tau_schedule_and_replay(capsys):
     main(BASE + ["--lpo.temperature", "mean", "--lpo.temperature_scale", "0.5", "--lpo.divergence_schedule",
                  "alpha:1@0,alpha:0.5@20,rev", "--lpo.divergence_switch_entropy", "0.3",
-                 "--lpo.replay_batches", "3", "--lpo.replay_ratio", "0.5", "--lpo.replay_max_abs_s", "0.25", "--dry-run"])
+                 "--lpo.replay_batches", "3", "--lpo.replay_ratio", "0.5", "--lpo.replay_max_abs_s", "0.25",
+                 "--preflight", "off", "--dry-run"])
     out = capsys.readouterr().out
     assert "estimator lpo (divergence alpha:1, temperature mean, projection listwise)" in out
     assert "effective tau = 0.5 x group mean per group (--lpo.temperature_scale)" in out
@@ -110,7 +111,7 @@ def test_dry_run_shows_effective_tau_schedule_and_replay(capsys):
     assert "entropy switch: once the mean response entropy of the last 5 step(s) < 0.3, move to the next stage" in out
     assert ("listwise replay: buffer of the last 3 rollout batch(es); up to 2 replayed group(s) (8 samples) per step "
             "beside 4 fresh; groups with |s_t| > 0.25 dropped") in out
-    main(BASE + ["--lpo.temperature", "0.8", "--lpo.temperature_scale", "2", "--dry-run"])
+    main(BASE + ["--lpo.temperature", "0.8", "--lpo.temperature_scale", "2", "--preflight", "off", "--dry-run"])
     assert "effective tau = 2 x 0.8 = 1.6 (--lpo.temperature_scale)" in capsys.readouterr().out
 
 
