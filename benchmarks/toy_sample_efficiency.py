@@ -25,6 +25,15 @@ trailing ``--window``-step mean reward reaches the paired baseline's mean final 
 LPO minus its baseline per K, and ``group_size.png`` (the paper's Fig. 7 layout: metric vs K, one line
 per method, 95% error bars).
 
+``--suite research`` (issue 25, default task ``tripsum``, where Pass@16 is below 1 after the warm-up)
+runs the research agenda instead: the divergence family (GRPO, LPO with fwd, rev, js, hellinger, tv,
+alpha:0.5, alpha:2) at K in {4, 8}; at K = 8 forward -> reverse KL by step (@20) and by entropy, the
+temperature scale 0.5 and 2, and listwise replay. It reports the same per-(method, K) table, paired
+differences for named contrasts (each divergence vs LPO-fwd, schedules vs fwd-only and rev-only, tau
+x0.5/x2 vs x1, replay vs on-policy LPO-fwd and GRPO), and four figures: ``divergences.png``,
+``schedules.png`` (held-out metrics and entropy against the step), ``tau_scale.png`` and ``replay.png``
+(held-out Pass@1 and distinct correct answers against the fresh rollouts generated).
+
 What runs: the in-process loop of :mod:`openrlhf_lpo.demo.loop` (plain torch + HF generate, one
 process per run, ``--workers`` at a time), NOT the Ray pipeline: a grid of ~135 pipeline jobs would
 spend most of its time starting Ray, the rollout engine and DeepSpeed. The losses are the same
@@ -125,6 +134,8 @@ def aggregate(runs: Dict[Job, List[Dict]], methods: Sequence[str], ks: Sequence[
                 finals = [summ[(base, k, s)]["reward_final"] for s in seeds if (base, k, s) in summ]
                 thr = statistics.mean(finals) if finals else None
             have = [s for s in seeds if (m, k, s) in summ]
+            if not have:
+                continue
             cell = {"seeds": have, "threshold": thr}
             keys = sorted({key for s in have for key in summ[(m, k, s)]})
             for key in keys:
@@ -137,7 +148,7 @@ def aggregate(runs: Dict[Job, List[Dict]], methods: Sequence[str], ks: Sequence[
             cell["steps_to_threshold"] = {"values": hits, "mean": ci.mean, "ci95": ci.half, "reached": len(reached),
                                           "n": len(hits)}
             cells[f"{m}|{k}"] = cell
-            if base != m:
+            if base != m and any((base, k, s) in summ for s in seeds):
                 both = [s for s in seeds if (m, k, s) in summ and (base, k, s) in summ]
                 d = {}
                 for key in [key for key, _ in TABLE_METRICS]:
@@ -260,7 +271,247 @@ def plot_group_size(agg: Dict, methods: Sequence[str], ks: Sequence[int], out_pn
     return out_png
 
 
+# ----------------------------------------------------------------------------- research suite (issue 25)
+
+RESEARCH_FAMILY = ("grpo", "lpo-fwd", "lpo-rev", "lpo-js", "lpo-hellinger", "lpo-tv", "lpo-alpha0.5", "lpo-alpha2")
+RESEARCH_SCHEDULES = ("lpo-fwd2rev-step", "lpo-fwd2rev-entropy")
+RESEARCH_TAU = ("lpo-fwd-tau0.5", "lpo-fwd-tau2")
+RESEARCH_REPLAY = ("lpo-fwd-replay",)
+RESEARCH_K = (4, 8)
+# tripsum's policy barely moves at the demo's lr 1e-4 in 40 steps (held-out Pass@1 0.176 -> 0.193 for LPO-fwd
+# at K=8 in a pilot): the research suite trains 3x faster by default
+RESEARCH_LR = 3e-4
+RESEARCH_K_ONLY = 8  # schedules, tau scale and replay run at this K
+
+
+ENTROPY_METHOD = "lpo-fwd2rev-entropy"
+
+
+def auto_switch_entropy(fwd_runs: Dict[int, List[Dict]], n: int = 3) -> float:
+    """Halfway between LPO-fwd's mean response entropy over its first ``n`` and its last ``n`` steps
+    (means over seeds): the entropy switch then fires about mid-run, if the run's entropy falls like fwd's."""
+    from openrlhf_lpo.demo.report import training_rows
+
+    heads, tails = [], []
+    for rows in fwd_runs.values():
+        train = training_rows(rows)
+        if len(train) < 2 * n:
+            raise ValueError(f"auto entropy threshold: an LPO-fwd run has {len(train)} steps, need >= {2 * n}")
+        heads.append(statistics.mean(r["entropy"] for r in train[:n]))
+        tails.append(statistics.mean(r["entropy"] for r in train[-n:]))
+    return (statistics.mean(heads) + statistics.mean(tails)) / 2
+
+
+def research_grid(ks: Sequence[int]) -> List[Tuple[str, int]]:
+    """(method, K) of the research suite: the family at every K, the rest at K = 8 (if asked for)."""
+    grid = [(m, k) for k in ks for m in RESEARCH_FAMILY]
+    if RESEARCH_K_ONLY in ks:
+        grid += [(m, RESEARCH_K_ONLY) for m in RESEARCH_SCHEDULES + RESEARCH_TAU + RESEARCH_REPLAY]
+    return grid
+
+
+def research_contrasts(ks: Sequence[int]) -> List[Tuple[str, str, int]]:
+    """(method, reference, K) pairs whose per-seed differences the research suite reports."""
+    out = [(m, "lpo-fwd", k) for k in ks for m in RESEARCH_FAMILY if m not in ("grpo", "lpo-fwd")]
+    out += [(m, "grpo", k) for k in ks for m in ("lpo-fwd", "lpo-rev")]
+    if RESEARCH_K_ONLY in ks:
+        k = RESEARCH_K_ONLY
+        out += [(m, ref, k) for m in RESEARCH_SCHEDULES for ref in ("lpo-fwd", "lpo-rev")]
+        out += [(m, "lpo-fwd", k) for m in RESEARCH_TAU]
+        out += [(m, ref, k) for m in RESEARCH_REPLAY for ref in ("lpo-fwd", "grpo")]
+    return out
+
+
+CONTRAST_METRICS = ("reward_final", "heldout_pass@1", "heldout_pass@4", "heldout_pass@16", "heldout_distinct_correct",
+                    "entropy_final", "grad_norm_mean")
+
+
+def contrast_differences(runs: Dict[Job, List[Dict]], contrasts, seeds, window: int) -> Dict:
+    """Per contrast: the paired difference (method minus reference, same seeds) of each metric."""
+    from openrlhf_lpo.demo.stats import paired_ci
+
+    summ = {job: run_summary(rows, window) for job, rows in runs.items()}
+    out = {}
+    for m, ref, k in contrasts:
+        both = [s for s in seeds if (m, k, s) in summ and (ref, k, s) in summ]
+        if not both:
+            continue
+        d = {}
+        for key in CONTRAST_METRICS:
+            a = [summ[(m, k, s)].get(key) for s in both]
+            b = [summ[(ref, k, s)].get(key) for s in both]
+            if all(v is not None for v in a + b):
+                ci = paired_ci(a, b)
+                d[key] = {"mean": ci.mean, "ci95": ci.half, "n": ci.n}
+        out[f"{m}|{ref}|{k}"] = d
+    return out
+
+
+def format_contrasts(diffs: Dict) -> str:
+    short = dict(TABLE_METRICS)
+    rows = [["method", "vs", "K"] + [short[k] for k in CONTRAST_METRICS]]
+    for name, d in diffs.items():
+        m, ref, k = name.split("|")
+        vals = []
+        for key in CONTRAST_METRICS:
+            v = d.get(key)
+            if not v or v["n"] == 0:
+                vals.append("-")
+                continue
+            sig = "*" if not math.isnan(v["ci95"]) and abs(v["mean"]) > v["ci95"] else " "
+            vals.append(f"{v['mean']:+.3f}+-{v['ci95']:.3f}{sig}")
+        rows.append([m, ref, k] + vals)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["Paired differences of the research contrasts (method minus reference on the same seeds, mean +- 95% "
+             "CI; * = the interval excludes 0):"]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _curves(runs: Dict[Job, List[Dict]], method: str, k: int, seeds, key: str, x_key: str = "step"):
+    """Mean and 95% CI over seeds of ``key`` at each x (rows that have it)."""
+    from openrlhf_lpo.demo.stats import mean_ci
+
+    by_x: Dict[float, List[float]] = {}
+    for s in seeds:
+        for r in runs.get((method, k, s), []):
+            if r.get(key) is not None:
+                x = r["step"] if x_key == "step" else r.get(x_key, 0.0)  # the step-0 row: nothing generated yet
+                by_x.setdefault(float(x), []).append(float(r[key]))
+    xs = sorted(by_x)
+    cis = [mean_ci(by_x[x]) for x in xs]
+    return xs, [c.mean for c in cis], [0.0 if math.isnan(c.half) else c.half for c in cis]
+
+
+def _cell_points(agg: Dict, methods_x, k: int, key: str):
+    """x, mean and 95% half-width of ``key`` for each (method, x) with data at K = k."""
+    xs, ys, es = [], [], []
+    for m, x in methods_x:
+        v = agg["cells"].get(f"{m}|{k}", {}).get(key)
+        if v and v["n"]:
+            xs.append(x)
+            ys.append(v["mean"])
+            es.append(0.0 if math.isnan(v["ci95"]) else v["ci95"])
+    return xs, ys, es
+
+
+def _band(ax, xs, ys, es, color, label, marker="o"):
+    """A mean curve with its 95% band."""
+    ax.plot(xs, ys, color=color, marker=marker, markersize=3, label=label)
+    ax.fill_between(xs, [y - e for y, e in zip(ys, es)], [y + e for y, e in zip(ys, es)], color=color, alpha=0.15)
+
+
+def _style(ax, title: str, legend: bool, xlabel: Optional[str] = None):
+    if xlabel:
+        ax.set_xlabel(xlabel)
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    if legend:
+        ax.legend(fontsize=7)
+
+
+def _save(fig, out_png: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    out_png = Path(out_png)
+    tmp = out_png.with_name(f".{out_png.stem}.tmp-{os.getpid()}.png")
+    fig.tight_layout()
+    fig.savefig(tmp, dpi=90)
+    plt.close(fig)
+    os.replace(tmp, out_png)
+    return out_png
+
+
+def plot_research(agg: Dict, runs: Dict[Job, List[Dict]], ks: Sequence[int], seeds, out_dir: Path, title: str):
+    """The research suite's four figures (divergences, schedules, tau scale, replay); returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    from openrlhf_lpo.demo.methods import METHODS
+
+    out_dir = Path(out_dir)
+    keys = (("heldout_pass@1", "held-out Pass@1"), ("heldout_pass@4", "held-out Pass@4"),
+            ("heldout_pass@16", "held-out Pass@16"), ("heldout_distinct_correct", "distinct correct / prompt"),
+            ("entropy_final", "response entropy (last 5 steps)"))
+    paths = []
+    # 1. the divergence family at each K (final values, 95% CI)
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.0 * len(keys), 3.8), squeeze=False)
+    for col, (key, label) in enumerate(keys):
+        ax = axes[0][col]
+        for j, k in enumerate(ks):
+            xs, ys, es = _cell_points(agg, [(m, i + (j - (len(ks) - 1) / 2) * 0.18) for i, m in
+                                            enumerate(RESEARCH_FAMILY)], k, key)
+            ax.errorbar(xs, ys, yerr=es, fmt="o", capsize=3, label=f"K={k}")
+        ax.set_xticks(range(len(RESEARCH_FAMILY)))
+        ax.set_xticklabels([m.replace("lpo-", "") for m in RESEARCH_FAMILY], rotation=60, fontsize=8)
+        _style(ax, label, col == 0)
+    fig.suptitle(f"divergence family at step end ({title})", fontsize=10)
+    paths.append(_save(fig, out_dir / "divergences.png"))
+    k8 = RESEARCH_K_ONLY
+    if k8 not in ks:
+        return paths
+    # 2. schedules: held-out metrics and entropy against the step
+    curves = (("heldout_pass@1", "held-out Pass@1"), ("heldout_pass@16", "held-out Pass@16"),
+              ("heldout_distinct_correct", "distinct correct / prompt"), ("entropy", "response entropy (training)"))
+    fig, axes = plt.subplots(1, len(curves), figsize=(4.2 * len(curves), 3.6), squeeze=False)
+    for col, (key, label) in enumerate(curves):
+        ax = axes[0][col]
+        for m in ("lpo-fwd", "lpo-rev") + RESEARCH_SCHEDULES:
+            xs, ys, es = _curves(runs, m, k8, seeds, key)
+            if xs:
+                _band(ax, xs, ys, es, METHODS[m].color, m, "o" if key.startswith("heldout") else None)
+        ax.axvline(20, color="grey", linestyle=":", linewidth=1)
+        _style(ax, label, col == 0, "RL step")
+    fig.suptitle(f"forward -> reverse KL by step (@20, dotted) and by entropy, K={k8} ({title})", fontsize=10)
+    paths.append(_save(fig, out_dir / "schedules.png"))
+    # 3. tau scale
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.0 * len(keys), 3.4), squeeze=False)
+    scales = (("lpo-fwd-tau0.5", 0.5), ("lpo-fwd", 1.0), ("lpo-fwd-tau2", 2.0))
+    for col, (key, label) in enumerate(keys):
+        ax = axes[0][col]
+        xs, ys, es = _cell_points(agg, scales, k8, key)
+        ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, color="C0", label="LPO-fwd")
+        g = agg["cells"].get(f"grpo|{k8}", {}).get(key)
+        if g and g["n"]:
+            ax.axhline(g["mean"], color="C3", linestyle="--", linewidth=1, label="GRPO (tau = std)")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks([0.5, 1, 2])
+        ax.set_xticklabels(["0.5", "1", "2"])
+        _style(ax, label, col == 0, "tau scale (x group std)")
+    fig.suptitle(f"--lpo.temperature_scale, K={k8} ({title})", fontsize=10)
+    paths.append(_save(fig, out_dir / "tau_scale.png"))
+    # 4. replay against the fresh rollouts generated
+    curves = (("heldout_pass@1", "held-out Pass@1"), ("heldout_distinct_correct", "distinct correct / prompt"),
+              ("heldout_pass@16", "held-out Pass@16"))
+    fig, axes = plt.subplots(1, len(curves), figsize=(4.4 * len(curves), 3.6), squeeze=False)
+    for col, (key, label) in enumerate(curves):
+        ax = axes[0][col]
+        for m in ("lpo-fwd", "lpo-fwd-replay", "grpo"):
+            xs, ys, es = _curves(runs, m, k8, seeds, key, x_key="fresh_rollouts")
+            if xs:
+                _band(ax, xs, ys, es, METHODS[m].color, m)
+        _style(ax, label, col == 0, "fresh rollouts generated")
+    fig.suptitle(f"listwise replay (4 batches, 1 replayed group per fresh group), K={k8} ({title})", fontsize=10)
+    paths.append(_save(fig, out_dir / "replay.png"))
+    return paths
+
+
 # ----------------------------------------------------------------------------- running
+
+
+def job_config(base, k: int, seed: int) -> Dict:
+    """A run's RLConfig as JSON has it (tuples become lists), as its done-file stores it."""
+    return json.loads(json.dumps(dataclasses.asdict(dataclasses.replace(base, k=k, seed=seed))))
+
+
+def finished(done_path: Path, cfg: Dict, switch_entropy: Optional[float]) -> Optional[Dict]:
+    """The done-file of a finished run with these settings (kept on a rerun), else None."""
+    if not done_path.exists():
+        return None
+    prev = json.loads(done_path.read_text())
+    return prev if prev.get("config") == cfg and prev.get("switch_entropy") == switch_entropy else None
 
 
 def _run_job(spec: Dict) -> Dict:
@@ -277,15 +528,20 @@ def _run_job(spec: Dict) -> Dict:
     torch.set_num_threads(1)
     cfg = RLConfig(**spec["config"])
     out = Path(spec["out"])
+    method = METHODS[spec["method"]]
+    if spec.get("switch_entropy") is not None:
+        method = dataclasses.replace(method, switch_entropy=spec["switch_entropy"])
     t0, c0 = time.time(), time.process_time()
+    # a rerun rewrites the metrics: its old done-file goes first, so a stop halfway leaves no done-file
+    (out / "metrics" / f"{spec['name']}.done.json").unlink(missing_ok=True)
     writer = MetricsWriter(out / "metrics" / f"{spec['name']}.jsonl")
     try:
-        run_inprocess(METHODS[spec["method"]], cfg, spec["model"], on_row=writer, progress=False,
+        run_inprocess(method, cfg, spec["model"], on_row=writer, progress=False,
                       start_eval=spec["start_eval"])
     finally:
         writer.close()
-    done = {"name": spec["name"], "config": spec["config"], "wall_s": time.time() - t0,
-            "cpu_s": time.process_time() - c0}
+    done = {"name": spec["name"], "config": spec["config"], "switch_entropy": spec.get("switch_entropy"),
+            "wall_s": time.time() - t0, "cpu_s": time.process_time() - c0}
     atomic_write_json(out / "metrics" / f"{spec['name']}.done.json", done)
     return done
 
@@ -310,13 +566,18 @@ def _start_eval(out: Path, model: str, cfg, seed: int) -> Dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--methods", default=DEFAULT_METHODS)
-    p.add_argument("--ks", default="2,4,8", help="comma-separated group sizes K")
+    p.add_argument("--suite", choices=("paper", "research"), default="paper",
+                   help="paper: --methods x --ks (default grid); research: the issue-25 grid (module docstring)")
+    p.add_argument("--methods", default=None, help=f"paper suite (default {DEFAULT_METHODS})")
+    p.add_argument("--ks", default=None, help="comma-separated group sizes K (default 2,4,8; research: 4,8)")
+    p.add_argument("--switch-entropy", type=float, default=None,
+                   help="research: the threshold of lpo-fwd2rev-entropy (default: auto, halfway between LPO-fwd's "
+                        "mean response entropy over its first and its last 3 steps, measured in this grid)")
     p.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated RL seeds")
-    p.add_argument("--task", default="pairsum", help="demo task (pairsum or addition)")
+    p.add_argument("--task", default=None, help="demo task (default pairsum; research: tripsum)")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--prompts-per-step", type=int, default=16)
-    p.add_argument("--lr", type=float)
+    p.add_argument("--lr", type=float, help="RL learning rate (default: the preset's; research: 3e-4)")
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--eval-prompts", type=int, default=64)
     p.add_argument("--eval-samples", type=int, default=16)
@@ -336,12 +597,20 @@ def main(argv=None) -> int:
     from openrlhf_lpo.demo.warmup import ensure_warmup
 
     _quiet_libraries()
+    research = args.suite == "research"
+    if research and args.methods:
+        p.error("--methods applies to --suite paper; the research suite's methods are fixed (module docstring)")
     try:
-        methods = [m.name for m in parse_methods(args.methods)]
-        ks = [int(x) for x in args.ks.split(",") if x.strip()]
+        ks = [int(x) for x in (args.ks or ("4,8" if research else "2,4,8")).split(",") if x.strip()]
+        if research:
+            grid = research_grid(ks)
+            methods = list(dict.fromkeys(m for m, _ in grid))
+        else:
+            methods = [m.name for m in parse_methods(args.methods or DEFAULT_METHODS)]
+            grid = [(m, k) for k in ks for m in methods]
         seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
         preset = get_preset(args.preset)
-        wu, base = preset.for_task(args.task)
+        wu, base = preset.for_task(args.task or ("tripsum" if research else "pairsum"))
     except ValueError as e:
         p.error(str(e))
     if not ks or not seeds:
@@ -350,8 +619,8 @@ def main(argv=None) -> int:
         p.error("--workers must be >= 1")
     over = dict(steps=args.steps, prompts_per_step=args.prompts_per_step, eval_every=args.eval_every,
                 eval_prompts=args.eval_prompts, eval_samples=args.eval_samples, threads=1)
-    if args.lr is not None:
-        over["lr"] = args.lr
+    if args.lr is not None or research:
+        over["lr"] = args.lr if args.lr is not None else RESEARCH_LR
     base = dataclasses.replace(base, **over)
     try:
         for k in ks:
@@ -367,20 +636,26 @@ def main(argv=None) -> int:
           f"({warm['steps']} SFT steps, sampled accuracy {warm['sampled_accuracy']:.2f})", flush=True)
     start = {s: _start_eval(out, warm["path"], base, s) for s in seeds}
 
-    specs, done = [], {}
-    for seed in seeds:
-        for k in ks:
-            for m in methods:
-                cfg = dataclasses.asdict(dataclasses.replace(base, k=k, seed=seed))
+    done: Dict[str, Dict] = {}
+
+    def collect(pairs, switch_entropy):
+        specs = []
+        for seed in seeds:
+            for m, k in pairs:
+                cfg = job_config(base, k, seed)
                 name = job_name(m, k, seed)
-                done_path = out / "metrics" / f"{name}.done.json"
-                if done_path.exists() and json.loads(done_path.read_text()).get("config") == cfg:
-                    done[name] = json.loads(done_path.read_text())
+                entropy = switch_entropy if m == ENTROPY_METHOD else None
+                prev = finished(out / "metrics" / f"{name}.done.json", cfg, entropy)
+                if prev is not None:
+                    done[name] = prev
                     continue
                 specs.append({"name": name, "method": m, "config": cfg, "model": warm["path"], "out": str(out),
-                              "start_eval": start[seed]})
-    print(f"[bench] {len(specs)} runs to do, {len(done)} kept from an earlier run in {out}", flush=True)
-    if specs:
+                              "start_eval": start[seed], "switch_entropy": entropy})
+        return specs
+
+    def execute(specs):
+        if not specs:
+            return
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor, as_completed
 
@@ -392,10 +667,28 @@ def main(argv=None) -> int:
                 print(f"[bench] {i}/{len(specs)} {info['name']}: {info['wall_s']:.0f}s wall, "
                       f"{info['cpu_s']:.0f}s CPU", flush=True)
 
+    # the entropy switch's threshold ("auto"): halfway along LPO-fwd's own entropy drop at that K, measured
+    # on this grid's LPO-fwd runs, so those run first
+    later = [(m, k) for m, k in grid if m == ENTROPY_METHOD]
+    first = [(m, k) for m, k in grid if m != ENTROPY_METHOD]
+    specs = collect(first, None)
+    print(f"[bench] {len(specs) + len(later) * len(seeds)} runs to do (at most), {len(done)} kept from an earlier "
+          f"run in {out}", flush=True)
+    execute(specs)
+    switch_entropy = args.switch_entropy
+    if later:
+        if switch_entropy is None:
+            switch_entropy = auto_switch_entropy(
+                {s: read_metrics(out / "metrics" / f"{job_name('lpo-fwd', later[0][1], s)}.jsonl") for s in seeds})
+            print(f"[bench] entropy switch threshold (auto): {switch_entropy:.4f}", flush=True)
+        execute(collect(later, switch_entropy))
+
     runs = {(m, k, s): read_metrics(out / "metrics" / f"{job_name(m, k, s)}.jsonl")
-            for s in seeds for k in ks for m in methods}
+            for s in seeds for m, k in grid}
     cells_checked = check_pairing(runs)
     agg = aggregate(runs, methods, ks, seeds, args.window, args.threshold)
+    if research:
+        agg["contrasts"] = contrast_differences(runs, research_contrasts(ks), seeds, args.window)
     wall, cpu = time.time() - t0, time.process_time() - c0
     job_cpu = sum(d.get("cpu_s", 0.0) for d in done.values())
     header = (f"toy benchmark: task {base.task}, K in {ks}, {base.prompts_per_step} prompts/step, {base.steps} steps, "
@@ -409,17 +702,26 @@ def main(argv=None) -> int:
               f"backend: in-process loop (same openrlhf_lpo.listwise loss as lpo-train, not the Ray pipeline)\n"
               f"wall time {wall:.0f}s for this invocation; CPU time of all {len(done)} runs {job_cpu:.0f}s "
               f"(+{cpu:.0f}s in the driver)\n")
+    if research and later:
+        header += f"entropy switch of {ENTROPY_METHOD}: threshold {switch_entropy:.4f} (3-step running mean)\n"
     text = header + "\n" + format_tables(agg, methods, ks)
+    if research:
+        text += "\n" + format_contrasts(agg["contrasts"])
     result = {"config": dataclasses.asdict(base), "methods": methods, "ks": ks, "seeds": seeds,
               "warmup": {k: v for k, v in warm.items() if k != "history"}, "start_eval": start,
-              "pairing_cells_checked": cells_checked, "wall_s": wall, "runs_cpu_s": job_cpu, **agg}
+              "pairing_cells_checked": cells_checked, "wall_s": wall, "runs_cpu_s": job_cpu,
+              "switch_entropy": switch_entropy if research else None, **agg}
     atomic_write_json(out / "benchmark.json", result)
     atomic_write_text(out / "benchmark.txt", text)
-    png = plot_group_size(agg, methods, ks, out / "group_size.png",
-                          f"toy group-size sweep ({base.task}, {len(seeds)} seeds, {base.steps} steps, "
-                          f"{base.prompts_per_step} prompts/step; 95% CI)")
+    if research:
+        pngs = plot_research(agg, runs, ks, seeds, out, f"{base.task}, {len(seeds)} seeds, {base.steps} steps, "
+                                                        f"{base.prompts_per_step} prompts/step; 95% CI")
+    else:
+        pngs = [plot_group_size(agg, methods, ks, out / "group_size.png",
+                                f"toy group-size sweep ({base.task}, {len(seeds)} seeds, {base.steps} steps, "
+                                f"{base.prompts_per_step} prompts/step; 95% CI)")]
     print(text, end="")
-    print(f"[bench] written to {out} ({png.name})")
+    print(f"[bench] written to {out} ({', '.join(p.name for p in pngs)})")
     return 0
 
 

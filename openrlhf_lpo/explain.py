@@ -1,6 +1,10 @@
 """`lpo-explain`: LPO's target and coefficients on a worked example, next to the paired PG baseline.
 
     lpo-explain --rewards 1 0 0 0 1 0 0 0 --temperature std --divergence fwd
+    lpo-explain --rewards 1 0 0 0 --divergence alpha:0.5 --log-ratio 0.1 0 -0.1 0
+
+Prints P, w*, the closed-form coefficients c = dD/ds, D and sum |c| against the divergence's proven
+bound (fwd 2, hellinger 2, tv 1, alpha:<a> 2/a for 0 < a <= 1; rev, js and other alphas: none).
 """
 
 from __future__ import annotations
@@ -34,9 +38,11 @@ def explain(rewards, temperature="std", divergence="fwd", prev_log_ratio=None, l
         if adv is not None:
             line += f"  {adv[0, i].item():>7.4f}"
         rows.append(line)
+    bound = lw.resolve_divergence(divergence).bound
     rows.append(
-        f"D = {div.item():.6f}; sum c = {coef.sum().item():.2e}; sum |c| = {coef.abs().sum().item():.4f}. "
-        "Gradient descent raises log pi of responses with c_k < 0."
+        f"D = {div.item():.6f}; sum c = {coef.sum().item():.2e}; sum |c| = {coef.abs().sum().item():.4f}"
+        + (f" (bound {bound:g})" if bound is not None else " (no bound)")
+        + ". Gradient descent raises log pi of responses with c_k < 0."
     )
     if adv is not None and divergence == "rev" and log_ratio is None and prev_log_ratio is None:
         rows.append("On-policy reverse KL: c_k = -A_k/K (Proposition 1).")
@@ -47,12 +53,14 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="lpo-explain", description=__doc__.splitlines()[0])
     ap.add_argument("--rewards", type=float, nargs="+", default=[1, 0, 0, 1, 0, 0, 0, 0])
     ap.add_argument("--temperature", default="std", help="std | one | mean | <positive float>")
-    ap.add_argument("--divergence", default="fwd", choices=sorted(lw.DIVERGENCES))
+    ap.add_argument("--divergence", default="fwd",
+                    help="fwd | rev | js | hellinger | tv | alpha:<a> (any real a) | a registered name")
     ap.add_argument("--log-ratio", type=float, nargs="+", default=None, help="current s (default: on-policy 0)")
     ap.add_argument("--prev-log-ratio", type=float, nargs="+", default=None, help="s_t of the pre-update policy")
     a = ap.parse_args(argv)
     try:
         temperature = lw.parse_temperature(a.temperature)
+        lw.parse_divergence(a.divergence)
         print(explain(a.rewards, temperature, a.divergence, a.prev_log_ratio, a.log_ratio))
     except ValueError as e:
         ap.error(str(e))

@@ -4,8 +4,10 @@ A prompt's K sampled responses form a simplex. With s_k the length-normalised, c
 log-ratio of response k (Eq. 4), the listwise policy is P = softmax(s). The target is the
 listwise Gibbs distribution w* = softmax(R/tau + s_t) (Theorem 1, Eq. 8), and the loss is a
 divergence between w* and P averaged over prompts (Eq. 10 forward KL, Eq. 11 reverse KL, or
-any divergence on the simplex). Its gradient is sum_k c_k grad s_k; ``listwise_coefficients``
-gives c in closed form, which also powers the two-pass surrogate sum_k stopgrad(c_k) s_k.
+any divergence on the simplex, App. C.6: ``js``, ``hellinger``, ``tv`` and the family ``alpha:<a>``,
+resolved by name through the registries). Its gradient is sum_k c_k grad s_k;
+``listwise_coefficients`` gives c in closed form, which also powers the two-pass surrogate
+sum_k stopgrad(c_k) s_k.
 
 Shapes: B responses; G prompts with K responses each, laid out as [G, K].
 Everything here is computed in float32 or wider, whatever the input dtype.
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Union
+from typing import Callable, Dict, List, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -25,10 +27,18 @@ TemperatureSpec = Union[str, float, int]
 
 __all__ = [
     "DIVERGENCES",
+    "DIVERGENCE_FAMILIES",
+    "Divergence",
+    "DivergenceFamily",
     "TEMPERATURES",
     "PG_ESTIMATORS",
     "PROJECTIONS",
     "register_divergence",
+    "register_coefficients",
+    "register_divergence_family",
+    "resolve_divergence",
+    "parse_divergence",
+    "divergence_names",
     "register_temperature",
     "register_pg_estimator",
     "register_projection",
@@ -48,6 +58,7 @@ __all__ = [
     "parse_temperature",
     "listwise_group_sums",
     "listwise_stats_from_sums",
+    "load_plugins",
 ]
 
 
@@ -279,26 +290,47 @@ def listwise_log_policy(log_ratio: Tensor) -> Tensor:
 
 @dataclass(frozen=True)
 class Divergence:
-    """A divergence on the simplex: ``value(log_p, target) -> [G]``, optional closed-form
-    ``coefficients(log_p, target) -> [G,K]`` (its gradient w.r.t. s; autograd if None)."""
+    """A divergence D(w*, P) on the simplex (Eq. 10/11; any divergence, App. C.6).
+
+    ``value(log_p, target) -> [G]`` with ``log_p`` = log softmax(s) and ``target`` = w*;
+    ``coefficients(log_p, target) -> [G,K]`` its closed-form c = dD/ds (None: autograd of
+    ``value``); ``bound``: a proven bound on sum_k |c_k| (None: unbounded or not known), printed by
+    ``lpo-explain`` and checked by the tests."""
 
     name: str
     value: Callable[[Tensor, Tensor], Tensor]
     coefficients: Optional[Callable[[Tensor, Tensor], Tensor]] = None
+    bound: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class DivergenceFamily:
+    """Divergences named ``<prefix>:<parameter>`` (``alpha:0.5``): ``parse(text)`` validates the
+    parameter (ValueError with a message) and returns its value, ``build(name, value)`` the
+    :class:`Divergence`; ``usage`` is the form error messages list (``alpha:<a> (any real a)``)."""
+
+    prefix: str
+    parse: Callable[[str], object]
+    build: Callable[[str, object], Divergence]
+    usage: str
 
 
 DIVERGENCES: Dict[str, Divergence] = {}
+DIVERGENCE_FAMILIES: Dict[str, DivergenceFamily] = {}
 
 
-def register_divergence(name: str):
+def register_divergence(name: str, bound: Optional[float] = None):
     """Decorator: register ``fn(log_p[G,K], target[G,K]) -> Tensor[G]`` as a divergence.
 
     ``log_p`` is log softmax(s); ``target`` is w*. Coefficients come from autograd unless a
-    closed form is attached with ``register_coefficients(name)``.
+    closed form is attached with ``register_coefficients(name)``; ``bound`` states a proven bound
+    on sum_k |c_k| (tests check it).
     """
+    if ":" in name:
+        raise ValueError(f"divergence name {name!r} must not contain ':' (reserved for families such as alpha:<a>)")
 
     def deco(fn):
-        _register(DIVERGENCES, "divergence", name)(Divergence(name, fn))
+        _register(DIVERGENCES, "divergence", name)(Divergence(name, fn, bound=bound))
         return fn
 
     return deco
@@ -309,10 +341,53 @@ def register_coefficients(name: str):
 
     def deco(fn):
         div = _lookup(DIVERGENCES, "divergence", name)
-        DIVERGENCES[name] = Divergence(div.name, div.value, fn)
+        DIVERGENCES[name] = Divergence(div.name, div.value, fn, div.bound)
         return fn
 
     return deco
+
+
+def register_divergence_family(prefix: str, parse: Callable[[str], object], usage: str):
+    """Decorator: register ``build(name, value) -> Divergence`` for the names ``<prefix>:<text>``,
+    ``value = parse(text)``. Names are resolved on use (:func:`resolve_divergence`), so every
+    parameter works wherever a divergence name does."""
+    if not prefix or ":" in prefix:
+        raise ValueError(f"divergence family prefix {prefix!r} must be non-empty and contain no ':'")
+
+    def deco(build):
+        _register(DIVERGENCE_FAMILIES, "divergence family", prefix)(DivergenceFamily(prefix, parse, build, usage))
+        return build
+
+    return deco
+
+
+def divergence_names() -> str:
+    """The valid divergence names, for messages: the registered ones, then each family's form."""
+    names = ", ".join(sorted(DIVERGENCES))
+    forms = " or ".join(f.usage for _, f in sorted(DIVERGENCE_FAMILIES.items()))
+    return f"{names} or {forms}" if forms else names
+
+
+def resolve_divergence(name: str) -> Divergence:
+    """The :class:`Divergence` called ``name``: a registered name or ``<family>:<parameter>``."""
+    if isinstance(name, str):
+        if name in DIVERGENCES:
+            return DIVERGENCES[name]
+        prefix, colon, text = name.partition(":")
+        family = DIVERGENCE_FAMILIES.get(prefix) if colon else None
+        if family is not None:
+            try:
+                value = family.parse(text.strip())
+            except ValueError as e:
+                raise ValueError(f"divergence {name!r}: {e}") from None
+            return family.build(name, value)
+    raise ValueError(f"unknown divergence {name!r}; valid: {divergence_names()}")
+
+
+def parse_divergence(name: str) -> str:
+    """Validate a divergence name (returned unchanged); ValueError listing the valid ones."""
+    resolve_divergence(name)
+    return name
 
 
 def _kl(p: Tensor, log_p: Tensor, log_q: Tensor) -> Tensor:
@@ -322,10 +397,23 @@ def _kl(p: Tensor, log_p: Tensor, log_q: Tensor) -> Tensor:
 
 
 def _log_target(target: Tensor) -> Tensor:
-    return torch.log(target)  # -inf where w* = 0; masked by the xlogy-style terms
+    """log w*, an exact 0 (softmax underflow) read as the dtype's smallest normal number: finite
+    (a lower bound on the true gap) where log 0 would make values inf and coefficients NaN."""
+    return torch.log(target.clamp_min(torch.finfo(target.dtype).tiny))
 
 
-@register_divergence("fwd")
+def _expm1_over(x: Tensor, t: float) -> Tensor:
+    """expm1(t x) / t, and its limit x at t = 0 (a three-term series for |t| < 1e-8, where t x
+    would lose digits or underflow in float32)."""
+    if t == 0.0:
+        return x
+    if abs(t) < 1e-8:
+        tx = t * x
+        return x * (1.0 + tx / 2.0 + tx * tx / 6.0)
+    return torch.expm1(t * x) / t
+
+
+@register_divergence("fwd", bound=2.0)
 def forward_kl(log_p: Tensor, target: Tensor) -> Tensor:
     """KL(w* || P) (Eq. 10): mode-covering."""
     return _kl(target, _log_target(target), log_p)
@@ -333,7 +421,7 @@ def forward_kl(log_p: Tensor, target: Tensor) -> Tensor:
 
 @register_coefficients("fwd")
 def _forward_kl_coefficients(log_p: Tensor, target: Tensor) -> Tensor:
-    """c_k = P_k - w*_k (Eq. 10)."""
+    """c_k = P_k - w*_k (Eq. 10): |c_k| <= 1, sum_k |c_k| <= 2 (Cor. 1)."""
     return log_p.exp() - target
 
 
@@ -367,6 +455,87 @@ def _jensen_shannon_coefficients(log_p: Tensor, target: Tensor) -> Tensor:
     return 0.5 * p * (ell - (p * ell).sum(dim=-1, keepdim=True))
 
 
+@register_divergence("hellinger", bound=2.0)
+def squared_hellinger(log_p: Tensor, target: Tensor) -> Tensor:
+    """Squared Hellinger distance sum_k (sqrt(w*_k) - sqrt(P_k))^2 (no 1/2) = 2 - 2 BC(P, w*);
+    equals alpha:0.5 / 2."""
+    return ((target.sqrt() - (0.5 * log_p).exp()) ** 2).sum(dim=-1)
+
+
+@register_coefficients("hellinger")
+def _squared_hellinger_coefficients(log_p: Tensor, target: Tensor) -> Tensor:
+    """c_k = P_k BC - sqrt(w*_k P_k), BC = sum_j sqrt(w*_j P_j) <= 1 (from g = dD/dP = 1 - sqrt(w*/P)):
+    sum_k |c_k| <= 2 BC <= 2."""
+    root = (target * log_p.exp()).sqrt()
+    return log_p.exp() * root.sum(dim=-1, keepdim=True) - root
+
+
+def _tv_gap(log_p: Tensor, target: Tensor) -> Tensor:
+    """P - w*, set to exactly 0 where the two agree up to rounding (|P - w*| <= 16 eps (P + w*)):
+    there the subgradient of |P_k - w*_k| is taken as 0, in the value's autograd and in c alike
+    (a group with flat rewards on-policy has P = w* = softmax(s_t), computed two ways)."""
+    p = log_p.exp()
+    gap = p - target
+    close = gap.abs() <= 16 * torch.finfo(gap.dtype).eps * (p + target)
+    return torch.where(close, torch.zeros_like(gap), gap)
+
+
+@register_divergence("tv", bound=1.0)
+def total_variation(log_p: Tensor, target: Tensor) -> Tensor:
+    """Total variation 1/2 sum_k |w*_k - P_k| (the projection error of Theorem 2)."""
+    return 0.5 * _tv_gap(log_p, target).abs().sum(dim=-1)
+
+
+@register_coefficients("tv")
+def _total_variation_coefficients(log_p: Tensor, target: Tensor) -> Tensor:
+    """c_k = P_k (g_k - E_P g), g = sign(P - w*)/2 (subgradient 0 where P_k = w*_k): sum_k |c_k| <= 1."""
+    p = log_p.exp()
+    g = 0.5 * torch.sign(_tv_gap(log_p, target))
+    return p * (g - (p * g).sum(dim=-1, keepdim=True))
+
+
+def _parse_alpha(text: str) -> float:
+    try:
+        a = float(text)
+    except ValueError:
+        raise ValueError(f"the parameter {text!r} is not a number; write alpha:<a> with a real a, e.g. alpha:0.5")
+    if not math.isfinite(a):
+        raise ValueError(f"a = {text} must be a finite real number (alpha:1 is forward KL, alpha:0 reverse KL)")
+    return a
+
+
+@register_divergence_family("alpha", _parse_alpha, "alpha:<a> (any real a)")
+def alpha_divergence(name: str, a: float) -> Divergence:
+    """Amari's alpha-divergence D_a(w* || P) = (sum_k w*_k^a P_k^(1-a) - 1) / (a (a - 1)).
+
+    alpha:1 is KL(w*||P) and alpha:0 is KL(P||w*) (the limits, computed as those divergences);
+    alpha:0.5 is twice the squared Hellinger distance. Near the limits the value uses
+    expm1 forms, D_a = sum_k P_k expm1(a l_k) / (a (a-1)) = sum_k w*_k expm1((a-1) l_k) / (a (a-1))
+    with l = log(w*/P), continuous through a = 0 and a = 1. c_k = -P_k (e_k - E_P e) with
+    e = expm1(a l)/a, i.e. -(w*^a P^(1-a) - P sum_j w*_j^a P_j^(1-a))/a (from g = dD/dP = -(w*/P)^a / a);
+    for 0 < a <= 1 sum_k |c_k| <= 2/a (Hoelder: sum_j w*_j^a P_j^(1-a) <= 1), unbounded otherwise.
+    """
+    if a == 1.0:
+        fwd = DIVERGENCES["fwd"]
+        return Divergence(name, fwd.value, fwd.coefficients, fwd.bound)
+    if a == 0.0:
+        rev = DIVERGENCES["rev"]
+        return Divergence(name, rev.value, rev.coefficients, rev.bound)
+
+    def value(log_p: Tensor, target: Tensor) -> Tensor:
+        ell = _log_target(target) - log_p
+        if a < 0.5:  # P-weighted form: exact as a -> 0
+            return -(log_p.exp() * _expm1_over(ell, a)).sum(dim=-1) / (1.0 - a)
+        return (target * _expm1_over(ell, a - 1.0)).sum(dim=-1) / a  # w*-weighted form: exact as a -> 1
+
+    def coefficients(log_p: Tensor, target: Tensor) -> Tensor:
+        p = log_p.exp()
+        e = _expm1_over(_log_target(target) - log_p, a)
+        return -p * (e - (p * e).sum(dim=-1, keepdim=True))
+
+    return Divergence(name, value, coefficients, 2.0 / a if 0.0 < a <= 1.0 else None)
+
+
 def _divergence_inputs(log_ratio: Tensor, target: Tensor):
     _check_groups("log_ratio", log_ratio)
     _check_same_shape("target", target, "log_ratio", log_ratio)
@@ -375,8 +544,10 @@ def _divergence_inputs(log_ratio: Tensor, target: Tensor):
 
 
 def listwise_divergence(log_ratio: Tensor, target: Tensor, divergence: str = "fwd") -> Tensor:
-    """Per-group divergence D(w*, P) with P = softmax(log_ratio), shape [G] (Eq. 10/11)."""
-    div = _lookup(DIVERGENCES, "divergence", divergence)
+    """Per-group divergence D(w*, P) with P = softmax(log_ratio), shape [G] (Eq. 10/11).
+
+    ``divergence``: a registered name (fwd, rev, js, hellinger, tv, ...) or ``alpha:<a>``."""
+    div = resolve_divergence(divergence)
     log_p, tgt = _divergence_inputs(log_ratio, target)
     return div.value(log_p, tgt)
 
@@ -384,10 +555,11 @@ def listwise_divergence(log_ratio: Tensor, target: Tensor, divergence: str = "fw
 def listwise_coefficients(log_ratio: Tensor, target: Tensor, divergence: str = "fwd") -> Tensor:
     """c = dD/ds per group, [G,K]: the listwise gradient is sum_k c_k grad s_k (Eq. 10/11).
 
-    Closed form for registered divergences (fwd: P - w*; rev: P(d - E_P d); js), autograd
-    otherwise. Always detached: these are the weights of the surrogate sum_k c_k s_k.
+    Closed form for the built-in divergences (fwd: P - w*; rev: P(d - E_P d); js, hellinger, tv,
+    alpha:<a>), autograd otherwise. Always detached: these are the weights of the surrogate
+    sum_k c_k s_k.
     """
-    div = _lookup(DIVERGENCES, "divergence", divergence)
+    div = resolve_divergence(divergence)
     with torch.no_grad():
         log_p, tgt = _divergence_inputs(log_ratio.detach(), target.detach())
         if div.coefficients is not None:
@@ -542,3 +714,34 @@ def listwise_stats_from_sums(sums: Tensor, group_size: int) -> Dict[str, float]:
     n = max(int(present.sum()), 1)
     return {"kl": float(kl.sum()) / n, "entropy_p": float(h_p.sum()) / n,
             "entropy_target": float(-wlogw[present].sum()) / n, "groups": float(present.sum())}
+
+
+# ----------------------------------------------------------------------------- plugins
+
+
+def load_plugins(spec: Optional[str] = None) -> List[str]:
+    """Import the modules named in ``spec`` (default: ``$LPO_PLUGINS``, comma-separated), which
+    register their own divergences, temperatures, projections or PG estimators (docs/divergences.md).
+
+    Runs once when this module is imported, so every process that computes an LPO loss (the
+    ``lpo-train`` driver, each Ray actor, a Megatron rank) sees the same registries. A module that
+    cannot be imported raises ImportError naming ``LPO_PLUGINS``.
+    """
+    import importlib
+    import os
+
+    spec = os.environ.get("LPO_PLUGINS", "") if spec is None else spec
+    loaded = []
+    for module in (m.strip() for m in spec.split(",")):
+        if not module:
+            continue
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            raise ImportError(f"LPO_PLUGINS names {module!r}, which cannot be imported ({e}); make it importable "
+                              "(PYTHONPATH) in every process or drop it from LPO_PLUGINS") from e
+        loaded.append(module)
+    return loaded
+
+
+load_plugins()

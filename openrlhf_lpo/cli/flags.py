@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 from dataclasses import dataclass, field
 from typing import Callable, ContextManager, Dict, List, Optional, Tuple
 
@@ -104,9 +105,32 @@ def _add_lpo_arguments(parser: argparse.ArgumentParser) -> None:
         "--lpo.divergence",
         type=str,
         default=None,
-        choices=sorted(listwise.DIVERGENCES),
         help="divergence between the target w* and the listwise policy P: fwd = KL(w*||P) (Eq. 10), "
-        "rev = KL(P||w*) (Eq. 11), js = Jensen-Shannon. Default fwd.",
+        "rev = KL(P||w*) (Eq. 11), js = Jensen-Shannon, hellinger = squared Hellinger, tv = total variation, "
+        "alpha:<a> = Amari alpha-divergence for any real a (alpha:1 = fwd, alpha:0 = rev), or a registered name "
+        "(docs/divergences.md). Default fwd.",
+    )
+    g.add_argument(
+        "--lpo.divergence_schedule",
+        type=str,
+        default=None,
+        help="divergence by global step: comma-separated name@step stages, e.g. fwd@0,rev@50 (update t, the one "
+        "after t completed updates, uses the last stage with step <= t; logged at step t+1). With "
+        "--lpo.divergence_switch_entropy one later stage may omit @step (reached only by the switch).",
+    )
+    g.add_argument(
+        "--lpo.divergence_switch_entropy",
+        type=float,
+        default=None,
+        help="move to the schedule's next divergence once the running mean of the logged response entropy "
+        "(nats/token, last --lpo.divergence_switch_window steps) falls below this value; once. The step is "
+        "logged (lpo/divergence_switched_at) and kept in checkpoints.",
+    )
+    g.add_argument(
+        "--lpo.divergence_switch_window",
+        type=int,
+        default=None,
+        help="steps in the running mean of --lpo.divergence_switch_entropy (default 5)",
     )
     g.add_argument(
         "--lpo.temperature",
@@ -114,6 +138,13 @@ def _add_lpo_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="temperature tau of w* = softmax(R/tau + s_t): std (pairs with GRPO/group_norm), one "
         "(Dr.GRPO), mean (MaxRL) or a positive number. Default std.",
+    )
+    g.add_argument(
+        "--lpo.temperature_scale",
+        type=float,
+        default=None,
+        help="multiply tau by this positive factor, whatever --lpo.temperature is (tune tau apart from the "
+        "paired baseline's; < 1 sharpens w*). The plan and lpo/tau_* show the effective tau. Default 1.",
     )
     g.add_argument(
         "--lpo.projection",
@@ -138,6 +169,28 @@ def _add_lpo_arguments(parser: argparse.ArgumentParser) -> None:
         "works with group_norm, dr_grpo, maxrl, rloo and reinforce_baseline (metrics only; w* uses "
         "--lpo.temperature, default the estimator's pairing: std, one, mean, one, one).",
     )
+    g.add_argument(
+        "--lpo.replay_batches",
+        type=int,
+        default=None,
+        help="listwise replay: keep the last N rollout batches' groups (responses, rewards, behaviour log-probs) "
+        "and train each step on the fresh groups plus --lpo.replay_ratio replayed groups per fresh group, "
+        "through the listwise off-policy target (s_t against each group's own behaviour log-probs). Saved with "
+        "checkpoints. Default 0 (off).",
+    )
+    g.add_argument(
+        "--lpo.replay_ratio",
+        type=float,
+        default=None,
+        help="replayed groups per fresh group (needs --lpo.replay_batches; default 1)",
+    )
+    g.add_argument(
+        "--lpo.replay_max_abs_s",
+        type=float,
+        default=None,
+        help="staleness filter: drop (and count) a replayed group with any |s_t| above this (needs "
+        "--lpo.replay_batches; default: no filter)",
+    )
 
 
 def _validate_extra_estimators(args: argparse.Namespace) -> None:
@@ -146,7 +199,7 @@ def _validate_extra_estimators(args: argparse.Namespace) -> None:
     est = args.algo.advantage.estimator
     K = args.rollout.n_samples_per_prompt
     if est not in LPO_ESTIMATORS:
-        given = [f"--{f}" for f in ("lpo.divergence", "lpo.projection") if flag_was_given(args, f)]
+        given = [f"--{f}" for f in ("lpo.divergence", "lpo.projection") + RESEARCH_FLAGS if flag_was_given(args, f)]
         given += ["--lpo.force_two_pass"] if args.lpo.force_two_pass else []
         if given:
             raise FlagError(
@@ -173,6 +226,11 @@ def _validate_extra_estimators(args: argparse.Namespace) -> None:
         args.lpo.temperature = listwise.parse_temperature(args.lpo.temperature)
     except ValueError as e:
         raise FlagError(f"--lpo.temperature: {e}") from None
+    try:
+        listwise.parse_divergence(args.lpo.divergence)
+    except ValueError as e:
+        raise FlagError(f"--lpo.divergence: {e}") from None
+    divergence_given = _validate_research_flags(args, divergence_given)
     if args.lpo.projection == "pointwise" and divergence_given:
         raise FlagError(
             "--lpo.divergence has no effect with --lpo.projection pointwise (the pointwise loss is "
@@ -246,6 +304,113 @@ def _validate_extra_estimators(args: argparse.Namespace) -> None:
     # an autograd graph (LPOActorTrainer.training_step).
     if args.actor.entropy_coef is None:
         args.actor.entropy_coef = 0.0
+
+
+# the research-agenda flags (issue 25): a schedule, the entropy switch, tau scaling, listwise replay
+RESEARCH_FLAGS = ("lpo.divergence_schedule", "lpo.divergence_switch_entropy", "lpo.divergence_switch_window",
+                  "lpo.temperature_scale", "lpo.replay_batches", "lpo.replay_ratio", "lpo.replay_max_abs_s")
+
+
+def _positive(args, dotted: str) -> Optional[float]:
+    value = getattr(args.lpo, dotted.split(".", 1)[1])
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise FlagError(f"--{dotted} {value}: must be a positive finite number")
+    return value
+
+
+def _validate_research_flags(args: argparse.Namespace, divergence_given: bool) -> bool:
+    """Divergence schedule / entropy switch, temperature scale, replay (lpo only). Returns whether a
+    divergence was chosen by flag (--lpo.divergence or the schedule)."""
+    from openrlhf_lpo.schedule import DivergenceSchedule, parse_schedule
+
+    lpo = args.lpo
+    megatron = getattr(args, "backend", "deepspeed") == "megatron"
+    # ---- divergence schedule and the entropy switch
+    if lpo.divergence_schedule is not None:
+        if divergence_given:
+            raise FlagError("--lpo.divergence and --lpo.divergence_schedule both choose the divergence; give one "
+                            "(the schedule's first stage is the divergence at step 0)")
+        try:
+            stages = parse_schedule(lpo.divergence_schedule)
+        except ValueError as e:
+            raise FlagError(f"--lpo.divergence_schedule: {e}") from None
+        lpo.divergence = stages[0].divergence
+        divergence_given = True
+    if lpo.divergence_switch_entropy is not None:
+        h = lpo.divergence_switch_entropy
+        if not (math.isfinite(h) and h > 0):
+            raise FlagError(f"--lpo.divergence_switch_entropy {h}: the threshold is a response entropy in nats per "
+                            "token, so it must be a positive finite number (a threshold <= 0 never fires)")
+        if lpo.divergence_schedule is None:
+            raise FlagError("--lpo.divergence_switch_entropy moves to the schedule's next divergence: give "
+                            "--lpo.divergence_schedule with two or more stages, e.g. fwd@0,rev (rev by entropy only)")
+    elif lpo.divergence_switch_window is not None:
+        raise FlagError("--lpo.divergence_switch_window only applies with --lpo.divergence_switch_entropy")
+    if lpo.divergence_switch_window is None:
+        lpo.divergence_switch_window = 5
+    if lpo.divergence_schedule is not None:
+        try:
+            DivergenceSchedule(parse_schedule(lpo.divergence_schedule), lpo.divergence_switch_entropy,
+                               lpo.divergence_switch_window)
+        except ValueError as e:
+            flag = ("--lpo.divergence_switch_window" if "window" in str(e) else "--lpo.divergence_schedule")
+            raise FlagError(f"{flag}: {e}") from None
+        if megatron:
+            raise FlagError("--lpo.divergence_schedule is not supported with --backend megatron: the Megatron actor "
+                            "builds its loss from --lpo.divergence once per run and has no way to receive a new one; "
+                            "use the DeepSpeed backend for schedules")
+    # ---- temperature scale
+    _positive(args, "lpo.temperature_scale")
+    if lpo.temperature_scale is None:
+        lpo.temperature_scale = 1.0
+    # ---- listwise replay
+    if lpo.replay_batches is not None and lpo.replay_batches < 0:
+        raise FlagError(f"--lpo.replay_batches {lpo.replay_batches}: must be >= 0 (0 = no replay)")
+    replay = bool(lpo.replay_batches)
+    for flag in ("lpo.replay_ratio", "lpo.replay_max_abs_s"):
+        if flag_was_given(args, flag) and not replay:
+            raise FlagError(f"--{flag} needs a replay buffer: add --lpo.replay_batches N (N >= 1 rollout batches)")
+        _positive(args, flag)
+    lpo.replay_batches = int(lpo.replay_batches or 0)
+    if replay:
+        if lpo.replay_ratio is None:
+            lpo.replay_ratio = 1.0
+        if megatron:
+            raise FlagError("--lpo.replay_batches is not supported with --backend megatron: replayed groups carry "
+                            "s_t != 0, and the Megatron actor does not add s_t to s (the listwise off-policy target); "
+                            "use the DeepSpeed backend for replay")
+    return divergence_given
+
+
+def research_plan_lines(args: argparse.Namespace) -> List[str]:
+    """The dry-run plan's lines for the flags above (lpo only): effective tau, schedule, replay."""
+    lpo = args.lpo
+    lines = []
+    scale = float(getattr(lpo, "temperature_scale", 1.0) or 1.0)
+    base = {"std": "group std", "one": "1", "mean": "group mean"}.get(lpo.temperature, lpo.temperature)
+    if isinstance(lpo.temperature, float):
+        lines.append(f"  effective tau = {scale:g} x {lpo.temperature:g} = {scale * lpo.temperature:g}"
+                     + (" (--lpo.temperature_scale)" if scale != 1.0 else ""))
+    else:
+        lines.append(f"  effective tau = {'' if scale == 1.0 else f'{scale:g} x '}{base} per group"
+                     + (" (--lpo.temperature_scale)" if scale != 1.0 else ""))
+    if getattr(lpo, "divergence_schedule", None):
+        from openrlhf_lpo.schedule import parse_schedule
+
+        stages = parse_schedule(lpo.divergence_schedule)
+        text = ", ".join(f"{s.divergence} from update {s.start}" if s.start is not None else
+                         f"{s.divergence} by the entropy switch" for s in stages)
+        lines.append(f"  divergence schedule: {text}")
+        if lpo.divergence_switch_entropy is not None:
+            lines.append(f"  entropy switch: once the mean response entropy of the last {lpo.divergence_switch_window} "
+                         f"step(s) < {lpo.divergence_switch_entropy:g}, move to the next stage")
+    if getattr(lpo, "replay_batches", 0):
+        K = args.rollout.n_samples_per_prompt
+        extra = int(math.floor(lpo.replay_ratio * args.rollout.batch_size))
+        lines.append(f"  listwise replay: buffer of the last {lpo.replay_batches} rollout batch(es); up to {extra} replayed "
+                     f"group(s) ({extra * K} samples) per step beside {args.rollout.batch_size} fresh"
+                     + (f"; groups with |s_t| > {lpo.replay_max_abs_s:g} dropped" if lpo.replay_max_abs_s else ""))
+    return lines
 
 
 def _validate_listwise_metrics(args: argparse.Namespace, est: str, K: int) -> None:

@@ -182,6 +182,10 @@ def _plan_lines(args, preflight) -> List[str]:
     lines = [f"estimator {est}" + (f" (divergence {args.lpo.divergence}, temperature {args.lpo.temperature}, "
                                   f"projection {args.lpo.projection})" if est in LPO_ESTIMATORS else ""),
              f"GPUs needed: {gpus_needed(args)}"]
+    if est in LPO_ESTIMATORS:  # effective tau, divergence schedule, listwise replay (cli/flags.py)
+        from openrlhf_lpo.cli.flags import research_plan_lines
+
+        lines[1:1] = research_plan_lines(args)
     lines += [f"  {role}: {g} ({note})" for role, g, note in gpu_roles(args)]
     lines.append(f"rollout batch: {B} prompts x K={K} = {B * K} samples; train batch {args.train.batch_size} samples "
                  f"(micro {args.train.micro_batch_size}); data-parallel ranks {dp}")

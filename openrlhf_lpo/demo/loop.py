@@ -127,6 +127,75 @@ def group_distinct_correct(answers: List[str], rewards: torch.Tensor) -> float:
     return sum(counts) / g
 
 
+class InprocessReplay:
+    """The in-process twin of ``--lpo.replay_batches`` (openrlhf_lpo/openrlhf/replay.py): the last
+    ``replay_batches`` steps' groups with their behaviour log-probs; each step draws
+    ``floor(replay_ratio x fresh groups)`` of them (seeded by the run seed and the step), measures s_t =
+    delta = mean_t(log pi_t - log mu) against each group's own behaviour log-probs (untruncated), drops
+    groups with any |delta| > ``replay_max_abs_s``, and trains fresh and replayed groups together in
+    shuffled windows of ``prompts_per_step / mini_batches`` groups (more optimizer steps, no extra
+    rollouts)."""
+
+    def __init__(self, method: Method, cfg: RLConfig, pad_id: int):
+        from collections import deque
+
+        self.method, self.cfg, self.pad = method, cfg, pad_id
+        self.batches = deque(maxlen=method.replay_batches)
+
+    def add(self, groups, step: int) -> None:
+        self.batches.append([(step, grp) for grp in groups])
+
+    def _pad(self, prompts):
+        width = max(int(p.numel()) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad, dtype=torch.long)
+        att = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - p.numel():] = p
+            att[i, width - p.numel():] = 1
+        return ids, att
+
+    def step_batch(self, model, tokenizer, fresh, step: int, cfg: RLConfig):
+        from openrlhf_lpo.demo.policy import token_logprobs
+        from openrlhf_lpo.openrlhf.offpolicy import behaviour_stats
+
+        k = cfg.k
+        pool = [item for batch in self.batches for item in batch]
+        want = min(int(math.floor(self.method.replay_ratio * len(fresh))), len(pool))
+        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 7919 + 17)
+        drawn = [pool[i] for i in torch.randperm(len(pool), generator=gen)[:want].tolist()]
+        kept, deltas, stale = [], [], 0
+        if drawn:
+            ids, att = self._pad([grp[0] for _, grp in drawn])
+            resp = torch.cat([grp[1] for _, grp in drawn])
+            mask = torch.cat([grp[2] for _, grp in drawn])
+            behaviour = torch.cat([grp[4] for _, grp in drawn])
+            with torch.no_grad():
+                pi_t = token_logprobs(model, ids.repeat_interleave(k, 0), att.repeat_interleave(k, 0), resp,
+                                      cfg.sampling_temperature)
+            delta = _seq_mean(pi_t - behaviour, mask).view(len(drawn), k).double()
+            limit = self.method.replay_max_abs_s
+            for j, (_, grp) in enumerate(drawn):
+                if limit is not None and float(delta[j].abs().max()) > limit:
+                    stale += 1
+                    continue
+                kept.append((grp, pi_t[j * k:(j + 1) * k]))
+                deltas.append(delta[j])
+        groups = [(grp, grp[4]) for grp in fresh] + kept  # (group, pi_t log-probs)
+        ids, att = self._pad([grp[0] for grp, _ in groups])
+        out_delta = torch.zeros(len(groups), k, dtype=torch.float64)
+        if deltas:
+            out_delta[len(fresh):] = torch.stack(deltas)
+        order = torch.randperm(len(groups), generator=gen).tolist()
+        stats = {"replay_groups": float(len(kept)), "replay_drawn": float(len(drawn)), "replay_dropped": float(stale)}
+        if drawn:
+            stats["replay_abs_s_max"] = float(delta.abs().max())
+        if deltas:
+            stats["replay_ess"] = behaviour_stats(torch.stack(deltas))["ess_sum"] / len(deltas)
+        return (ids.repeat_interleave(k, 0), att.repeat_interleave(k, 0), torch.cat([grp[1] for grp, _ in groups]),
+                torch.cat([grp[2] for grp, _ in groups]), torch.cat([old for _, old in groups]),
+                torch.stack([grp[3] for grp, _ in groups]), out_delta.to(torch.float32), order, stats)
+
+
 def run_inprocess(method: Method, cfg: RLConfig, model_path: str,
                   on_row: Optional[Callable[[Dict], None]] = None, progress: bool = True,
                   desc: Optional[str] = None, start_eval: Optional[Dict] = None) -> Dict:
@@ -157,6 +226,8 @@ def run_inprocess(method: Method, cfg: RLConfig, model_path: str,
     eval_steps = set(cfg.eval_steps())
     k, g = cfg.k, cfg.prompts_per_step
     g_mb = g // cfg.mini_batches
+    schedule = method.divergence_schedule() if method.is_lpo else None
+    replay = InprocessReplay(method, cfg, tokenizer.pad_token_id) if method.replay_batches else None
     t0 = time.time()
     rows = []
 
@@ -186,26 +257,47 @@ def run_inprocess(method: Method, cfg: RLConfig, model_path: str,
             with torch.no_grad():
                 old_logp = token_logprobs(model, ids_rep, att_rep, responses, cfg.sampling_temperature)
             model.train()
-            tau = listwise.group_temperature(rewards, method.temperature)
-            target = listwise.gibbs_target(rewards, tau)
-            advantages = listwise.pg_advantages(rewards, method.estimator) if not method.is_lpo else None
+            t_update = step - 1  # updates completed before this one (the schedule's step)
+            divergence = schedule.divergence(t_update) if method.is_lpo else None
+            # the step's groups: the fresh ones, plus replayed ones (with s_t = delta against their own
+            # behaviour log-probs) under --lpo.replay_batches; fresh-only keeps the order and no delta
+            b_ids, b_att, b_resp, b_mask, b_old, b_rewards, delta = ids_rep, att_rep, responses, mask, old_logp, \
+                rewards, None
+            order = list(range(g))
+            replay_stats = {}
+            if replay is not None:
+                fresh_groups = [(prompt_ids[i][prompt_mask[i].bool()], responses[i * k:(i + 1) * k],
+                                 mask[i * k:(i + 1) * k], rewards[i], old_logp[i * k:(i + 1) * k]) for i in range(g)]
+                (b_ids, b_att, b_resp, b_mask, b_old, b_rewards, delta, order,
+                 replay_stats) = replay.step_batch(model, tokenizer, fresh_groups, t_update, cfg)
+                replay.add(fresh_groups, t_update)
+            tau = listwise.group_temperature(b_rewards, method.temperature) * method.temperature_scale
+            target = listwise.gibbs_target(b_rewards, tau, delta)
+            advantages = listwise.pg_advantages(b_rewards, method.estimator) if not method.is_lpo else None
             grad_norms, entropies, losses = [], [], []
-            for mb in range(cfg.mini_batches):
-                gs = slice(mb * g_mb, (mb + 1) * g_mb)
-                rs = slice(mb * g_mb * k, (mb + 1) * g_mb * k)
-                logp, ent = token_logprobs(model, ids_rep[rs], att_rep[rs], responses[rs],
+            for lo in range(0, len(order), g_mb):
+                groups_mb = order[lo:lo + g_mb]
+                gs = torch.tensor(groups_mb)
+                rs = (gs[:, None] * k + torch.arange(k)).reshape(-1)
+                n_mb = len(groups_mb)
+                logp, ent = token_logprobs(model, b_ids[rs], b_att[rs], b_resp[rs],
                                            cfg.sampling_temperature, with_entropy=True)
-                entropies.append(_seq_mean(ent.detach(), mask[rs]).mean().item())
+                entropies.append(_seq_mean(ent.detach(), b_mask[rs]).mean().item())
                 if method.is_lpo:
-                    s = listwise.sequence_log_ratio(logp, old_logp[rs], mask[rs], cfg.clip_eps).view(g_mb, k)
-                    loss = listwise.listwise_loss(s, target[gs], method.divergence)
+                    s = listwise.sequence_log_ratio(logp, b_old[rs], b_mask[rs], cfg.clip_eps).view(n_mb, k)
+                    if delta is not None:
+                        s = s + delta[gs]
+                    loss = listwise.listwise_loss(s, target[gs], divergence)
                 else:
-                    loss = grpo_loss(logp, old_logp[rs], mask[rs], advantages[gs].reshape(-1), cfg.clip_eps)
+                    loss = grpo_loss(logp, b_old[rs], b_mask[rs], advantages[gs].reshape(-1), cfg.clip_eps)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 grad_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)))
                 opt.step()
                 losses.append(loss.item())
+            entropy = sum(entropies) / len(entropies)
+            switched = schedule.observe(t_update, entropy) if method.is_lpo else False
+            target = target[:g]  # the fresh groups' targets, for the KL after the update
             with torch.no_grad():
                 new_logp = token_logprobs(model, ids_rep, att_rep, responses, cfg.sampling_temperature)
                 s_after = _seq_mean(new_logp - old_logp, mask).view(g, k)
@@ -213,7 +305,8 @@ def run_inprocess(method: Method, cfg: RLConfig, model_path: str,
             informative = 1.0 - listwise.degenerate_groups(rewards).float().mean().item()
             row = {
                 "method": method.name, "step": step, "reward": rewards.mean().item(),
-                "entropy": sum(entropies) / len(entropies), "grad_norm": sum(grad_norms) / len(grad_norms),
+                "entropy": entropy, "grad_norm": sum(grad_norms) / len(grad_norms),
+                "optimizer_steps": len(grad_norms), "fresh_rollouts": step * g * k,
                 "kl_target": kl, "loss": sum(losses) / len(losses),
                 "response_length": mask.sum(-1).float().mean().item(),
                 "degenerate_groups": 1.0 - informative, "informative_groups": informative,
@@ -221,6 +314,11 @@ def run_inprocess(method: Method, cfg: RLConfig, model_path: str,
                 "prompt_digest": digest(*[q for q, _ in problems]), "rollout_digest": digest(responses),
                 "step_s": time.time() - ts, "elapsed_s": time.time() - t0, "backend": "inprocess",
             }
+            if method.is_lpo and (method.schedule or method.temperature_scale != 1.0):
+                row.update({"divergence_stage": float(schedule.stage(t_update)), "divergence_switched": float(switched),
+                            "tau_mean": float(tau[torch.isfinite(tau)].mean()) if bool(torch.isfinite(tau).any())
+                            else math.nan})
+            row.update(replay_stats)
             if step in eval_steps:
                 row.update(evaluate_heldout(model, tokenizer, task, heldout_cfg))
             emit(row)

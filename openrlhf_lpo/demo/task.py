@@ -1,6 +1,6 @@
 """Synthetic verifiable tasks for the CPU demo: prompts, labels, every correct answer, a 0/1 reward.
 
-Two tasks are registered in :data:`TASKS` (the demo's ``--task`` flag looks them up):
+Three tasks are registered in :data:`TASKS` (the demo's ``--task`` flag looks them up):
 
 * ``addition``: 2-digit addition (``12+34`` -> ``46``), one correct answer per prompt;
 * ``pairsum``: five distinct digits and a target (``3 8 1 6 5:9``); the answer names two of the
@@ -8,6 +8,10 @@ Two tasks are registered in :data:`TASKS` (the demo's ``--task`` flag looks them
   four correct answers (two disjoint pairs, both orders), so a policy can keep several of them or
   collapse onto one: response diversity and Pass@k can move independently of accuracy. A fifth of
   the (digit set, target) problems is reserved for held-out evaluation and never trained on.
+* ``tripsum``: six distinct digits and a target (``3 8 1 6 5 0:9``); the answer names three listed
+  digits that add up to it (``3+6+0``). One to three triples per prompt (6, 12 or 18 correct answers,
+  every order), so problems differ in difficulty: after the warm-up a fifth of the held-out problems or
+  more are never solved in 16 samples, and Pass@k can move (on pairsum Pass@16 is 1.0 from the start).
 
 A task is a small frozen object; each consumer uses only its public methods and never shares state:
 
@@ -117,9 +121,10 @@ class Task:
 def _canonical(label: str) -> str:
     """The label up to the order of listed digits (``pairsum:38165:9`` -> ``pairsum:13568:9``):
     held-out problems differ from training ones as digit sets, not as permutations of one."""
-    m = _PAIRSUM_LABEL.fullmatch(label)
-    if m:
-        return f"pairsum:{''.join(sorted(m.group(1)))}:{m.group(2)}"
+    for task, pattern in (("pairsum", _PAIRSUM_LABEL), ("tripsum", _TRIPSUM_LABEL)):
+        m = pattern.fullmatch(label)
+        if m:
+            return f"{task}:{''.join(sorted(m.group(1)))}:{m.group(2)}"
     return label
 
 
@@ -149,11 +154,16 @@ _PAIRSUM_LABEL = re.compile(r"pairsum:(\d{5}):(\d{1,2})")
 _PAIRSUM_ANSWER = re.compile(r"(\d)\+(\d)")
 
 
-def _pairsum_parse(label: str) -> Tuple[str, int]:
-    m = _PAIRSUM_LABEL.fullmatch(str(label).strip())
+def _digits_label(label: str, task: str, pattern, n: int) -> Tuple[str, int]:
+    """``(digits, target)`` of a ``<task>:<n digits>:<target>`` label."""
+    m = pattern.fullmatch(str(label).strip())
     if not m:
-        raise ValueError(f"not a pairsum label: {label!r} (expected 'pairsum:<5 digits>:<target>')")
+        raise ValueError(f"not a {task} label: {label!r} (expected '{task}:<{n} digits>:<target>')")
     return m.group(1), int(m.group(2))
+
+
+def _pairsum_parse(label: str) -> Tuple[str, int]:
+    return _digits_label(label, "pairsum", _PAIRSUM_LABEL, PAIRSUM_DIGITS)
 
 
 def pairsum_pairs(digits: str, target: int) -> List[Tuple[int, int]]:
@@ -198,6 +208,68 @@ register_task(
                     "(exactly 4 correct answers per prompt; 20% of problems held out)",
         heldout_fraction=0.2,
         example="3 8 1 6 5:9 -> 8+1, 1+8, 3+6 or 6+3",
+    )
+)
+
+# ----------------------------------------------------------------------------- tripsum
+
+TRIPSUM_DIGITS = 6
+TRIPSUM_MAX_TRIPLES = 3
+_TRIPSUM_LABEL = re.compile(r"tripsum:(\d{6}):(\d{1,2})")
+_TRIPSUM_ANSWER = re.compile(r"(\d)\+(\d)\+(\d)")
+
+
+def _tripsum_parse(label: str) -> Tuple[str, int]:
+    return _digits_label(label, "tripsum", _TRIPSUM_LABEL, TRIPSUM_DIGITS)
+
+
+def tripsum_triples(digits: str, target: int) -> List[Tuple[int, int, int]]:
+    """Unordered triples a < b < c of listed digits with a + b + c == target."""
+    ds = sorted(int(c) for c in digits)
+    n = len(ds)
+    return [(ds[i], ds[j], ds[k]) for i in range(n) for j in range(i + 1, n) for k in range(j + 1, n)
+            if ds[i] + ds[j] + ds[k] == target]
+
+
+def _tripsum(rng: random.Random) -> Tuple[str, str]:
+    """Six distinct digits in random order and a target in [3, 24] that one to three triples reach
+    (rejection sampling): 6, 12 or 18 correct answers (every order of each triple), of uneven difficulty."""
+    while True:
+        ds = rng.sample(range(10), TRIPSUM_DIGITS)
+        target = rng.randint(3, 24)
+        digits = "".join(map(str, ds))
+        if 1 <= len(tripsum_triples(digits, target)) <= TRIPSUM_MAX_TRIPLES:
+            return f"{' '.join(digits)}:{target}", f"tripsum:{digits}:{target}"
+
+
+def _tripsum_solutions(label: str) -> Tuple[str, ...]:
+    from itertools import permutations
+
+    digits, target = _tripsum_parse(label)
+    return tuple(sorted({"+".join(map(str, p)) for t in tripsum_triples(digits, target) for p in permutations(t)}))
+
+
+def _tripsum_check(answer: str, label: str) -> bool:
+    digits, target = _tripsum_parse(label)
+    m = _TRIPSUM_ANSWER.fullmatch(answer)
+    if not m:
+        return False
+    a, b, c = (int(x) for x in m.groups())
+    return len({a, b, c}) == 3 and all(str(x) in digits for x in (a, b, c)) and a + b + c == target
+
+
+register_task(
+    Task(
+        name="tripsum",
+        draw=_tripsum,
+        solutions=_tripsum_solutions,
+        check=_tripsum_check,
+        max_answer_chars=5,
+        description="six distinct digits and a target: name three listed digits that add up to it "
+                    "(one to three triples, 6-18 correct answers; harder than pairsum: Pass@16 below 1 "
+                    "after the warm-up; 20% of problems held out)",
+        heldout_fraction=0.2,
+        example="3 8 1 6 5 0:9 -> 3+6+0, 8+1+0, 3+1+5 and their orders",
     )
 )
 

@@ -213,6 +213,12 @@ class LPOActorTrainer(ActorPPOTrainer):
         self.pass_shapes: List[List[int]] = []  # tokens per no-grad forward of each pass (inspection/tests)
         self._ppo_calls = 0
 
+    def set_divergence(self, divergence: str) -> None:
+        """The divergence of the next updates (--lpo.divergence_schedule; the driver calls it through
+        ``LPOPolicyActor.set_lpo_divergence`` before each update whose divergence changes)."""
+        listwise.parse_divergence(divergence)
+        self.actor_loss_fn.divergence = divergence
+
     # -- distributed helpers
     def _device(self) -> torch.device:
         return next(self.actor.parameters()).device
@@ -536,13 +542,23 @@ class LPOActorTrainer(ActorPPOTrainer):
                   float(start["entropy_target"].sum()), float(degenerate.sum()), float(t[finite].sum()),
                   float(finite.sum()), abs_coef_sum, float(coef_count), behaviour["abs_mean_sum"],
                   behaviour["ess_sum"]]
-        sums = dict(zip(names, self._all_reduce(values)))
-        end = None
+        # the divergence being trained (any registered name or alpha:<a>): every rank holds whole groups
+        div = self.actor_loss_fn.divergence
+        names += ["div_start", "div_last"]
+        values += [float(listwise.listwise_divergence(prev[idx].view(-1, K), w, div).sum()),
+                   float(listwise.listwise_divergence(last_s[idx].view(-1, K), w, div).sum())]
+        s_end = None
         if self.args.lpo.end_kl:
             batches, extra = self._pass_micro_batches(items, list(range(len(items))))
             order = torch.tensor([i for mb in batches for i in mb], dtype=torch.long)
             s_end = torch.empty(len(items), dtype=torch.float64)
             s_end[order] = self._log_ratios(items, batches, prev_ctx, extra)
+        if s_end is not None:
+            names.append("div_end")
+            values.append(float(listwise.listwise_divergence(s_end[idx].view(-1, K), w, div).sum()))
+        sums = dict(zip(names, self._all_reduce(values)))
+        end = None
+        if s_end is not None:
             end = distributed_listwise_stats(torch.tensor(gids), s_end, target, K, group=self._dp_group(),
                                              device=self._device())
         any_finite = bool(finite.any())
@@ -566,7 +582,11 @@ class LPOActorTrainer(ActorPPOTrainer):
             "lpo/shortcut_windows": float(modes["shortcut"]),
             "lpo/pre_pass_windows": float(modes["pre_pass"]),
             "lpo/groups": sums["groups"],
+            "lpo/divergence_start": sums["div_start"] / G,
+            "lpo/divergence_last": sums["div_last"] / G,
         }
+        if "div_end" in sums:
+            out["lpo/divergence_end"] = sums["div_end"] / G
         if self.correction is not None:
             out["lpo/behaviour_abs_mean"] = sums["behaviour_abs"] / G
             out["lpo/behaviour_abs_max"] = ext[2]

@@ -34,12 +34,15 @@ after its own advantages, for the logged KL(w*||P) only; its advantages stay sto
 
 from __future__ import annotations
 
-from typing import List
+import copy
+import math
+from dataclasses import fields
+from typing import Dict, List
 
 import torch
 
 from openrlhf.models.utils import compute_reward
-from openrlhf.trainer.ppo_utils.experience import Experience
+from openrlhf.trainer.ppo_utils.experience import Experience, remove_padding_in_sequences, split_experience_batch
 from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
 from openrlhf.trainer.ppo_utils.length_penalty import apply_length_penalties
 from openrlhf.utils.logging_utils import init_logger
@@ -47,14 +50,31 @@ from openrlhf.utils.logging_utils import init_logger
 from openrlhf_lpo import listwise
 from openrlhf_lpo.openrlhf import layout
 from openrlhf_lpo.openrlhf.config import dp_size, listwise_metrics_enabled
-from openrlhf_lpo.openrlhf.offpolicy import behaviour_log_ratio, correction_from_args
+from openrlhf_lpo.openrlhf.offpolicy import UNTRUNCATED, behaviour_log_ratio, behaviour_stats, correction_from_args
+from openrlhf_lpo.openrlhf.replay import REPLAY_INFO_KEYS, fingerprint
 from openrlhf_lpo.openrlhf.vlm import group_key
 
 __all__ = ["LPOExperienceMaker", "LPO_INFO_KEYS", "rank_experiences"]
 
 logger = init_logger(__name__)
 
-LPO_INFO_KEYS = ("lpo_gid", "lpo_reward", "lpo_target", "lpo_prev_log_ratio", "lpo_tau")
+LPO_INFO_KEYS = ("lpo_gid", "lpo_reward", "lpo_target", "lpo_prev_log_ratio", "lpo_tau") + REPLAY_INFO_KEYS
+
+
+def _as_sample(item: Experience) -> Experience:
+    """A split-off batch row back in the single-sample layout the rollout makes (batch dim 1): step
+    tensors [1, T], episode tensors and info values [1]; it can be concatenated again."""
+    for f in fields(Experience):
+        value = getattr(item, f.name)
+        if isinstance(value, torch.Tensor):
+            setattr(item, f.name, value.unsqueeze(0))
+    item.info = {k: (v.reshape(1) if isinstance(v, torch.Tensor) else v) for k, v in item.info.items()}
+    return item
+
+
+def _fingerprint_rows(rows, indices) -> float:
+    """``replay.fingerprint`` of the dealt samples ``indices`` (``rows``: sample index -> (experience, row))."""
+    return fingerprint((rows[i][0].sequences[rows[i][1]], rows[i][0].attention_mask[rows[i][1]]) for i in indices)
 
 
 def rank_experiences(experiences: List[Experience], dp: int) -> List[Experience]:
@@ -76,18 +96,20 @@ class LPOExperienceMaker(RemoteExperienceMaker):
     """RemoteExperienceMaker with LPO (group-aligned split, w* per sample) and MaxRL."""
 
     # ------------------------------------------------------------------ split
-    def split_rollout_samples(self, rollout_samples):
-        if self.advantage_estimator != "lpo":
-            return super().split_rollout_samples(rollout_samples)
-        args = self.args
-        K = args.rollout.n_samples_per_prompt
+    replay = None  # ReplayBuffer, set by the trainer with --lpo.replay_batches (replay.py)
+    replay_step = 0  # the global step of the batch being made (set by the trainer)
+    last_replay_stats: Dict[str, float] = {}
+
+    def _canonical_groups(self, rollout_samples) -> List[List[Experience]]:
+        """The rollout's prompt groups (K consecutive samples sharing a prompt), in a canonical order."""
+        K = self.args.rollout.n_samples_per_prompt
         n = len(rollout_samples)
         if n % K:
             raise ValueError(
                 f"{n} rollout samples is not a multiple of --rollout.n_samples_per_prompt {K}; "
                 "LPO needs every prompt's K responses"
             )
-        groups = [rollout_samples[g * K:(g + 1) * K] for g in range(n // K)]
+        groups = [list(rollout_samples[g * K:(g + 1) * K]) for g in range(n // K)]
         for g, members in enumerate(groups):
             if len({group_key(m) for m in members}) != 1:  # prompt text and images
                 raise ValueError(
@@ -97,33 +119,153 @@ class LPOExperienceMaker(RemoteExperienceMaker):
         # groups arrive in completion order (ray.wait): a canonical order makes the layout, and so the
         # update, independent of which prompt finished first (reproducible runs and resumes)
         groups.sort(key=lambda members: (str(group_key(members[0])), str(members[0].labels)))
-        rollout_samples = [m for members in groups for m in members]
-        dp = dp_size(args)
-        used, dropped = layout.ranked_groups(n // K, dp)
+        return groups
+
+    def _ranked(self, groups: List[List[Experience]]) -> List[List[Experience]]:
+        """The first groups that divide evenly over the data-parallel ranks (the rest dropped, warned)."""
+        dp = dp_size(self.args)
+        used, dropped = layout.ranked_groups(len(groups), dp)
         if used == 0:
-            raise ValueError(f"{n // K} prompt groups cannot give each of the {dp} data-parallel ranks one")
+            raise ValueError(f"{len(groups)} prompt groups cannot give each of the {dp} data-parallel ranks one")
         if dropped:
             logger.warning(
-                f"LPO: partial rollout batch of {n // K} prompts for {dp} data-parallel ranks; training on "
+                f"LPO: partial rollout batch of {len(groups)} prompts for {dp} data-parallel ranks; training on "
                 f"{used} and dropping the last {dropped} (groups stay whole and equal per rank)"
             )
-            rollout_samples = rollout_samples[: used * K]
-        for i, sample in enumerate(rollout_samples):
+        return groups[:used]
+
+    def _deal(self, groups: List[List[Experience]]) -> List[Experience]:
+        """Group ids in order, the groups dealt to the ranks in equal counts (token-balanced under dynamic
+        batching), each rank's samples cut into the same number of forward chunks (layout.py)."""
+        args = self.args
+        K = args.rollout.n_samples_per_prompt
+        samples = [m for members in groups for m in members]
+        for i, sample in enumerate(samples):
             sample.index = [i]
             sample.info["lpo_gid"] = torch.tensor([i // K], dtype=torch.long)
-        lengths = [int(s.total_length.reshape(-1)[0].item()) for s in rollout_samples]
+        lengths = [int(s.total_length.reshape(-1)[0].item()) for s in samples]
         dynamic = bool(args.train.dynamic_batch_enable)
-        ranks = layout.assign_groups([sum(lengths[g * K:(g + 1) * K]) for g in range(used)], dp, balance=dynamic)
-        per_rank = [[g * K + k for g in groups for k in range(K)] for groups in ranks]
+        n = len(groups)
+        ranks = layout.assign_groups([sum(lengths[g * K:(g + 1) * K]) for g in range(n)], dp_size(args), balance=dynamic)
+        per_rank = [[g * K + k for g in gs for k in range(K)] for gs in ranks]
         if dynamic:
             chunks = layout.forward_chunks(per_rank, lengths=lengths, budget=int(args.rollout.max_tokens_per_gpu))
         else:
             chunks = layout.forward_chunks(per_rank, micro=int(args.rollout.micro_batch_size))
         pad = self.tokenizer.pad_token_id
-        return [
-            Experience.concat_experiences([rollout_samples[i] for i in chunk], pad)
-            for rank_chunks in chunks for chunk in rank_chunks
-        ]
+        return [Experience.concat_experiences([samples[i] for i in chunk], pad)
+                for rank_chunks in chunks for chunk in rank_chunks]
+
+    def split_rollout_samples(self, rollout_samples):
+        if self.advantage_estimator != "lpo":
+            return super().split_rollout_samples(rollout_samples)
+        return self._deal(self._ranked(self._canonical_groups(rollout_samples)))
+
+    # ------------------------------------------------------------------ listwise replay
+    def make_experience_batch(self, rollout_samples) -> List[Experience]:
+        if self.advantage_estimator != "lpo" or self.replay is None:
+            return super().make_experience_batch(rollout_samples)
+        samples_list, fresh = self.replay_samples(rollout_samples)
+        experiences = self.make_experience(samples_list)
+        experiences = self.after_replay_forward(experiences, fresh)
+        return self.compute_advantages_and_returns(experiences)
+
+    def replay_samples(self, rollout_samples):
+        """Fresh groups plus ``round down(ratio x fresh groups)`` replayed ones (trimmed so that the total
+        divides over the ranks), dealt like a rollout batch. Returns (forward chunks, fresh groups)."""
+        args = self.args
+        dp = dp_size(args)
+        fresh = self._ranked(self._canonical_groups(rollout_samples))
+        want = int(math.floor(float(args.lpo.replay_ratio) * len(fresh)))
+        drawn = self.replay.draw(want, self.replay_step)
+        keep = len(drawn) - (len(fresh) + len(drawn)) % dp
+        self._replay_counts = {"drawn": len(drawn), "trimmed": len(drawn) - keep}
+        drawn = drawn[:keep]
+        behaviour = all(m.rollout_log_probs is not None for g in fresh for m in g)
+        snapshot = copy.deepcopy(fresh)  # as the rollout made them: what the buffer keeps
+        for g in fresh:
+            for m in g:
+                m.info["lpo_replayed"] = torch.zeros(1)
+                m.info["lpo_replay_age"] = torch.zeros(1)
+                if not behaviour:  # filled with pi_t's log-probs after the forward (the sampling policy in sync mode)
+                    m.rollout_log_probs = torch.zeros(m.action_mask.shape, dtype=torch.float32)
+        self._fresh_has_behaviour = behaviour
+        return self._deal(fresh + drawn), snapshot
+
+    @torch.no_grad()
+    def after_replay_forward(self, experiences: List[Experience], snapshot) -> List[Experience]:
+        """After the old-log-prob forward: the fresh groups' behaviour log-probs go into the buffer (the
+        engine's when the rollout has them, else the start-of-update actor's), each replayed group's s_t
+        is measured against its own behaviour log-probs, groups with any |s_t| above
+        ``--lpo.replay_max_abs_s`` are dropped (with more replayed groups if the ranks need equal counts),
+        and the survivors are dealt again. Sets ``last_replay_stats``."""
+        args = self.args
+        K = args.rollout.n_samples_per_prompt
+        n_fresh = len(snapshot)
+        rows = {}  # sample index -> (experience, row)
+        for exp in experiences:
+            for r, i in enumerate(exp.index):
+                rows[i] = (exp, r)
+        if not self._fresh_has_behaviour:
+            for exp in experiences:
+                fresh_rows = exp.info["lpo_replayed"].reshape(-1) == 0
+                exp.rollout_log_probs[fresh_rows] = exp.action_log_probs[fresh_rows].to(exp.rollout_log_probs.dtype)
+        for g, members in enumerate(snapshot):
+            for k, m in enumerate(members):
+                exp, r = rows[g * K + k]
+                width = m.action_mask.shape[-1]
+                m.rollout_log_probs = exp.rollout_log_probs[r:r + 1, :width].float().clone()
+                m.info.pop("lpo_gid", None)
+        self.replay.add(snapshot, self.replay_step)
+
+        n_groups = len(rows) // K
+        correction = correction_from_args(args) or UNTRUNCATED
+        delta = torch.zeros(n_groups * K, dtype=torch.float64)
+        age = torch.zeros(n_groups * K, dtype=torch.float64)
+        for exp in experiences:
+            d = behaviour_log_ratio(exp.action_log_probs, exp.rollout_log_probs, exp.action_mask, correction)
+            idx = torch.tensor(exp.index)
+            delta[idx] = d.to(delta.dtype)
+            age[idx] = exp.info["lpo_replay_age"].reshape(-1).double()
+        d_rep = delta.view(n_groups, K)[n_fresh:]
+        limit = getattr(args.lpo, "replay_max_abs_s", None)
+        stale = (d_rep.abs().amax(-1) > limit) if limit else torch.zeros(d_rep.shape[0], dtype=torch.bool)
+        keep = [g for g in range(n_fresh, n_groups) if not bool(stale[g - n_fresh])]
+        extra = (n_fresh + len(keep)) % dp_size(args)
+        trimmed = keep[len(keep) - extra:] if extra else []
+        keep = keep[:len(keep) - extra]
+        kept = torch.tensor(keep, dtype=torch.long) - n_fresh
+        d_kept = d_rep[kept] if len(keep) else d_rep[:0]
+        stats = {
+            "lpo/replay_groups": float(len(keep)),
+            "lpo/replay_drawn": float(self._replay_counts["drawn"]),
+            "lpo/replay_dropped_stale": float(stale.sum()),
+            "lpo/replay_dropped_layout": float(self._replay_counts["trimmed"] + len(trimmed)),
+            "lpo/replay_buffer_groups": float(self.replay.num_groups),
+            "lpo/replay_fresh_groups": float(n_fresh),
+        }
+        if d_rep.numel():
+            stats["lpo/replay_abs_s_mean"] = float(d_rep.abs().mean())
+            stats["lpo/replay_abs_s_max"] = float(d_rep.abs().max())
+        if len(keep):
+            b = behaviour_stats(d_kept)
+            stats["lpo/replay_ess"] = b["ess_sum"] / b["groups"]
+            stats["lpo/replay_age_mean"] = float(age.view(n_groups, K)[torch.tensor(keep), 0].mean())
+        if len(keep) == n_groups - n_fresh:
+            survivors = experiences
+            stats["lpo/replay_fingerprint"] = _fingerprint_rows(rows, range(n_fresh * K, n_groups * K))
+        else:  # deal the surviving groups again (fresh first, then the replayed ones in draw order)
+            items = {}
+            for exp in experiences:
+                index = list(exp.index)
+                for item, i in zip(remove_padding_in_sequences(split_experience_batch(copy.deepcopy(exp))), index):
+                    items[i] = _as_sample(item)
+            groups = [[items[g * K + k] for k in range(K)] for g in list(range(n_fresh)) + keep]
+            stats["lpo/replay_fingerprint"] = fingerprint((m.sequences, m.attention_mask) for g in groups[n_fresh:]
+                                                          for m in g)
+            survivors = self._deal(groups)
+        self.last_replay_stats = stats
+        return survivors
 
     # ------------------------------------------------------------------ advantages
     @torch.no_grad()
@@ -208,12 +350,24 @@ def _attach_targets(experiences: List[Experience], args) -> None:
     rewards = torch.empty_like(flat)
     rewards[order] = flat
     rewards = rewards.view(-1, K)  # [G, K], prompt-major like the rollout
+    lpo = args.algo.advantage.estimator == "lpo"
     tau = listwise.group_temperature(rewards, args.lpo.temperature)
+    if lpo:  # --lpo.temperature_scale: tau x scale for any temperature mode
+        tau = tau * float(getattr(args.lpo, "temperature_scale", None) or 1.0)
     prev = torch.zeros_like(rewards)
-    correction = correction_from_args(args) if args.algo.advantage.estimator == "lpo" else None
-    if correction is not None:
+    correction = correction_from_args(args) if lpo else None
+    replayed = torch.cat([exp.info["lpo_replayed"].reshape(-1) > 0 if "lpo_replayed" in exp.info else
+                          torch.zeros(len(exp.index), dtype=torch.bool) for exp in experiences])
+    if correction is not None or bool(replayed.any()):
+        # s_t = delta against each sample's behaviour log-probs: the configured correction, and for replayed
+        # groups without one the untruncated log-ratio (replay.py)
         delta = torch.cat([behaviour_log_ratio(exp.action_log_probs, exp.rollout_log_probs, exp.action_mask,
-                                               correction) for exp in experiences])
+                                               correction) for exp in experiences]) if correction is not None \
+            else torch.zeros(replayed.numel(), dtype=torch.float64)
+        if correction is None:
+            rep = torch.cat([behaviour_log_ratio(exp.action_log_probs, exp.rollout_log_probs, exp.action_mask,
+                                                 UNTRUNCATED) for exp in experiences])
+            delta = torch.where(replayed, rep, delta)
         prev.view(-1)[order] = delta.to(prev.dtype)
     target = listwise.gibbs_target(rewards, tau, prev_log_ratio=prev)
     degenerate = listwise.degenerate_groups(rewards)

@@ -15,12 +15,15 @@ the lag. ``--algo.advantage.is_correction_*`` chooses corr (token level, ratio g
 
     clip   per-token log-ratios truncated to [log low, log high]   (TIS)
     mask   tokens whose ratio leaves [low, high] drop out of s and delta (ICEPOP)
+    none   no truncation (``UNTRUNCATED``): replayed groups when no correction is set (their
+           staleness is bounded by --lpo.replay_max_abs_s instead)
 
 Sequence-level rejection and the binary_kl / tv gates are refused for LPO (cli/flags.py): a
 rejected member would have to leave the list, changing K per group.
 
 Public names (stable):
     BehaviourCorrection(mode, low, high)  (None = off: delta = 0, the on-policy assumption)
+    UNTRUNCATED                           BehaviourCorrection("none"): delta = the plain mean log-ratio
     correction_from_args(args) -> BehaviourCorrection | None
     token_keep_mask(old_log_probs, rollout_log_probs, action_mask, correction) -> action mask
     behaviour_log_ratio(old_log_probs, rollout_log_probs, action_mask, correction) -> delta [B]
@@ -35,7 +38,7 @@ from typing import Dict, Optional
 
 import torch
 
-__all__ = ["BehaviourCorrection", "correction_from_args", "token_keep_mask", "behaviour_log_ratio",
+__all__ = ["BehaviourCorrection", "UNTRUNCATED", "correction_from_args", "token_keep_mask", "behaviour_log_ratio",
            "behaviour_stats"]
 
 
@@ -46,14 +49,19 @@ class BehaviourCorrection:
     high: float
 
     def __post_init__(self):
-        if self.mode not in ("clip", "mask"):
-            raise ValueError(f"behaviour correction mode {self.mode!r}: use clip or mask")
-        if not (0.0 < self.low < self.high):
+        if self.mode not in ("clip", "mask", "none"):
+            raise ValueError(f"behaviour correction mode {self.mode!r}: use clip, mask or none")
+        if self.mode != "none" and not (0.0 < self.low < self.high):
             raise ValueError(f"behaviour correction band [{self.low}, {self.high}] needs 0 < low < high")
 
     @property
     def log_band(self):
+        if self.mode == "none":
+            return -math.inf, math.inf
         return math.log(self.low), math.log(self.high)
+
+
+UNTRUNCATED = BehaviourCorrection("none", 0.0, math.inf)
 
 
 def correction_from_args(args) -> Optional[BehaviourCorrection]:

@@ -102,6 +102,13 @@ PATCH_POINTS: List[PatchPoint] = [
     PatchPoint("dynamic-step-flags", "openrlhf.trainer.ppo_utils.replay_buffer",
                "NaiveReplayBuffer.setup_dynamic_batch", "contract",
                "training_step reads replay_buffer.dynamic_optimizer_step[step]; lpo fills it from its own plan"),
+    PatchPoint("save-logs-and-checkpoints", "openrlhf.trainer.ppo_trainer", "BasePPOTrainer.save_logs_and_checkpoints",
+               "contract", "overridden by the LPO trainers: the divergence schedule's and replay buffer's state joins "
+               "client_states, the replay buffer is written on checkpoint steps (openrlhf/research.py)"),
+    PatchPoint("checkpoint-states", "openrlhf.trainer.ppo_trainer", "BasePPOTrainer.init_checkpoint_states", "contract",
+               "called by the LPO trainers on resume: the actor's client_states of the loaded checkpoint"),
+    PatchPoint("rollout-stats", "openrlhf.trainer.ppo_trainer", "BasePPOTrainer._compute_rollout_stats", "contract",
+               "overridden by the LPO trainers: with listwise replay, rollout/* over the fresh samples only"),
     PatchPoint("vlm-merge", "openrlhf.utils.vlm_utils", "merge_mm_train_inputs", "contract",
                "LPO's no-grad passes batch a micro-batch's images as training_step does (openrlhf/vlm.py)"),
     PatchPoint("vlm-rollout", "openrlhf.utils.agent", "SingleTurnAgentExecutor.execute", "contract",
@@ -166,8 +173,15 @@ def rebind(namespace: dict):
             namespace[attr] = old
 
 
+def _trainer_base():
+    from openrlhf.trainer.ppo_trainer import BasePPOTrainer
+
+    return BasePPOTrainer
+
+
 def _params(fn) -> List[str]:
-    return list(inspect.signature(fn).parameters)
+    # Ray's actor decorator adds a tracing parameter to the methods of classes it wraps
+    return [p for p in inspect.signature(fn).parameters if p != "_ray_trace_ctx"]
 
 
 def check_contracts() -> None:
@@ -196,6 +210,10 @@ def check_contracts() -> None:
         "training-step": (ppo_actor.ActorPPOTrainer.training_step,
                           ["self", "experience", "kl_ctl", "step", "loss_batch_info"]),
         "ppo-train": (ppo_actor.ActorPPOTrainer.ppo_train, ["self", "kl_ctl"]),
+        "save-logs-and-checkpoints": (_trainer_base().save_logs_and_checkpoints,
+                                      ["self", "global_step", "logs_dict", "client_states"]),
+        "checkpoint-states": (_trainer_base().init_checkpoint_states, ["self"]),
+        "rollout-stats": (_trainer_base()._compute_rollout_stats, ["self", "experiences"]),
     }
     for name, (fn, params) in expected.items():
         if _params(fn) != params:
@@ -259,6 +277,12 @@ def check_contracts() -> None:
             _params(getattr(ppo_trainer_async.GenerateSamplesActor, "__ray_actor_class__",
                             ppo_trainer_async.GenerateSamplesActor).fit)[:3] != ["self", "episode", "total_consumed_prompts"]:
         raise RuntimeError("patch point resume-position: the prompt position is no longer restored as expected")
+    for name, fn, needle in (("save-logs-and-checkpoints", _trainer_base().save_logs_and_checkpoints,
+                              "client_states=client_states"),
+                             ("checkpoint-states", _trainer_base().init_checkpoint_states, "get_checkpoint_states"),
+                             ("rollout-stats", ppo_trainer.BasePPOTrainer.train_step, "self._compute_rollout_stats(")):
+        if needle not in inspect.getsource(fn):
+            raise RuntimeError(f"patch point {name}: {fn.__qualname__} no longer contains {needle!r}")
     init_src = inspect.getsource(getattr(ppo_actor.PolicyModelActor, "__ray_actor_class__",
                                          ppo_actor.PolicyModelActor).init_model_from_pretrained)
     if "ActorPPOTrainer(" not in init_src:

@@ -52,6 +52,7 @@ from openrlhf_lpo.openrlhf.config import dp_size
 from openrlhf_lpo.openrlhf.experience_maker import LPOExperienceMaker, rank_experiences
 from openrlhf_lpo.openrlhf.request_seeds import SeededGenerateSamples, SeededRollouts
 from openrlhf_lpo.openrlhf.reward_guard import RewardErrorGuard
+from openrlhf_lpo.openrlhf.research import TrainerExtensions, enabled as research_enabled
 from openrlhf_lpo.openrlhf.vlm import save_processor_files
 
 __all__ = ["LPOPolicyActor", "LPOTrainer", "LPOTrainingActor", "LPOGenerateSamplesActor", "LPOTrainerAsync",
@@ -168,6 +169,10 @@ class LPOPolicyActor(HFExportRotation, _StockPolicyActor):
         super().save_model()
         self._save_processor(self.strategy.args.ckpt.output_dir)
 
+    def set_lpo_divergence(self, divergence: str) -> None:
+        """--lpo.divergence_schedule: the divergence of the next updates (openrlhf/research.py)."""
+        self.trainer.set_divergence(divergence)
+
     def save_checkpoint(self, tag, *args, **kwargs):
         result = super().save_checkpoint(tag, *args, **kwargs)
         if self.strategy.args.ckpt.save_hf:
@@ -200,8 +205,29 @@ class _LPOTrainerMixin:
             logger.warning(f"LPO: skipping a rollout batch of {n_groups} prompt groups: fewer than the {dp} "
                            "data-parallel ranks (each rank needs whole groups)")
             return {"lpo/skipped_groups": float(n_groups)}, global_step
+        ext = self._lpo_extensions()
+        if ext is not None:
+            ext.before_step(global_step)
         with mock.patch.object(_ppo_trainer_mod, "balance_experiences", lambda exps, _args: rank_experiences(exps, dp)):
-            return super().train_step(rollout_samples, global_step)
+            status, step = super().train_step(rollout_samples, global_step)
+        return (ext.after_step(global_step, status) if ext is not None else status), step
+
+    # --lpo.divergence_schedule / --lpo.replay_batches: driver-side state (openrlhf/research.py)
+    def _lpo_extensions(self):
+        if not hasattr(self, "_lpo_ext"):
+            self._lpo_ext = TrainerExtensions(self) if research_enabled(self.args) else None
+        return self._lpo_ext
+
+    def save_logs_and_checkpoints(self, global_step, logs_dict=None, client_states=None):
+        ext = self._lpo_extensions() if self.args.algo.advantage.estimator == "lpo" else None
+        if ext is not None:
+            client_states = ext.checkpoint(global_step, client_states)
+        return super().save_logs_and_checkpoints(global_step, logs_dict, client_states)
+
+    def _compute_rollout_stats(self, experiences):
+        ext = self._lpo_extensions() if self.args.algo.advantage.estimator == "lpo" else None
+        stock = super()._compute_rollout_stats
+        return stock(experiences) if ext is None else ext.fresh_rollout_stats(experiences, stock)
 
 
 class LPOTrainer(RewardErrorGuard, SeededRollouts, _LPOTrainerMixin, _StockPPOTrainer):

@@ -62,7 +62,7 @@ def test_readme_table_is_what_lpo_explain_prints_and_it_is_right():
     np.testing.assert_allclose(table[:, 4], c, atol=0.501e-5, rtol=0)
     np.testing.assert_allclose(table[:, 5], a, atol=0.501e-4, rtol=0)
     summary = printed[10]
-    m = re.match(r"D = (\S+); sum c = (\S+); sum \|c\| = (\S+)\.", summary)
+    m = re.match(r"D = (\S+); sum c = (\S+); sum \|c\| = (\S+) \(bound 2\)\.", summary)
     assert m, summary
     assert abs(float(m.group(1)) - d) < 0.5e-6 and abs(float(m.group(2))) < 1e-12
     assert abs(float(m.group(3)) - np.abs(c).sum()) < 0.5e-4
@@ -100,3 +100,46 @@ def test_bad_input_names_the_flag(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--rewards", "1", "0", "--temperature", "median"])
     assert e.value.code == 2 and "unknown temperature 'median'; valid: mean, one, std" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("divergence, bound", [("hellinger", "bound 2"), ("tv", "bound 1"), ("alpha:0.5", "bound 4"),
+                                               ("alpha:2", "no bound"), ("alpha:-0.5", "no bound"), ("js", "no bound")])
+def test_the_divergence_family_with_its_coefficients_and_bound(divergence, bound, capsys):
+    """Off-policy (current s given): the printed c equals central finite differences of the divergence's
+    definition, computed here in numpy; the summary states the proven bound on sum |c|."""
+    from openrlhf_lpo.explain import main
+
+    rewards, s = [1.0, 0.0, 0.0, 0.5], np.array([0.1, 0.0, -0.1, 0.05])
+    main(["--rewards", *map(str, rewards), "--divergence", divergence, "--log-ratio", *map(str, s)])
+    text = capsys.readouterr().out
+    r = np.asarray(rewards)
+    x = (r - r.max()) / np.std(r, ddof=1)
+    w = np.exp(x) / np.exp(x).sum()
+
+    def div(s):
+        p = np.exp(s - s.max()) / np.exp(s - s.max()).sum()
+        if divergence == "hellinger":
+            return ((np.sqrt(w) - np.sqrt(p)) ** 2).sum()
+        if divergence == "tv":
+            return 0.5 * np.abs(w - p).sum()
+        if divergence == "js":
+            m = (p + w) / 2
+            return 0.5 * (np.sum(p * np.log(p / m)) + np.sum(w * np.log(w / m)))
+        a = float(divergence.split(":")[1])
+        return (np.sum(w ** a * p ** (1 - a)) - 1) / (a * (a - 1))
+
+    h = 1e-6
+    c = np.array([(div(s + h * np.eye(4)[k]) - div(s - h * np.eye(4)[k])) / (2 * h) for k in range(4)])
+    table = _table(text)
+    np.testing.assert_allclose(table[:, 4], c, atol=0.6e-5, rtol=0)
+    assert f"divergence={divergence}" in text.splitlines()[0]
+    summary = [line for line in text.splitlines() if line.startswith("D = ")][0]
+    assert f"({bound})" in summary and abs(float(summary.split(";")[0][4:]) - div(s)) < 0.5e-6
+
+
+def test_bad_divergence_names_the_family(capsys):
+    from openrlhf_lpo.explain import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--rewards", "1", "0", "--divergence", "alpha:nan"])
+    assert e.value.code == 2 and "divergence 'alpha:nan': a = nan must be a finite real number" in capsys.readouterr().err

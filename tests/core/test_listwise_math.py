@@ -13,10 +13,7 @@ from openrlhf_lpo import listwise as lw
 # ------------------------------------------------------------------ float64 reference (numpy)
 
 
-def ref_softmax(x):
-    z = x - x.max(axis=-1, keepdims=True)
-    e = np.exp(z)
-    return e / e.sum(axis=-1, keepdims=True)
+from simplex_reference import finite_differences, softmax as ref_softmax  # noqa: E402
 
 
 def ref_temperature(r, mode):
@@ -62,12 +59,7 @@ def ref_divergence(s, w, name):
 
 def ref_coefficients(s, w, name, h=1e-6):
     """Central finite differences of the reference divergence (float64)."""
-    out = np.zeros_like(s)
-    for k in range(s.shape[1]):
-        e = np.zeros_like(s)
-        e[:, k] = h
-        out[:, k] = (ref_divergence(s + e, w, name) - ref_divergence(s - e, w, name)) / (2 * h)
-    return out
+    return finite_differences(lambda x: ref_divergence(x, w, name), s, h)
 
 
 # ------------------------------------------------------------------ strategies
@@ -367,8 +359,9 @@ def test_pg_advantages_reference():
         (lambda: lw.group_temperature(torch.ones(2, 3), 0), "positive"),
         (lambda: lw.group_temperature(torch.ones(2, 3), float("nan")), "positive"),
         (lambda: lw.group_temperature(torch.ones(2, 3), "median"), "valid: mean, one, std"),
-        (lambda: lw.listwise_divergence(torch.zeros(2, 3), torch.full((2, 3), 1 / 3), "tv"), "valid: fwd, js, rev"),
-        (lambda: lw.listwise_coefficients(torch.zeros(2, 3), torch.full((2, 3), 1 / 3), "kl"), "valid: fwd, js, rev"),
+        (lambda: lw.listwise_divergence(torch.zeros(2, 3), torch.full((2, 3), 1 / 3), "chi2"),
+         r"valid: fwd, hellinger, js, rev, tv or alpha:<a> \(any real a\)"),
+        (lambda: lw.listwise_coefficients(torch.zeros(2, 3), torch.full((2, 3), 1 / 3), "kl"), "valid: fwd, hellinger, js"),
         (lambda: lw.listwise_loss(torch.zeros(2, 3), torch.full((2, 3), 1 / 3), "fwd", "ranked"), "valid: listwise, pointwise"),
         (lambda: lw.pg_advantages(torch.ones(2, 3), "ppo"), "valid: dr_grpo, grpo, maxrl"),
         (lambda: lw.gibbs_target(torch.tensor([[-1.0, 0.0]]), "mean"), "non-negative"),

@@ -65,9 +65,12 @@ def test_rooms_import_one_way():
     assert not edges.get("listwise"), "listwise.py is pure torch: it imports nothing of ours"
     # the extension may call down into the evaluation package (training-time eval), never the reverse
     # reward_errors.py (shared by the reward file and the trainer) and hf_exports.py (shared by the DeepSpeed
-    # and Megatron actors) are leaves: they import nothing of ours
-    assert edges["openrlhf"] <= {"listwise", "metrics", "evaluation", "reward_errors", "hf_exports"}, edges["openrlhf"]
+    # and Megatron actors) are leaves: they import nothing of ours; schedule.py (divergence schedules) is
+    # pure Python on top of listwise, like metrics
+    assert edges["openrlhf"] <= {"listwise", "metrics", "schedule", "evaluation", "reward_errors", "hf_exports"}, \
+        edges["openrlhf"]
     assert not edges.get("reward_errors") and not edges.get("hf_exports")
+    assert edges.get("schedule", set()) <= {"listwise"}, edges.get("schedule")
     assert not edges.get("engines"), edges.get("engines")
     assert not ({"cpu", "cpu_megatron", "openrlhf", "demo"} & edges["megatron"]), edges["megatron"]
     # evaluation reads benchmark data through the product's readers (data: code sets, Geometry3k with its

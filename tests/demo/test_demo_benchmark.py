@@ -10,8 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from openrlhf_lpo.demo.loop import RLConfig, run_inprocess
-from openrlhf_lpo.demo.methods import METHODS
 from openrlhf_lpo.demo.stats import mean_ci
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "toy_sample_efficiency.py"
@@ -25,20 +23,11 @@ def _bench():
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    from openrlhf_lpo.tiny import build_tiny_model
+def runs(micro_tiny_model):
+    from conftest import inprocess_runs
 
-    model = build_tiny_model(tmp_path_factory.mktemp("m") / "micro", seed=3, hidden_size=32, num_layers=1,
-                             num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64)
-    out = {}
-    for seed in (0, 1):
-        for m in ("lpo-fwd", "grpo"):
-            cfg = RLConfig(task="pairsum", k=2, prompts_per_step=4, steps=2, seed=seed, threads=1, eval_every=2,
-                           eval_prompts=6, eval_samples=4)
-            rows = []
-            run_inprocess(METHODS[m], cfg, str(model), on_row=rows.append, progress=False)
-            out[(m, 2, seed)] = rows
-    return out
+    return inprocess_runs(micro_tiny_model, ("lpo-fwd", "grpo"), 2, (0, 1), task="pairsum", prompts_per_step=4,
+                          steps=2, eval_every=2, eval_prompts=6, eval_samples=4)
 
 
 def test_pairing_holds_and_a_broken_pair_is_caught(runs):

@@ -124,8 +124,9 @@ def test_pairsum_checker_against_brute_force():
             assert score(c + "<|im_end|>", label) == float(c in good)
 
 
-def test_pairsum_heldout_split_is_disjoint_by_digit_set():
-    task = get_task("pairsum")
+@pytest.mark.parametrize("name", ["pairsum", "tripsum"])
+def test_heldout_split_is_disjoint_by_digit_set(name):
+    task = get_task(name)
     canon = lambda q: ("".join(sorted(q.split(":")[0].split(" "))), q.split(":")[1])  # noqa: E731
     train = {canon(q) for q, _ in task.problems(3000, seed=1, split="train")}
     held = {canon(q) for q, _ in task.problems(600, seed=2, split="heldout")}
@@ -136,7 +137,7 @@ def test_pairsum_heldout_split_is_disjoint_by_digit_set():
     # a permutation of the listed digits stays in the same split
     q, lab = allp[0]
     digits, target = lab.split(":")[1:]
-    assert task.split_of(f"pairsum:{digits[::-1]}:{target}") == task.split_of(lab)
+    assert task.split_of(f"{name}:{digits[::-1]}:{target}") == task.split_of(lab)
 
 
 def test_sft_stream_draws_answers_uniformly_and_keeps_the_problem_stream():

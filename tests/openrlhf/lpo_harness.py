@@ -191,12 +191,21 @@ def make_rollout_samples(G, K, seed=0, vocab=(4, 90), pad_id=0):
 
 def check_matrix_row(row, rel_tol):
     """One exactness case: a non-trivial reference, every step within ``rel_tol`` of it, the expected
-    source of c per window (two windows x two epochs), and P really moved between windows."""
+    source of c per window (two windows x two epochs; more with replayed groups), and P really moved
+    between windows. Replay cases: the staleness filter kept exactly the drawn groups whose planted
+    |s_t| is within the threshold, and dropped some."""
     assert row["scale"] > 1e-3, "reference gradient is trivially small; the check would be vacuous"
     assert row["rel"] < rel_tol, f"max |grad - reference| = {row['err']:.3e} ({row['rel']:.1e} relative)"
-    expected = ["one_pass"] * 4 if row["whole"] else ["shortcut", "pre_pass", "pre_pass", "pre_pass"]
+    n = row.get("n_steps", 4)
+    expected = ["one_pass"] * n if row["whole"] else ["shortcut"] + ["pre_pass"] * (n - 1)
     assert row["modes"] == expected
     assert row["kl_moved"] > 1e-3, "the updates did not move P: later windows would not test fresh coefficients"
+    if "replay" in row:
+        rp = row["replay"]
+        assert rp["trained"] and rp["stale"], f"the case must train replayed groups and drop stale ones: {rp}"
+        assert rp["trained"] == rp["expected_trained"], rp
+        assert rp["logged"] == {"lpo/replay_groups": len(rp["trained"]), "lpo/replay_dropped_stale": len(rp["stale"]),
+                                "lpo/replay_drawn": len(rp["worst"]), "lpo/replay_dropped_layout": rp["trim"]}, rp
 
 
 class _Tok:
@@ -271,9 +280,9 @@ def max_abs(a):
 # ----------------------------------------------------------------------------- independent reference
 
 
-def independent_target(rewards, temperature, delta):
-    """numpy float64, group by group: w* = softmax((R - mean)/tau + delta) (Eq. 8); flat groups give
-    softmax(delta). Written from the paper, not from openrlhf_lpo."""
+def independent_target(rewards, temperature, delta, scale=1.0):
+    """numpy float64, group by group: w* = softmax((R - mean)/(scale tau) + delta) (Eq. 8); flat groups
+    give softmax(delta). Written from the paper, not from openrlhf_lpo."""
     import numpy as np
 
     out = []
@@ -283,7 +292,7 @@ def independent_target(rewards, temperature, delta):
         else:
             tau = {"std": lambda: r.std(ddof=1), "one": lambda: 1.0, "mean": lambda: r.mean()}[temperature]() \
                 if isinstance(temperature, str) else float(temperature)
-            logits = (r - r.mean()) / tau + d
+            logits = (r - r.mean()) / (scale * tau) + d
         e = np.exp(logits - logits.max())
         out.append(e / e.sum())
     return np.stack(out)
@@ -304,12 +313,21 @@ def independent_delta(old, rollout, mask, mode, low, high):
 
 
 def _divergence(div, w, log_p):
-    """Per-group divergence in plain torch (float64): fwd KL(w||P), rev KL(P||w), js."""
+    """Per-group divergence in plain torch (float64) from its definition: fwd KL(w||P), rev KL(P||w), js,
+    hellinger sum (sqrt w - sqrt P)^2, tv sum |w - P| / 2, alpha:<a> (sum w^a P^(1-a) - 1)/(a(a-1))."""
     p = log_p.exp()
     if div == "fwd":
         return (w * (w.log() - log_p)).sum(-1)
     if div == "rev":
         return (p * (log_p - w.log())).sum(-1)
+    if div == "hellinger":
+        return ((w.sqrt() - p.sqrt()) ** 2).sum(-1)
+    if div == "tv":  # subgradient 0 where P = w* (flat groups at the start: equal up to rounding)
+        gap = w - p
+        return 0.5 * torch.where(gap.abs() <= 1e-12, torch.zeros_like(gap), gap).abs().sum(-1)
+    if div.startswith("alpha:"):
+        a = float(div.split(":")[1])
+        return ((w ** a * p ** (1 - a)).sum(-1) - 1) / (a * (a - 1))
     m = (p + w) / 2
     return 0.5 * ((p * (log_p - m.log())).sum(-1) + (w * (w.log() - m.log())).sum(-1))
 
@@ -333,12 +351,20 @@ def flat_items(experiences):
     return sorted(items, key=lambda it: int(it.info["lpo_gid"]))
 
 
+def sample_key(item):
+    """A sample's identity: its unpadded token ids."""
+    return tuple(item.sequences.reshape(-1)[item.attention_mask.reshape(-1).bool()].tolist())
+
+
 def reference_steps(model_dir, state_dict, experiences, windows, *, K, divergence="fwd", temperature="std",
-                    correction=None, eps=(0.2, 0.2), lr=0.0, projection="listwise", kl_coef=0.0, entropy_coef=0.0):
+                    correction=None, eps=(0.2, 0.2), lr=0.0, projection="listwise", kl_coef=0.0, entropy_coef=0.0,
+                    behaviour=None, temperature_scale=1.0):
     """Window by window at the updated parameters: the gradient of the listwise loss averaged over
     each window's groups (one autograd call per window), then an SGD step of ``lr``. ``windows`` lists
     the global group ids of each optimizer step in training order. Targets and s_t are computed here
-    independently (numpy) from the rewards and the behaviour log-probs. ``kl_coef`` adds the k3 KL to
+    independently (numpy) from the rewards and the behaviour log-probs (``behaviour``: the planted
+    log-probs of replayed samples by :func:`sample_key`, whose s_t is the untruncated mean log-ratio
+    unless ``correction`` is set; ``temperature_scale`` multiplies tau). ``kl_coef`` adds the k3 KL to
     the reference log-probs (``base_action_log_probs``) and ``entropy_coef`` subtracts the entropy, each
     as a token mean over the window. Returns the list of gradients."""
     import numpy as np
@@ -355,15 +381,21 @@ def reference_steps(model_dir, state_dict, experiences, windows, *, K, divergenc
         deltas, keeps = [], []
         for it in members:
             mask = it.action_mask.numpy()
-            if correction is None:
+            planted = None if behaviour is None else behaviour.get(sample_key(it))
+            mu = planted[:mask.shape[0]] if planted is not None else (
+                None if it.rollout_log_probs is None else it.rollout_log_probs.numpy())
+            if correction is None and planted is None:
                 deltas.append(0.0)
                 keeps.append(mask.astype(bool))
+            elif correction is None:  # a replayed sample without a correction: the plain mean log-ratio
+                deltas.append(float(((it.action_log_probs.numpy() - mu) * mask).sum() / max(mask.sum(), 1)))
+                keeps.append(mask.astype(bool))
             else:
-                d, m = independent_delta(it.action_log_probs.numpy(), it.rollout_log_probs.numpy(), mask, *correction)
+                d, m = independent_delta(it.action_log_probs.numpy(), mu, mask, *correction)
                 deltas.append(d)
                 keeps.append(m)
         rewards = np.array([[float(it.rewards) for it in members]])
-        w = independent_target(rewards, temperature, np.array([deltas]))[0]
+        w = independent_target(rewards, temperature, np.array([deltas]), temperature_scale)[0]
         consts[g] = (torch.tensor(w), torch.tensor(deltas), [torch.tensor(k) for k in keeps])
     lo, hi = math.log(1 - eps[0]), math.log(1 + eps[1])
     grads = []
@@ -415,6 +447,7 @@ def plan_group_windows(trainer, items, world=1):
 # ----------------------------------------------------------------------------- gradient matrix
 
 DIVERGENCE_CASES = ("fwd", "rev", "js")
+FAMILY_CASES = ("hellinger", "tv", "alpha:0.5", "alpha:2", "alpha:-0.5")
 PACKING_CASES = (False, True)
 MATRIX_LR = 0.5  # large enough that later windows see s far from s_t (checked)
 
@@ -441,14 +474,29 @@ def matrix_case_args(model_dir, K, G, micro, dp, packing, div, correction=None, 
 
 
 def run_matrix_case(model_dir, state, actor, samples, *, K, G, micro, dp, rank, packing, div, correction=None,
-                    temperature="std", behaviour_noise=0.0, seed=1, budget=None, whole=None, composed=False):
+                    temperature="std", behaviour_noise=0.0, seed=1, budget=None, whole=None, composed=False,
+                    replay=False, temperature_scale=1.0, replay_keep=None):
     extra = ["--algo.kl.use_loss", "--algo.kl.init_coef", "0.1", "--algo.kl.estimator", "k3",
              "--actor.entropy_coef", "0.01"] if composed else []
+    if temperature_scale != 1.0:
+        extra += ["--lpo.temperature_scale", str(temperature_scale)]
+    behaviour, replay_info = None, None
+    if replay:
+        actor.model.load_state_dict(state)
+        old_groups, behaviour, limit = replay_buffer_groups(actor, G + 2, K, seed=seed + 100)
+        if replay_keep is not None:  # a threshold that lets exactly replay_keep of the drawn groups pass
+            seed_args = matrix_case_args(model_dir, K, G, micro, dp, packing, div, correction, temperature)
+            limit = keep_threshold(actor, old_groups, behaviour, int(seed_args.train.seed), G, replay_keep)
+        extra += ["--lpo.replay_batches", "2", "--lpo.replay_ratio", "1", "--lpo.replay_max_abs_s", repr(limit)]
     args = matrix_case_args(model_dir, K, G, micro, dp, packing, div, correction, temperature, budget=budget,
                             extra=extra)
     actor.model.load_state_dict(state)
-    exps = make_experiences(args, CPUStrategy(args), actor, samples, seed=seed, behaviour_noise=behaviour_noise,
-                            reference_noise=0.2 if composed else 0.0)
+    if replay:
+        exps, replay_info = make_replay_experiences(args, CPUStrategy(args), actor, samples, old_groups, behaviour,
+                                                    seed=seed, behaviour_noise=behaviour_noise)
+    else:
+        exps = make_experiences(args, CPUStrategy(args), actor, samples, seed=seed, behaviour_noise=behaviour_noise,
+                                reference_noise=0.2 if composed else 0.0)
     actor.model.load_state_dict(state)
     grads, status, trainer = run_lpo_step(args, actor, exps, rank=rank, dp=dp, lr=MATRIX_LR,
                                           kl_ctl=0.1 if composed else 0.0)
@@ -458,8 +506,123 @@ def run_matrix_case(model_dir, state, actor, samples, *, K, G, micro, dp, rank, 
         result["refs"] = reference_steps(model_dir, state, exps, windows, K=K, divergence=div,
                                          temperature=temperature, correction=correction,
                                          eps=args.actor.eps_clip_low_high, lr=MATRIX_LR,
-                                         kl_coef=0.1 if composed else 0.0, entropy_coef=0.01 if composed else 0.0)
+                                         kl_coef=0.1 if composed else 0.0, entropy_coef=0.01 if composed else 0.0,
+                                         behaviour=behaviour, temperature_scale=temperature_scale)
+        if replay:
+            result["replay"] = replay_check(exps, replay_info, limit, dp, G)
     return result
+
+
+# ----------------------------------------------------------------------------- listwise replay
+
+
+def replay_buffer_groups(actor, n_groups, K, seed):
+    """``n_groups`` old prompt groups (prompts 'old-prompt-i') whose behaviour log-probs are planted: the
+    actor's own plus per-group Gaussian noise of growing scale (0.02 ... 0.6), so some groups are stale.
+    Returns (groups of single-sample Experiences with rollout_log_probs, {sample_key: planted log-probs},
+    a staleness threshold between the groups' max |s_t| values: their median)."""
+    import numpy as np
+
+    samples = make_rollout_samples(n_groups, K, seed=seed, vocab=(4, 90))
+    g = torch.Generator().manual_seed(seed)
+    scales = np.linspace(0.02, 0.6, n_groups)
+    groups, planted = [], {}
+    for gi in range(n_groups):
+        members = samples[gi * K:(gi + 1) * K]
+        for m in members:
+            m.prompts = [f"old-prompt-{gi}"]
+            with torch.no_grad():
+                lp = actor(m.sequences, m.action_mask, attention_mask=m.attention_mask).double()
+            mu = ((lp + scales[gi] * torch.randn(lp.shape, generator=g, dtype=lp.dtype)) * m.action_mask).float()
+            m.rollout_log_probs = mu
+            planted[sample_key(m)] = mu.double()[0].numpy()
+        groups.append(members)
+    limit = float(np.median([_max_abs_s(actor, grp, planted) for grp in groups]))
+    return groups, planted, limit
+
+
+def _buffer(old_groups, seed):
+    """The replay buffer make_replay_experiences starts from: the old groups as two earlier batches."""
+    from openrlhf_lpo.openrlhf.replay import ReplayBuffer
+
+    buf = ReplayBuffer(2, seed)
+    half = len(old_groups) // 2
+    for batch, born in ((old_groups[:half], 1), (old_groups[half:], 2)):
+        if batch:
+            buf.add(batch, step=born)
+    return buf
+
+
+def _max_abs_s(actor, group, behaviour):
+    """max_k |mean_t (log pi_t - log mu)| of a group: pi_t from ``actor`` (one sample at a time), mu planted."""
+    worst = 0.0
+    for m in group:
+        with torch.no_grad():
+            lp = actor(m.sequences, m.action_mask, attention_mask=m.attention_mask).double()[0].numpy()
+        mask = m.action_mask[0].double().numpy()
+        mu = behaviour[sample_key(m)][:mask.shape[0]]
+        worst = max(worst, abs(float(((lp - mu) * mask).sum() / max(mask.sum(), 1))))
+    return worst
+
+
+def keep_threshold(actor, old_groups, behaviour, seed, n_draw, keep, step=3):
+    """A staleness threshold between the ``keep``-th and the next smallest max |s_t| of the groups the
+    seeded draw of make_replay_experiences picks."""
+    worst = sorted(_max_abs_s(actor, g, behaviour) for g in _buffer(old_groups, seed).draw(n_draw, step))
+    return (worst[keep - 1] + worst[keep]) / 2
+
+
+def make_replay_experiences(args, strategy, actor, fresh, old_groups, behaviour=None, seed=1, step=3,
+                            behaviour_noise=0.0):
+    """LPOExperienceMaker.make_experience_batch's replay path (replay_samples -> the old-log-prob forward,
+    done here with ``actor`` -> after_replay_forward -> advantages) with a buffer holding ``old_groups``
+    as two earlier rollout batches. Returns (experiences, info): the drawn groups' keys and, from the
+    planted ``behaviour`` and the actor's own per-sample forward at the start parameters, their max |s_t|."""
+    maker = LPOExperienceMaker(None, None, None, None, FixedKLController(0.0), strategy, _Tok())
+    maker.replay = _buffer(old_groups, int(args.train.seed))
+    maker.replay_step = step
+    want = int(args.lpo.replay_ratio * (len(fresh) // args.rollout.n_samples_per_prompt))
+    drawn_groups = copy.deepcopy(maker.replay).draw(want, step)  # the same seeded draw, to name the groups
+    drawn = [tuple(sample_key(m) for m in grp) for grp in drawn_groups]
+    worst = [_max_abs_s(actor, grp, behaviour) for grp in drawn_groups] if behaviour else []
+    fresh = copy.deepcopy(fresh)
+    if behaviour_noise:  # the engine's log-probs of the fresh rollout (the correction is on)
+        g = torch.Generator().manual_seed(seed)
+        for m in fresh:
+            with torch.no_grad():
+                lp = actor(m.sequences, m.action_mask, attention_mask=m.attention_mask)
+            m.rollout_log_probs = ((lp + behaviour_noise * torch.randn(lp.shape, generator=g, dtype=lp.dtype))
+                                   * m.action_mask).float()
+    samples_list, snapshot = maker.replay_samples(fresh)
+    for e in samples_list:
+        with torch.no_grad():
+            lp = actor(e.sequences, e.action_mask, attention_mask=e.attention_mask, **mm_forward_kwargs(actor, e))
+        e.action_log_probs = lp
+        e.kl = torch.zeros_like(lp)
+        e.values = None
+        e.info["kl"] = torch.zeros(len(e.sequences))
+    exps = maker.after_replay_forward(samples_list, snapshot)
+    exps = maker.compute_advantages_and_returns(exps)
+    return exps, {"drawn": drawn, "worst": worst, "status": dict(maker.last_replay_stats), "buffer": maker.replay}
+
+
+def replay_check(experiences, info, limit, dp, n_fresh):
+    """The drawn groups the staleness filter must keep (max |s_t| <= limit, computed by the harness), in
+    draw order with the last ones trimmed until fresh + kept divides over the ranks, against what trained."""
+    trained_keys = {sample_key(it) for it in flat_items(experiences)}
+    passing = [g for g, w in enumerate(info["worst"]) if w <= limit]
+    trim = (n_fresh + len(passing)) % dp
+    trained = []
+    for g, keys in enumerate(info["drawn"]):
+        inside = [k in trained_keys for k in keys]
+        assert all(inside) or not any(inside), "a replayed group was split"
+        if all(inside):
+            trained.append(g)
+    st = info["status"]
+    return {"trained": trained, "expected_trained": passing[:len(passing) - trim], "trim": trim,
+            "stale": [g for g, w in enumerate(info["worst"]) if w > limit], "worst": info["worst"], "limit": limit,
+            "logged": {k: int(st[k]) for k in ("lpo/replay_groups", "lpo/replay_dropped_stale", "lpo/replay_drawn",
+                                               "lpo/replay_dropped_layout")}}
 
 
 def matrix_cases(K, dp):
@@ -485,6 +648,22 @@ def matrix_cases(K, dp):
     # the stock KL loss (k3, coefficient 0.1) and entropy bonus (0.01) on top of the listwise loss
     cases += [(f"composed=kl+entropy,micro={m}", dict(packing=False, micro=m, div="fwd", composed=True))
               for m in ((K // 2, K) if dp == 1 else (K // 2,))]
+    # the divergence family: closed-form c (two-pass) and autograd of the value (one pass)
+    family = FAMILY_CASES if dp == 1 else ("alpha:0.5", "tv")
+    cases += [(f"family={d},micro={m}", dict(packing=False, micro=m, div=d))
+              for d in family for m in ((K // 2, K) if dp == 1 else (K // 2,))]
+    cases += [(f"temperature=std,scale={x},micro={K // 2}", dict(packing=False, micro=K // 2, div="fwd",
+                                                                  temperature_scale=x))
+              for x in ((0.5, 2.0) if dp == 1 else (0.5,))]
+    # listwise replay: fresh groups + replayed ones with planted behaviour log-probs, some stale
+    replay = ([("fwd", K // 2, None), ("alpha:0.5", K, None), ("rev", K // 2, ("clip", 0.5, 1.5))] if dp == 1
+              else [("rev", K // 2, None), ("fwd", 1, None)])
+    cases += [(f"replay,micro={m},div={d}" + (f",offpolicy={c[0]}" if c else ""),
+               dict(packing=False, micro=m, div=d, replay=True, correction=c, behaviour_noise=0.3 if c else 0.0))
+              for d, m, c in replay]
+    if dp == 2:  # 3 of the 4 drawn groups pass the filter: one more is dropped so both ranks hold 3 groups
+        cases.append((f"replay,keep=3,micro={K // 2},div=fwd",
+                      dict(packing=False, micro=K // 2, div="fwd", replay=True, replay_keep=3)))
     return cases
 
 
@@ -508,8 +687,11 @@ def gradient_matrix(model_dir, dp=1, rank=0, K=4, G=4, seed=0, samples_fn=None, 
         r = run_matrix_case(model_dir, state, actors[kw["packing"]], samples, K=K, G=G, dp=dp, rank=rank, **kw)
         whole = kw.get("whole")
         if rank == 0:
-            assert len(r["grads"]) == len(r["refs"]) == 4, (name, len(r["grads"]), len(r["refs"]))
+            assert len(r["grads"]) == len(r["refs"]) and (len(r["grads"]) == 4 or kw.get("replay")), \
+                (name, len(r["grads"]), len(r["refs"]))
             table[name] = {
+                "n_steps": len(r["grads"]),
+                **({"replay": r["replay"]} if "replay" in r else {}),
                 "err": max(max_abs_diff(a, b) for a, b in zip(r["grads"], r["refs"])),
                 "rel": max(max_abs_diff(a, b) / max_abs(b) for a, b in zip(r["grads"], r["refs"])),
                 "scale": min(max_abs(b) for b in r["refs"]),

@@ -104,7 +104,7 @@ BAD = [
     (BASE + ["--algo.advantage.estimator", "group_norm", "--lpo.divergence", "rev"], "--lpo.divergence"),
     (BASE + ["--algo.advantage.estimator", "lpo", "--lpo.projection", "pointwise", "--lpo.divergence", "rev"],
      "--lpo.projection pointwise"),
-    (BASE + ["--algo.advantage.estimator", "lpo", "--lpo.divergence", "hellinger"], "--lpo.divergence"),
+    (BASE + ["--algo.advantage.estimator", "lpo", "--lpo.divergence", "chi2"], "--lpo.divergence: unknown divergence"),
     # the stock CLI's own asserts come out as flag errors with today's flag names, not as tracebacks
     (BASE + ["--algo.advantage.estimator", "lpo", "--data.max_images_per_prompt", "1", "--ds.packing_samples"],
      "refuses this combination of flags: VLM training does not support --ds.packing_samples."),
