@@ -73,14 +73,19 @@ def test_fake_engine_resume_is_byte_identical(tmp_path, tiny_ckpt):
         assert a[name] == b[name], name
 
 
-def test_recover_partial_cuts_to_whole_problems(tmp_path):
+def test_recover_partial_keeps_every_whole_expected_sample(tmp_path):
+    """Each sample has its own seed, so every whole line that is the next expected sample is kept (also
+    inside a problem); a torn line, or the first line out of order, ends what is kept."""
     p = tmp_path / "g.partial"
     rows = [f'{{"problem_id": "{i}", "sample_idx": {j}}}\n' for i in range(3) for j in range(2)]
+    expected = [(str(i), j) for i in range(3) for j in range(2)]
     p.write_text("".join(rows[:5]) + '{"problem_id": "2", "sam')
-    assert recover_partial(p, ["0", "1", "2"], 2) == 2
-    assert p.read_text() == "".join(rows[:4])
+    assert recover_partial(p, expected) == 5
+    assert p.read_text() == "".join(rows[:5])
+    p.write_text("".join(rows[:3]) + rows[4])  # sample (1, 1) is missing: (2, 0) is not the next one
+    assert recover_partial(p, expected) == 3 and p.read_text() == "".join(rows[:3])
     p.write_text("".join(rows[2:4]))  # does not start with problem 0: nothing is reusable
-    assert recover_partial(p, ["0", "1", "2"], 2) == 0 and p.read_text() == ""
+    assert recover_partial(p, expected) == 0 and p.read_text() == ""
 
 
 def test_hf_engine_resume_is_byte_identical(tmp_path, tiny_ckpt, monkeypatch):
