@@ -47,9 +47,10 @@ def parse_budgets(spec: str) -> tuple[int, ...]:
 
 def job_budgets(cfg: dict, budgets: tuple[int, ...]) -> list[int]:
     """The budgets that cut something in this job: below its ``max_tokens``, for kinds that can be cut."""
-    if cfg.get("kind") not in BUDGET_KINDS:
+    max_tokens = (cfg.get("sampling") or {}).get("max_tokens")
+    if cfg.get("kind") not in BUDGET_KINDS or max_tokens is None:
         return []
-    return [b for b in budgets if b < cfg["sampling"]["max_tokens"]]
+    return [b for b in budgets if b < max_tokens]
 
 
 @lru_cache(maxsize=8)

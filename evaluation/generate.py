@@ -286,7 +286,7 @@ def run_job(engine, job: Job, opts: GenOptions, shard: Shard | None = None) -> b
     if todo:
         want = {p.id: {"prompt_sha": psha[i], "gold": p.gold, **({"choices": p.choices} if p.choices else {})}
                 for i, p in enumerate(problems)}
-        reuse, sources = reusable_rows(d, cfg, want)
+        reuse, sources = reusable_rows(d, cfg, want, images=any(p.images for p in problems))
     sampling = opts.sampling(cfg["sampling"]["stop"])
     bar = None
     if opts.progress:

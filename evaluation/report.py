@@ -301,16 +301,21 @@ def to_csv(table: dict) -> str:
     return buf.getvalue()
 
 
-def _plot_passk(table: dict, path: Path) -> None:
+def _panel_grid(count: int):
+    """``(fig, axes)``: ``count`` panels, three to a row (matplotlib without a display)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    cols = min(3, count)
+    nrows = math.ceil(count / cols)
+    return plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.2 * nrows), squeeze=False)
+
+
+def _plot_passk(table: dict, path: Path) -> None:
     benches = table["benchmarks"]
-    cols = min(3, len(benches))
-    nrows = math.ceil(len(benches) / cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.2 * nrows), squeeze=False)
+    fig, axes = _panel_grid(len(benches))
     for ax, b in zip(axes.flat, benches):
         for r in table["rows"]:
             c = r["cells"].get(b)
@@ -360,16 +365,9 @@ def _runs(table: dict) -> dict[str, list[dict]]:
 
 
 def _plot_steps(table: dict, path: Path, metric: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     panels = list(table["benchmarks"]) + [g + "_avg" for g in ("math", "ood") if any(table["groups"][b] == g for b in table["benchmarks"])]
     runs = _runs(table)
-    cols = min(3, len(panels))
-    nrows = math.ceil(len(panels) / cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.2 * nrows), squeeze=False)
+    fig, axes = _panel_grid(len(panels))
     for ax, key in zip(axes.flat, panels):
         for run, rs in sorted(runs.items()):
             pts = [(r["step"], _cell(r, key, metric)) for r in rs]
@@ -385,16 +383,9 @@ def _plot_steps(table: dict, path: Path, metric: str) -> None:
 
 def _plot_lengths(table: dict, path: Path) -> None:
     """Mean response length against training step (solid: all samples; dashed: correct; dotted: wrong)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     benches = table["benchmarks"]
     runs = _runs(table)
-    cols = min(3, len(benches))
-    nrows = math.ceil(len(benches) / cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.2 * nrows), squeeze=False)
+    fig, axes = _panel_grid(len(benches))
     for ax, b in zip(axes.flat, benches):
         for i, (run, rs) in enumerate(sorted(runs.items())):
             color = f"C{i % 10}"
@@ -413,16 +404,9 @@ def _plot_lengths(table: dict, path: Path) -> None:
 
 def _plot_budget(table: dict, path: Path) -> None:
     """Pass@1 against token budget (the last point of a line is the full run, at --max-tokens)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     budgets = budgets_of(table)
     benches = [b for b in table["benchmarks"] if any((r["cells"].get(b) or {}).get("budget") for r in table["rows"])]
-    cols = min(3, len(benches))
-    nrows = math.ceil(len(benches) / cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.2 * nrows), squeeze=False)
+    fig, axes = _panel_grid(len(benches))
     for ax, b in zip(axes.flat, benches):
         for r in table["rows"]:
             c = r["cells"].get(b)

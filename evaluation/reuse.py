@@ -6,7 +6,8 @@ and the problem selection. Sources, for a job that is not finished yet:
 
 * a finished job of the same checkpoint x benchmark whose ``config.json`` equals this job's except
   :data:`FREE_KEYS` (``n``, ``k``, ``--limit``'s problem count and the data / prompt hashes that follow
-  from it); per row, the prompt hash, the gold and the choices must match this job's problem too.
+  from it); per row, the prompt hash, the gold and the choices must match this job's problem too. For
+  image benchmarks (whose images no row records) the data hash must match as well: only ``n`` may differ.
   A run with ``--n 16`` after one with ``--n 8`` generates only samples 8..15; ``--n 4`` generates none;
 * this job's own shard files, finished or partial, of any shard count (:mod:`evaluation.shards`): a
   job started with ``--dp 4`` and resumed with ``--dp 2`` keeps what was drawn.
@@ -31,8 +32,8 @@ def per_sample_seeds(cfg: dict) -> bool:
     return cfg.get("seeding") == SEEDING and cfg.get("per_request_seed", True) is True
 
 
-def _same_generation(a: dict, b: dict) -> bool:
-    keys = (set(a) | set(b)) - FREE_KEYS
+def _same_generation(a: dict, b: dict, free: frozenset) -> bool:
+    keys = (set(a) | set(b)) - free
     return all(a.get(k) == b.get(k) for k in keys)
 
 
@@ -50,10 +51,11 @@ def _rows(path: Path):
         return
 
 
-def sources(job_dir: Path, cfg: dict) -> list[Path]:
-    """Files whose rows this job may reuse (see module doc), best first."""
+def sources(job_dir: Path, cfg: dict, images: bool = False) -> list[Path]:
+    """Files whose rows this job may reuse (see module doc), best first; ``images``: the problems have images."""
     if not per_sample_seeds(cfg):
         return []
+    free = FREE_KEYS - {"data_sha", "n_problems", "prompts_sha"} if images else FREE_KEYS
     out = []
     shard_dir = job_dir / SHARD_DIR
     if shard_dir.is_dir():
@@ -65,21 +67,23 @@ def sources(job_dir: Path, cfg: dict) -> list[Path]:
             ocfg = read_json(other.parent / "config.json")
         except (OSError, ValueError):
             continue
-        if ocfg.get("benchmark") == cfg["benchmark"] and _same_generation(ocfg, cfg):
+        if ocfg.get("benchmark") == cfg["benchmark"] and _same_generation(ocfg, cfg, free):
             out.append(other)
     return out
 
 
-def reusable_rows(job_dir: Path, cfg: dict, problems: dict[str, dict]) -> tuple[dict[Key, dict], list[Path]]:
+def reusable_rows(job_dir: Path, cfg: dict, problems: dict[str, dict],
+                  images: bool = False) -> tuple[dict[Key, dict], list[Path]]:
     """Rows (``response``, ``finish_reason``, ``n_tokens``) of this job's samples that earlier runs hold.
 
     ``problems``: problem id -> the fields its rows must carry (``prompt_sha``, ``gold`` and ``choices``
-    when it has them). Returns the rows by ``(problem_id, sample_idx)`` and the files they came from.
+    when it has them); ``images``: the problems have images. Returns the rows by ``(problem_id,
+    sample_idx)`` and the files they came from.
     """
     n = cfg["n"]
     found: dict[Key, dict] = {}
     used: list[Path] = []
-    for path in sources(job_dir, cfg):
+    for path in sources(job_dir, cfg, images):
         before = len(found)
         for row in _rows(path):
             pid, j = str(row.get("problem_id")), row.get("sample_idx")

@@ -60,9 +60,7 @@ def find_jobs(runs: str | Path, quiet: bool = False) -> list[Path]:
     root = Path(runs)
     if not root.is_dir():
         raise ValueError(f"--runs {str(root)!r} is not a directory")
-    for d in sharded_jobs(root):
-        if (d / GEN_FILE).exists():
-            continue
+    for d in sharded_jobs(root):  # merge what is complete (and clear the shard files of merged jobs)
         try:
             have, total = merge_job(d)
         except (OSError, ValueError, KeyError) as e:
@@ -146,7 +144,7 @@ def compute_metrics(cfg: dict, rows: list[dict], gen_sha: str, grader: dict,
         "n_problems": len(correct),
         "n": n,
         "k": cfg["k"],
-        "max_tokens": cfg["sampling"]["max_tokens"],
+        "max_tokens": (cfg.get("sampling") or {}).get("max_tokens"),
         "pass@1": passk[1],
         "pass@k": {str(k): v for k, v in passk.items()},
         "pass@1_stderr": stderr[1],

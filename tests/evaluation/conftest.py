@@ -96,3 +96,25 @@ _register_planted_engine()
 @pytest.fixture(scope="session")
 def planted():
     return Planted
+
+
+@pytest.fixture
+def kill_engine_after(monkeypatch):
+    """``kill_engine_after(calls)``: the hf engine's generate raises KeyboardInterrupt (a killed process) after
+    ``calls`` calls; returns ``restore()``, which puts the previous generate back."""
+    from evaluation.engines import HFEngine
+
+    def arm(calls: int):
+        real = HFEngine.generate
+        count = {"n": 0}
+
+        def dying(self, *a, **k):
+            count["n"] += 1
+            if count["n"] > calls:
+                raise KeyboardInterrupt("simulated kill")
+            return real(self, *a, **k)
+
+        monkeypatch.setattr(HFEngine, "generate", dying)
+        return lambda: monkeypatch.setattr(HFEngine, "generate", real)
+
+    return arm

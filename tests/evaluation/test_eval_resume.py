@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from evaluation.engines import ENGINES, Completion, HFEngine, register_engine
+from evaluation.engines import ENGINES, Completion, register_engine
 from evaluation.generate import GEN_FILE, PARTIAL_SUFFIX, GenOptions, generate, recover_partial
 from evaluation.report import report
 from evaluation.score import score
@@ -88,22 +88,13 @@ def test_recover_partial_keeps_every_whole_expected_sample(tmp_path):
     assert recover_partial(p, expected) == 0 and p.read_text() == ""
 
 
-def test_hf_engine_resume_is_byte_identical(tmp_path, tiny_ckpt, monkeypatch):
+def test_hf_engine_resume_is_byte_identical(tmp_path, tiny_ckpt, kill_engine_after):
     kw = dict(benchmarks=["math500"], limit=3, batch_problems=1, n={"*": 2}, k={"*": 1}, max_tokens=5)
     generate([tiny_ckpt], _opts(tmp_path / "clean", "hf", **kw))
-    real = HFEngine.generate
-    calls = {"n": 0}
-
-    def dying(self, *a, **k):
-        calls["n"] += 1
-        if calls["n"] > 1:
-            raise KeyboardInterrupt("simulated kill")
-        return real(self, *a, **k)
-
-    monkeypatch.setattr(HFEngine, "generate", dying)
+    restore = kill_engine_after(1)
     with pytest.raises(KeyboardInterrupt):
         generate([tiny_ckpt], _opts(tmp_path / "resumed", "hf", **kw))
-    monkeypatch.setattr(HFEngine, "generate", real)
+    restore()
     generate([tiny_ckpt], _opts(tmp_path / "resumed", "hf", **kw))
     a, b = _files(tmp_path / "clean"), _files(tmp_path / "resumed")
     assert sorted(a) == sorted(b) and any(k.endswith(GEN_FILE) for k in a)

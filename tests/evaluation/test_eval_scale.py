@@ -73,7 +73,7 @@ def test_shards_are_disjoint_and_complete():
 
 
 def test_two_shards_merge_to_the_plain_run_and_score_counts_each_sample_once(tmp_path, tiny_ckpt, plain, requests,
-                                                                               monkeypatch, capsys):
+                                                                               kill_engine_after, monkeypatch, capsys):
     out = tmp_path / "sharded"
     import evaluation.generate as gen
 
@@ -84,21 +84,12 @@ def test_two_shards_merge_to_the_plain_run_and_score_counts_each_sample_once(tmp
     assert find_jobs(out) == []
     assert f"{job}: 6 of 12 samples generated so far" in capsys.readouterr().err
     # shard 0 is killed after its first engine call, then resumed: it draws only what it lacked
-    real = HFEngine.generate
-    calls = {"n": 0}
-
-    def dying(self, *a, **k):
-        calls["n"] += 1
-        if calls["n"] > 1:
-            raise KeyboardInterrupt("simulated kill")
-        return real(self, *a, **k)
-
-    monkeypatch.setattr(HFEngine, "generate", dying)
+    restore = kill_engine_after(1)
     with pytest.raises(KeyboardInterrupt):
         generate([tiny_ckpt], _opts(out, n={"*": 4}, shard=(0, 2)))
     kept = len(_lines(job / SHARD_DIR / "0-of-2.jsonl.partial"))
     assert 0 < kept < 6
-    monkeypatch.setattr(HFEngine, "generate", real)
+    restore()
     # the last shard renames its file, and the merge is left to `score` (as after a kill right there)
     monkeypatch.setattr(gen, "finish_shard", lambda d, shard, keys: os.replace(shard.partial(d), shard.output(d)))
     requests["seeds"].clear()
@@ -180,3 +171,30 @@ def test_no_reuse_across_other_sampling_settings(tmp_path, tiny_ckpt, requests):
     requests["seeds"].clear()
     generate([tiny_ckpt], _opts(out, n={"*": 4}, temperature=0.7))  # another distribution: all drawn anew
     assert len(requests["seeds"]) == 3 * 4
+
+
+def test_reuse_sources_need_the_same_generation_settings(tmp_path):
+    from evaluation.reuse import sources
+
+    base = {"benchmark": "b", "seeding": "sample", "per_request_seed": True, "sampling": {"temperature": 1.0},
+            "n": 8, "k": 8, "n_problems": 30, "data_sha": "d1", "prompts_sha": "p1", "template": "none"}
+
+    def job(name, **cfg):
+        d = tmp_path / "ck" / name
+        d.mkdir(parents=True)
+        (d / "config.json").write_text(json.dumps({**base, **cfg}))
+        (d / GEN_FILE).write_text("")
+        return d / GEN_FILE
+
+    more_n = job("b-1", n=4, k=4)
+    more_problems = job("b-2", n_problems=20, data_sha="d0", prompts_sha="p0")  # --limit 20
+    job("b-3", sampling={"temperature": 0.6})
+    job("b-4", template="qwen-boxed")
+    job("c-5")  # another benchmark
+    me = tmp_path / "ck" / "b-me"
+    me.mkdir()
+    assert sources(me, {**base, "n": 16}) == [more_n, more_problems]
+    # image benchmarks: no row records the images, so the data must be the same
+    assert sources(me, {**base, "n": 16}, images=True) == [more_n]
+    assert sources(me, {**base, "per_request_seed": False}) == []  # vLLM without per-request seeds
+    assert sources(me, {k: v for k, v in base.items() if k != "seeding"}) == []  # seeded per problem (old runs)
