@@ -50,7 +50,7 @@ def job_budgets(cfg: dict, budgets: tuple[int, ...]) -> list[int]:
     max_tokens = (cfg.get("sampling") or {}).get("max_tokens")
     if cfg.get("kind") not in BUDGET_KINDS or max_tokens is None:
         return []
-    return [b for b in budgets if b < max_tokens]
+    return sorted(b for b in set(budgets) if b < max_tokens)
 
 
 @lru_cache(maxsize=8)
