@@ -7,7 +7,7 @@ character where token B ends) and the prefix is graded as a response that ran ou
 
 * math: only a closed ``\\boxed{}`` in the graded text counts (after the last ``</think>``; an unclosed
   ``<think>`` has no answer). A prefix without one has no answer, whatever its last expression: the box
-  must lie within the budget. The grader gets ``box_required`` in its options as well;
+  must lie within the budget. The grader gets ``require_box="all"`` as well (box-only extraction);
 * multiple choice: explicit answers only, as always (a box, "answer is X", "Answer: X");
 * other kinds (code) are not cut: a program's prefix is not a program (:data:`BUDGET_KINDS`).
 
@@ -96,7 +96,7 @@ def grade_at_budgets(rows: list[dict], full: list[GradeResult], cfg: dict, promp
             todo.append(i)
             texts.append(text)
         if todo:
-            results = grade([rows[i] for i in todo], texts, pool, {**opts, "box_required": True}, None)
+            results = grade([rows[i] for i in todo], texts, pool, {**opts, "require_box": "all"}, None)
             for i, g in zip(todo, results):
                 out[b][i] = g.correct
     return out

@@ -77,6 +77,7 @@ class GenOptions:
     dp: int = 1  # engine processes on this node (evaluation.dp)
     devices: list[str] | None = None  # device ids the --dp engines split (default: the visible ones)
     shard: tuple[int, int] = (0, 1)  # (i, n): this process draws shard i of n of every job
+    benchmark_options: dict[str, dict] = field(default_factory=dict)  # per benchmark (gpqa_diamond: orderings)
 
     def sampling(self, stop: list[str] | tuple[str, ...] = ()) -> Sampling:
         return Sampling(self.temperature, self.top_p, self.top_k, self.max_tokens, tuple(stop))
@@ -183,7 +184,7 @@ def job_dir(out: str | Path, ckpt_id: str, bench: str, cfg_sha: str) -> Path:
     return Path(out) / ckpt_id / f"{bench}-{cfg_sha[:12]}"
 
 
-def _write_config(d: Path, cfg: dict) -> None:
+def _write_config(d: Path, cfg: dict, data_notes: dict | None = None) -> None:
     import importlib.metadata as md
 
     versions = {}
@@ -196,7 +197,9 @@ def _write_config(d: Path, cfg: dict) -> None:
                 break
             except md.PackageNotFoundError:
                 continue
-    atomic_write_json(d / CONFIG_FILE, {**cfg, "config_sha": config_sha(cfg), "versions": versions})
+    # data notes (subset, GPQA orderings) and versions are recorded for reports, not part of the job key
+    atomic_write_json(d / CONFIG_FILE, {**cfg, "config_sha": config_sha(cfg), "data_notes": data_notes or {},
+                                        "versions": versions})
 
 
 def shard_of(opts: GenOptions) -> Shard:
@@ -213,7 +216,8 @@ def plan_jobs(ck: Checkpoint, opts: GenOptions, tokenizer: Any = None) -> list[J
     stop = list(opts.stop) if opts.stop is not None else default_stop(opts.template, tokenizer)
     jobs = []
     for bench in opts.benchmarks:
-        loaded = load_benchmark(bench, opts.data.get(get_benchmark(bench).name), opts.limit)
+        name = get_benchmark(bench).name
+        loaded = load_benchmark(bench, opts.data.get(name), opts.limit, opts.benchmark_options.get(name))
         n, k = resolve_n_k(bench, opts)
         prompts = [render_prompt(opts.template, p.question, p.kind, tokenizer, opts.system_prompt,
                                  opts.chat_template_kwargs) for p in loaded.problems]
@@ -269,7 +273,7 @@ def run_job(engine, job: Job, opts: GenOptions, shard: Shard | None = None) -> b
     d = job.dir
     d.mkdir(parents=True, exist_ok=True)
     cfg, loaded, n = job.config, job.loaded, job.n
-    _write_config(d, cfg)
+    _write_config(d, cfg, loaded.notes)
     problems = loaded.problems
     atomic_write_jsonl(d / PROBLEMS_FILE, [
         {"problem_id": p.id, "question": p.question, "prompt": prompt, "gold": p.gold,

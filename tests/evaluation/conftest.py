@@ -118,3 +118,22 @@ def kill_engine_after(monkeypatch):
         return lambda: monkeypatch.setattr(HFEngine, "generate", real)
 
     return arm
+
+
+@pytest.fixture
+def gpqa_csv(tmp_path):
+    """Write GPQA's original csv layout with ``n`` made-up questions; returns the path."""
+    import csv
+
+    def write(n: int, name: str = "gpqa_diamond.csv") -> Path:
+        path = tmp_path / name
+        with open(path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=["Question", "Correct Answer", "Incorrect Answer 1", "Incorrect Answer 2",
+                                              "Incorrect Answer 3"])
+            w.writeheader()
+            for i in range(n):
+                w.writerow({"Question": f"Q{i}?", "Correct Answer": f"right{i}", "Incorrect Answer 1": f"w1-{i}",
+                            "Incorrect Answer 2": f"w2-{i}", "Incorrect Answer 3": f"w3-{i}"})
+        return path
+
+    return write
