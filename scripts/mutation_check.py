@@ -175,6 +175,15 @@ MUTATIONS = [
         ["tests/evaluation/test_eval_stats.py::test_paired_bootstrap_matches_the_exact_bootstrap_distribution"],
     ),
     Mutation(
+        "dp-dead-engine-unreported",
+        "a --dp engine process that dies is not reported: the run ends as if finished, with a shard missing",
+        "evaluation/dp.py",
+        '                    report.failed.append(f"engine process {r}/{opts.dp} exited with code {rc} (its log is above); "\n'
+        '                                         "rerun to resume")\n',
+        "                    pass\n",
+        ["tests/evaluation/test_eval_scale.py::test_dp2_engine_processes_give_the_samples_of_one_even_when_one_dies"],
+    ),
+    Mutation(
         "budget-credits-unboxed-prefix",
         "a response cut at a token budget is graded without its box: unfinished text whose last number is the "
         "gold gets credit",

@@ -105,18 +105,47 @@ def test_two_shards_merge_to_the_plain_run_and_score_counts_each_sample_once(tmp
     assert m["pass@1"] == pytest.approx(sum(r["correct"] for r in rows) / 12)
 
 
-def test_dp2_engine_processes_give_the_samples_of_one(tmp_path, tiny_ckpt, plain, capfd, monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+DYING_ENGINE = """
+import os
+if os.environ.get("LPO_EVAL_DP_RANK") == os.environ.get("LPO_TEST_DIE_RANK"):
+    import signal
+    from evaluation.engines import HFEngine
+    real, calls = HFEngine.generate, [0]
+    def dying(self, *a, **k):
+        calls[0] += 1
+        if calls[0] > 1:
+            os.kill(os.getpid(), signal.SIGKILL)  # the engine process dies mid-job (OOM killer, preemption)
+        return real(self, *a, **k)
+    HFEngine.generate = dying
+"""
+
+
+def test_dp2_engine_processes_give_the_samples_of_one_even_when_one_dies(tmp_path, tiny_ckpt, plain, capfd,
+                                                                         monkeypatch):
+    from evaluation.generate import JobsFailed
+
+    hook = tmp_path / "hook"  # a sitecustomize that SIGKILLs engine process 1/2 in its second engine call
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(DYING_ENGINE)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hook), str(REPO), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("LPO_TEST_DIE_RANK", "1/2")
     out = tmp_path / "dp2"
-    rep = generate([tiny_ckpt], _opts(out, n={"*": 4}, dp=2))
+    with pytest.raises(JobsFailed, match=r"engine process 1/2 exited with code -9 .*rerun to resume"):
+        generate([tiny_ckpt], _opts(out, n={"*": 4}, dp=2))
     err = capfd.readouterr().err
     assert "engine process 0/2" in err and "engine process 1/2" in err  # two processes drew
     assert "shard 0/2" in err and "shard 1/2" in err
-    job = _gen_file(out)
-    assert job.read_bytes() == plain.read_bytes()
-    assert rep.done == [str(job.parent)] and not rep.failed and not (job.parent / SHARD_DIR).exists()
-    rep = generate([tiny_ckpt], _opts(out, n={"*": 4}, dp=2))  # finished: nothing to do
+    (job,) = [p.parent.parent for p in out.glob(f"*/*/{SHARD_DIR}/0-of-2.jsonl")]  # engine 0 finished its shard
+    kept = len(_lines(job / SHARD_DIR / "1-of-2.jsonl.partial"))  # engine 1's first batch was kept
+    assert 0 < kept < 6 and not (job / GEN_FILE).exists()
+    monkeypatch.delenv("LPO_TEST_DIE_RANK")
+    rep = generate([tiny_ckpt], _opts(out, n={"*": 4}, dp=2))  # rerun: engine 1 resumes its shard
+    assert (job / GEN_FILE).read_bytes() == plain.read_bytes()  # = the one-engine run, byte for byte
+    assert rep.done == [str(job)] and not rep.failed and not (job / SHARD_DIR).exists()
+    capfd.readouterr()
+    rep = generate([tiny_ckpt], _opts(out, n={"*": 4}, dp=2))  # finished: nothing to do, no engine started
     assert not rep.done and not rep.failed
+    assert "engine process" not in capfd.readouterr().err
 
 
 def test_dp_device_sets_and_errors(monkeypatch):
@@ -131,6 +160,17 @@ def test_dp_device_sets_and_errors(monkeypatch):
     opts = _opts("/unused", dp=2, engine="vllm", tp=2)
     assert worker_plan(opts) == ("LPO_TEST_VISIBLE", [["2", "3"], ["5", "7"]])
     assert worker_plan(_opts("/unused", dp=2, devices=["7", "5"])) == ("LPO_TEST_VISIBLE", [["7"], ["5"]])
+
+
+def test_preflight_refuses_missing_dp_devices_before_the_checkpoints(monkeypatch, tmp_path, capsys):
+    from evaluation.cli import main
+
+    monkeypatch.setenv("LPO_DEVICE_ENV", "LPO_TEST_VISIBLE")
+    monkeypatch.setenv("LPO_TEST_VISIBLE", "0")
+    assert main(["generate", "--ckpts", str(tmp_path / "no_such_ckpt"), "--benchmarks", "math500", "--engine", "hf",
+                 "--dp", "2", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "--dp 2 x --tp 1 needs 2 devices, 1 visible (0)" in err and "no_such_ckpt" not in err
 
 
 def test_shards_need_per_sample_seeds(tiny_ckpt, tmp_path):
