@@ -321,14 +321,17 @@ def _panel_grid(count: int):
     return plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.2 * nrows), squeeze=False)
 
 
+def _panels(table: dict, axes, benches: list[str]):
+    """(axis, benchmark, [(row, cell) of each checkpoint scored on it]) per panel."""
+    for ax, b in zip(axes.flat, benches):
+        yield ax, b, [(r, r["cells"][b]) for r in table["rows"] if r["cells"].get(b) is not None]
+
+
 def _plot_passk(table: dict, path: Path) -> None:
     benches = table["benchmarks"]
     fig, axes = _panel_grid(len(benches))
-    for ax, b in zip(axes.flat, benches):
-        for r in table["rows"]:
-            c = r["cells"].get(b)
-            if c is None:
-                continue
+    for ax, b, cells in _panels(table, axes, benches):
+        for r, c in cells:
             ks = sorted(c["curve"])
             ax.plot(ks, [100 * c["curve"][k] for k in ks], marker="o", markersize=3, label=r["checkpoint"])
         ax.set_title(b)
@@ -415,11 +418,8 @@ def _plot_budget(table: dict, path: Path) -> None:
     budgets = budgets_of(table)
     benches = [b for b in table["benchmarks"] if any((r["cells"].get(b) or {}).get("budget") for r in table["rows"])]
     fig, axes = _panel_grid(len(benches))
-    for ax, b in zip(axes.flat, benches):
-        for r in table["rows"]:
-            c = r["cells"].get(b)
-            if c is None:
-                continue
+    for ax, b, cells in _panels(table, axes, benches):
+        for r, c in cells:
             pts = {t: budget_value(c, t) for t in budgets}
             if c.get("max_tokens") is not None:
                 pts[c["max_tokens"]] = c["pass@1"]

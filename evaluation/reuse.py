@@ -25,7 +25,9 @@ from .io import read_json
 from .shards import GEN_FILE, PARTIAL_SUFFIX, SHARD_DIR, Key
 
 SEEDING = "sample"  # config "seeding": every sample has its own seed
-FREE_KEYS = frozenset({"n", "k", "n_problems", "data_sha", "prompts_sha", "config_sha", "versions"})
+# recorded beside the key (config_sha, versions, data_notes: subset / GPQA-ordering notes for reports) or
+# following from n and the problem selection; each reused row is checked against its problem anyway
+FREE_KEYS = frozenset({"n", "k", "n_problems", "data_sha", "prompts_sha", "config_sha", "versions", "data_notes"})
 
 
 def per_sample_seeds(cfg: dict) -> bool:
