@@ -110,10 +110,35 @@ def run_and_label(path: str) -> tuple[str, int | None, str]:
     return run or step_dir, int(_STEP_RE.search(step_dir).group(1)), re.sub(r"[^A-Za-z0-9._-]+", "_", label)[-80:]
 
 
+FINGERPRINT_BLOCK = 1 << 16  # bytes read at each of FINGERPRINT_BLOCKS offsets of a weight file
+FINGERPRINT_BLOCKS = 32
+
+
+def weights_fingerprint(path: Path) -> str:
+    """sha256 of a weight file's size and of 64 KiB blocks at 32 evenly spaced offsets (the first holds a
+    safetensors header, the last the end of the file): about 2 MiB read per file, whatever its size.
+
+    A re-saved checkpoint changes nearly every byte of its weights, so it changes the fingerprint even
+    when its size and modification time are the same (a copy that keeps times, a clock of coarse grain).
+    """
+    import hashlib
+
+    size = path.stat().st_size
+    h = hashlib.sha256(str(size).encode())
+    last = max(0, size - FINGERPRINT_BLOCK)
+    offsets = sorted({last * i // (FINGERPRINT_BLOCKS - 1) for i in range(FINGERPRINT_BLOCKS)})
+    with open(path, "rb") as f:
+        for off in offsets:
+            f.seek(off)
+            h.update(f.read(FINGERPRINT_BLOCK))
+    return h.hexdigest()[:16]
+
+
 def checkpoint_id(ckpt: Checkpoint | str) -> str:
     """Readable, content-aware id: the label + a hash of the path, configs and weight files.
 
-    Weight files enter by name, size and mtime, so a re-saved checkpoint gets a new id.
+    Weight files enter by name, size, mtime and a fingerprint of their content
+    (:func:`weights_fingerprint`), so a checkpoint re-saved in the same folder gets a new id.
     """
     if isinstance(ckpt, str):
         ckpt = local_checkpoint(ckpt)
@@ -126,7 +151,7 @@ def checkpoint_id(ckpt: Checkpoint | str) -> str:
     for f in sorted(p.iterdir()):
         if f.is_file() and (f.suffix in WEIGHT_SUFFIXES or f.name.endswith(".index.json")):
             st = f.stat()
-            h.append(f"{f.name}:{st.st_size}:{st.st_mtime_ns}")
+            h.append(f"{f.name}:{st.st_size}:{st.st_mtime_ns}:{weights_fingerprint(f)}")
     return f"{ckpt.label}-{sha256_text(chr(10).join(h))[:8]}"
 
 

@@ -147,6 +147,23 @@ def _positive_int(flag: str):
     return parse
 
 
+def _device_list(s: str) -> list[str]:
+    out = [x.strip() for x in s.split(",") if x.strip()]
+    if not out:
+        raise argparse.ArgumentTypeError("--devices is empty; expected ids like 0,1,2,3")
+    return out
+
+
+def _shard(s: str) -> tuple[int, int]:
+    from .shards import Shard
+
+    try:
+        sh = Shard.parse(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return sh.index, sh.count
+
+
 def _add_generate_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("generation")
     g.add_argument("--ckpts", nargs="+", required=True,
@@ -187,6 +204,12 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--engine", default=None, choices=sorted(ENGINES),
                    help="vllm (accelerators) or hf (transformers, CPU fallback); default: vllm if usable")
     g.add_argument("--tp", type=_positive_int("--tp"), default=1, help="vLLM tensor parallel size")
+    g.add_argument("--dp", type=_positive_int("--dp"), default=1,
+                   help="engine processes on this node, each on its own --tp devices, splitting every job's samples")
+    g.add_argument("--devices", type=_device_list, default=None,
+                   help="device ids the --dp engines split (default: the visible ones, e.g. CUDA_VISIBLE_DEVICES)")
+    g.add_argument("--shard", type=_shard, default=None, metavar="I/N",
+                   help="draw shard I of N of every job's samples (job arrays); `score` merges the shards")
     g.add_argument("--dtype", default="auto")
     g.add_argument("--max-model-len", type=_positive_int("--max-model-len"), default=None)
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -212,12 +235,24 @@ def _add_score_args(p: argparse.ArgumentParser, runs_required: bool) -> None:
     g.add_argument("--boxes", default="last", choices=("last", "all"),
                    help="math: grade the last \\boxed{} (default, Qwen2.5-Math's rule) or all boxes as a set (math-verify's)")
     g.add_argument("--no-majority", action="store_true", help="skip maj@k (it compares distinct wrong answers pairwise)")
+    g.add_argument("--budgets", type=_budgets, default="1k,2k,4k,8k",
+                   help="Pass@1 with responses cut at these token counts (k = 1024; those below --max-tokens), "
+                        "a cut response needing its box within the budget; none: skip (default 1k,2k,4k,8k)")
     g.add_argument("--require-box", default="truncated", choices=tuple(REQUIRE_BOX),
                    help="math: which responses are graded by their boxes only (no box = no answer): truncated "
                         "(default: responses that hit --max-tokens), all, never")
     g.add_argument("--choice-extraction", type=_choice_chains, default={"*": "explicit"},
                    help=f"multiple choice: {' or '.join(CHOICE_EXTRACTIONS)} (MMLU-Pro's own chain), for every "
                         "choice benchmark or NAME=CHAIN,... (default explicit: the last explicit answer)")
+
+
+def _budgets(s: str) -> tuple[int, ...]:
+    from .budget import parse_budgets
+
+    try:
+        return parse_budgets(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _choice_chains(s: str) -> dict[str, str]:
@@ -303,6 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--benchmarks", type=_names, default=None, help="default: every benchmark both were scored on")
     cmp.add_argument("--html", default=None, metavar="FILE", help="also write a self-contained HTML page")
     cmp.add_argument("--md", default=None, metavar="FILE", help="also write the markdown table to FILE")
+    cmp.add_argument("--bootstrap", type=_positive_int("--bootstrap"), default=10000, metavar="R",
+                     help="paired bootstrap resamples of the problems for each difference's interval and p (default 10000)")
+    cmp.add_argument("--bootstrap-seed", type=int, default=0, help="seed of the bootstrap resamples")
     one = sub.add_parser("_generate-one")  # internal: one checkpoint in a fresh process
     one.add_argument("spec")
     return parser
@@ -366,6 +404,9 @@ def _gen_options(args, announce: bool = False):
         chat_template_kwargs=args.chat_template_kwargs,
         stop=_stops(args.stop),
         trust_remote_code=args.trust_remote_code,
+        dp=args.dp,
+        devices=args.devices,
+        shard=args.shard or (0, 1),
         benchmark_options=bench_options,
     )
 
@@ -409,7 +450,7 @@ def _compare(args) -> None:
     from .io import atomic_write_text
     from .views import compare, compare_html, compare_markdown
 
-    cmp = compare(args.runs, args.a, args.b, args.benchmarks)
+    cmp = compare(args.runs, args.a, args.b, args.benchmarks, resamples=args.bootstrap, seed=args.bootstrap_seed)
     md = compare_markdown(cmp)
     print(md)
     if args.md:
@@ -486,6 +527,7 @@ def _dispatch(args) -> int:
         try:
             score(runs, workers=args.workers, timeout=args.item_timeout, fast_path=not args.no_fast_path,
                   force=args.force, show_progress=not args.no_progress, boxes=args.boxes, majority=not args.no_majority,
+                  budgets=args.budgets,
                   options={"require_box": args.require_box, "choice_extraction": args.choice_extraction})
         except JobsFailed as e:
             if args.command == "score":

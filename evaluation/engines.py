@@ -1,7 +1,9 @@
 """Generation engines by name (registry): ``vllm`` for accelerators, ``hf`` (transformers) everywhere.
 
-An engine turns a batch of prompts into ``n`` completions each. Every prompt carries its own seed so a
-problem's samples do not depend on which other problems share the batch (resume is byte-identical).
+An engine turns a batch of prompts into ``n`` completions each, every prompt with its own seed.
+``lpo-eval generate`` sends one request per sample (``n = 1``, the prompt repeated, a seed per sample),
+so a sample does not depend on what shares its batch, its process or its run (resume, shards, ``--dp``
+and a larger ``n`` give the same samples); vLLM's prefix cache computes a repeated prompt once.
 vLLM is imported lazily; the ``hf`` engine runs on the CPU of any machine.
 
 Stop strings (``Sampling.stop``): a completion ends at the first of them (not included in the text,
@@ -154,7 +156,7 @@ class _StopInNewText:
 
 @register_engine("hf")
 class HFEngine:
-    """transformers ``generate``, one problem at a time (n samples via ``num_return_sequences``).
+    """transformers ``generate``, one prompt at a time (n samples via ``num_return_sequences``).
 
     Runs on the device torch puts the model on by default (``device`` moves it elsewhere); this is the
     CPU fallback used by the tests with a tiny model.

@@ -5,14 +5,19 @@ Layout: ``OUT/<checkpoint_id>/<benchmark>-<config_sha[:12]>/`` holding ``config.
 (``generations.jsonl.partial`` while running). A job is keyed by checkpoint id, benchmark and the hash
 of everything that changes its outputs (data with an image benchmark's images, n, template, system
 prompt, chat-template arguments, the rendered prompts, sampling including stop strings, seed, engine,
-dtype, max model length, TP size, remote code); a finished job is skipped. The partial file only ever grows by whole problems (all n
-samples, one write + fsync); on restart a torn tail is cut off and only the missing problems are
-generated, each with its own seed, so the finished file is byte-identical to an uninterrupted run. It
-is renamed into place atomically.
+dtype, max model length, TP size, remote code, the seeding scheme); a finished job is skipped.
 
-Several processes may share one ``--out``: each job is locked while it is generated
-(:mod:`evaluation.locks`), a process skips jobs another one holds, so the same command started once
-per GPU splits the work. A checkpoint or job that fails is reported and the others still run.
+Every sample has its own seed, from (seed, benchmark, problem id, sample index) (:func:`sample_seed`),
+and is one engine request. So a sample does not depend on which other samples share its batch or its
+process: a resumed run, the shards of a job array (``--shard i/n``) and the engines of ``--dp N``
+(:mod:`evaluation.dp`) all give the samples of one uninterrupted run, and a run with a larger ``n``
+draws only the new samples (:mod:`evaluation.reuse`). The partial file grows by whole engine calls (one
+write + fsync); on restart a torn tail is cut off and only the missing samples are generated; the
+finished file is renamed into place atomically (shards are merged: :mod:`evaluation.shards`).
+
+Several processes may share one ``--out``: each job (each shard of a job) is locked while it is
+generated (:mod:`evaluation.locks`), a process skips jobs another one holds, so the same command
+started once per GPU splits the work. A checkpoint or job that fails is reported and the others still run.
 """
 
 from __future__ import annotations
@@ -31,12 +36,12 @@ from .benchmarks import LoadedBenchmark, get_benchmark, load_benchmark, register
 from .checkpoints import Checkpoint, checkpoint_id, resolve_checkpoints
 from .engines import Sampling, make_engine
 from .io import atomic_write_json, atomic_write_jsonl, config_sha, sha256_text
-from .locks import JobBusy, JobLock
+from .locks import JobBusy
+from .reuse import SEEDING, reusable_rows
+from .shards import GEN_FILE, PARTIAL_SUFFIX, Shard, finish_shard, merge_job, recover_partial  # noqa: F401
 from .templates import check_context, default_stop, render_prompt
 
-GEN_FILE = "generations.jsonl"
 PROBLEMS_FILE = "problems.jsonl"
-PARTIAL_SUFFIX = ".partial"
 CONFIG_FILE = "config.json"
 
 
@@ -69,6 +74,9 @@ class GenOptions:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     stop: list[str] | None = None  # None: the template's end-of-turn tokens (templates.default_stop)
     trust_remote_code: bool = False
+    dp: int = 1  # engine processes on this node (evaluation.dp)
+    devices: list[str] | None = None  # device ids the --dp engines split (default: the visible ones)
+    shard: tuple[int, int] = (0, 1)  # (i, n): this process draws shard i of n of every job
     benchmark_options: dict[str, dict] = field(default_factory=dict)  # per benchmark (gpqa_diamond: orderings)
 
     def sampling(self, stop: list[str] | tuple[str, ...] = ()) -> Sampling:
@@ -118,8 +126,9 @@ def resolve_n_k(bench: str, opts: GenOptions) -> tuple[int, int]:
     return n, k
 
 
-def problem_seed(seed: int, bench: str, problem_id: str) -> int:
-    return int(sha256_text(f"{seed}:{bench}:{problem_id}")[:8], 16)
+def sample_seed(seed: int, bench: str, problem_id: str, sample_idx: int) -> int:
+    """The seed of one sample: a function of (seed, benchmark, problem id, sample index) only."""
+    return int(sha256_text(f"{seed}:{bench}:{problem_id}:{sample_idx}")[:8], 16)
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False):
@@ -161,6 +170,7 @@ def job_config(ck: Checkpoint, ckpt_id: str, loaded: LoadedBenchmark, n: int, k:
         "prompts_sha": prompts_sha,
         "sampling": {**dataclasses.asdict(opts.sampling(stop)), "stop": list(stop)},
         "seed": opts.seed,
+        "seeding": SEEDING,  # one seed per sample (sample_seed); runs seeded per problem are other jobs
         "engine": opts.engine,
         "per_request_seed": opts.per_request_seed if vllm else True,
         "dtype": opts.dtype,
@@ -172,37 +182,6 @@ def job_config(ck: Checkpoint, ckpt_id: str, loaded: LoadedBenchmark, n: int, k:
 
 def job_dir(out: str | Path, ckpt_id: str, bench: str, cfg_sha: str) -> Path:
     return Path(out) / ckpt_id / f"{bench}-{cfg_sha[:12]}"
-
-
-def recover_partial(path: Path, problem_ids: list[str], n: int) -> int:
-    """Cut ``path`` back to its longest prefix of whole problems (in order); return how many it holds."""
-    if not path.exists():
-        return 0
-    data = path.read_bytes()
-    keep = 0  # bytes of whole problems
-    done = 0
-    pos = 0
-    count = 0
-    while pos < len(data):
-        nl = data.find(b"\n", pos)
-        if nl < 0:
-            break  # torn last line
-        try:
-            row = json.loads(data[pos:nl])
-        except json.JSONDecodeError:
-            break
-        if done >= len(problem_ids) or row.get("problem_id") != problem_ids[done] or row.get("sample_idx") != count:
-            break
-        pos = nl + 1
-        count += 1
-        if count == n:
-            done, count, keep = done + 1, 0, pos
-    if keep != len(data):
-        with open(path, "r+b") as f:
-            f.truncate(keep)
-            f.flush()
-            os.fsync(f.fileno())
-    return done
 
 
 def _write_config(d: Path, cfg: dict, data_notes: dict | None = None) -> None:
@@ -223,9 +202,15 @@ def _write_config(d: Path, cfg: dict, data_notes: dict | None = None) -> None:
                                         "versions": versions})
 
 
+def shard_of(opts: GenOptions) -> Shard:
+    return Shard(*opts.shard)
+
+
 def plan_jobs(ck: Checkpoint, opts: GenOptions, tokenizer: Any = None) -> list[Job]:
-    """Jobs of one checkpoint that are not finished yet (prompts rendered with its tokenizer)."""
+    """Jobs of one checkpoint that this process still has to draw (prompts rendered with its tokenizer):
+    not finished, and with ``--shard``, this shard not finished."""
     ckpt_id = checkpoint_id(ck)
+    shard = shard_of(opts)
     if tokenizer is None:
         tokenizer = load_tokenizer(ck.path, opts.trust_remote_code)
     stop = list(opts.stop) if opts.stop is not None else default_stop(opts.template, tokenizer)
@@ -239,14 +224,52 @@ def plan_jobs(ck: Checkpoint, opts: GenOptions, tokenizer: Any = None) -> list[J
         cfg = job_config(ck, ckpt_id, loaded, n, k, opts, stop, sha256_text("\n\x00".join(prompts)))
         sha = config_sha(cfg)
         d = job_dir(opts.out, ckpt_id, loaded.spec.name, sha)
-        if (d / GEN_FILE).exists():
+        if (d / GEN_FILE).exists() or shard.output(d).exists():
             continue
         jobs.append(Job(d, cfg, sha, loaded, n, prompts))
     return jobs
 
 
-def run_job(engine, job: Job, opts: GenOptions) -> Path:
-    """Generate (or finish) one job; returns the finished generations file. The caller holds its lock."""
+def _sample_line(cfg: dict, p, prompt_sha: str, j: int, response: str, finish_reason: str, n_tokens: int) -> bytes:
+    """One ``generations.jsonl`` row (the same bytes whichever process, shard or earlier run drew it)."""
+    row = {
+        "checkpoint": cfg["checkpoint"],
+        "benchmark": cfg["benchmark"],
+        "problem_id": p.id,
+        "sample_idx": j,
+        "prompt_sha": prompt_sha,
+        "response": response,
+        "finish_reason": finish_reason,
+        "n_tokens": n_tokens,
+        "gold": p.gold,
+    }
+    if p.choices:
+        row["choices"] = p.choices
+    return (json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8", "surrogatepass")
+
+
+def _batches(units: list[tuple[int, int]], problems_per_batch: int):
+    """``units`` in consecutive batches covering at most ``problems_per_batch`` problems each."""
+    batch: list[tuple[int, int]] = []
+    seen: set[int] = set()
+    for u in units:
+        if u[0] not in seen and len(seen) == problems_per_batch:
+            yield batch
+            batch, seen = [], set()
+        batch.append(u)
+        seen.add(u[0])
+    if batch:
+        yield batch
+
+
+def run_job(engine, job: Job, opts: GenOptions, shard: Shard | None = None) -> bool:
+    """Generate (or finish) this process's shard of one job; the caller holds the shard's lock.
+
+    Samples an earlier run holds are reused (:mod:`evaluation.reuse`), the others are one engine request
+    each with their own seed. Returns True when the job's ``generations.jsonl`` is complete (for a
+    shard: when it was the last one and the merge wrote it).
+    """
+    shard = shard or shard_of(opts)
     d = job.dir
     d.mkdir(parents=True, exist_ok=True)
     cfg, loaded, n = job.config, job.loaded, job.n
@@ -257,53 +280,58 @@ def run_job(engine, job: Job, opts: GenOptions) -> Path:
          **({"choices": p.choices} if p.choices else {})}
         for p, prompt in zip(problems, job.prompts)
     ])
-    partial = d / (GEN_FILE + PARTIAL_SUFFIX)
-    done = recover_partial(partial, [p.id for p in problems], n)
-    todo = list(zip(problems, job.prompts))[done:]
+    psha = [sha256_text(prompt)[:16] for prompt in job.prompts]
+    units = shard.units(len(problems), n)
+    partial = shard.partial(d)
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    done = recover_partial(partial, [(problems[p].id, j) for p, j in units])
+    todo = units[done:]
+    reuse, sources = {}, []
+    if todo:
+        want = {p.id: {"prompt_sha": psha[i], "gold": p.gold, **({"choices": p.choices} if p.choices else {})}
+                for i, p in enumerate(problems)}
+        reuse, sources = reusable_rows(d, cfg, want, images=any(p.images for p in problems))
     sampling = opts.sampling(cfg["sampling"]["stop"])
     bar = None
     if opts.progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(problems), initial=done, desc=f"{cfg['checkpoint']}/{cfg['benchmark']}", unit="prob")
+        name = f"{cfg['checkpoint']}/{cfg['benchmark']}" + ("" if shard.whole else f" shard {shard}")
+        bar = tqdm(total=len(units), initial=done, desc=name, unit="sample")
+    reused = 0
     with open(partial, "ab") as f:
-        for start in range(0, len(todo), max(1, opts.batch_problems)):
-            chunk = todo[start : start + max(1, opts.batch_problems)]
-            prompts = [prompt for _, prompt in chunk]
-            seeds = [problem_seed(opts.seed, cfg["benchmark"], p.id) for p, _ in chunk]
-            images = [p.images for p, _ in chunk]  # image benchmarks (evaluation.vision): one tuple per problem
-            outs = engine.generate(prompts, n, sampling, seeds, **({"images": images} if any(images) else {}))
-            lines = []
-            for (p, prompt), comps in zip(chunk, outs):
-                if len(comps) != n:
-                    raise RuntimeError(f"engine returned {len(comps)} samples for problem {p.id}, expected n={n}")
-                psha = sha256_text(prompt)[:16]
-                for j, c in enumerate(comps):
-                    row = {
-                        "checkpoint": cfg["checkpoint"],
-                        "benchmark": cfg["benchmark"],
-                        "problem_id": p.id,
-                        "sample_idx": j,
-                        "prompt_sha": psha,
-                        "response": c.text,
-                        "finish_reason": c.finish_reason,
-                        "n_tokens": c.n_tokens,
-                        "gold": p.gold,
-                    }
-                    if p.choices:
-                        row["choices"] = p.choices
-                    lines.append(json.dumps(row, ensure_ascii=False) + "\n")
-            f.write("".join(lines).encode("utf-8", "surrogatepass"))
+        for batch in _batches(todo, max(1, opts.batch_problems)):
+            drawn = {u: reuse[(problems[u[0]].id, u[1])] for u in batch if (problems[u[0]].id, u[1]) in reuse}
+            missing = [u for u in batch if u not in drawn]
+            reused += len(drawn)
+            if missing:
+                seeds = [sample_seed(opts.seed, cfg["benchmark"], problems[p].id, j) for p, j in missing]
+                images = [problems[p].images for p, _ in missing]  # image benchmarks: one tuple per request
+                outs = engine.generate([job.prompts[p] for p, _ in missing], 1, sampling, seeds,
+                                       **({"images": images} if any(images) else {}))
+                if len(outs) != len(missing) or any(len(c) != 1 for c in outs):
+                    raise RuntimeError(f"engine returned {[len(c) for c in outs]} samples for {len(missing)} requests "
+                                       "of n=1 each")
+                for u, (c,) in zip(missing, outs):
+                    drawn[u] = {"response": c.text, "finish_reason": c.finish_reason, "n_tokens": c.n_tokens}
+            f.write(b"".join(_sample_line(cfg, problems[p], psha[p], j, **drawn[(p, j)]) for p, j in batch))
             f.flush()
             os.fsync(f.fileno())
             if bar is not None:
-                bar.update(len(chunk))
+                bar.update(len(batch))
     if bar is not None:
         bar.close()
-    final = d / GEN_FILE
-    os.replace(partial, final)
-    _report_truncation(final, cfg)
-    return final
+    if reused:
+        print(f"{cfg['checkpoint']}/{cfg['benchmark']}: {reused} of {len(units)} samples reused from "
+              + ", ".join(str(s.relative_to(d.parent)) for s in sources), file=sys.stderr)
+    if shard.whole:
+        os.replace(partial, d / GEN_FILE)
+        complete = True
+    else:
+        complete = finish_shard(d, shard, [(p.id, j) for p in problems for j in range(n)])
+    if complete:
+        _report_truncation(d / GEN_FILE, cfg)
+    return complete
 
 
 def _report_truncation(path: Path, cfg: dict) -> None:
@@ -313,55 +341,82 @@ def _report_truncation(path: Path, cfg: dict) -> None:
           f"truncated at --max-tokens {cfg['sampling']['max_tokens']}", file=sys.stderr)
 
 
-def generate_checkpoint(ck: Checkpoint, opts: GenOptions) -> GenReport:
-    """All unfinished jobs of one checkpoint in this process; jobs another process holds are skipped.
+class EngineStartFailed(RuntimeError):
+    """The engine of a checkpoint could not be created."""
 
-    The engine is loaded only if this process claimed a job.
+
+class _LazyEngine:
+    """The checkpoint's engine, created at the first request: jobs whose samples are all reused load no model."""
+
+    def __init__(self, make):
+        self._make, self._engine, self._error = make, None, None
+
+    def generate(self, *args, **kwargs):
+        if self._engine is None:
+            if self._error is None:
+                try:
+                    self._engine = self._make()
+                except Exception as e:
+                    self._error = EngineStartFailed(f"{type(e).__name__}: {_one_line(e)}")
+            if self._error is not None:
+                raise self._error
+        return self._engine.generate(*args, **kwargs)
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
+
+
+def generate_checkpoint(ck: Checkpoint, opts: GenOptions) -> GenReport:
+    """All unfinished jobs of one checkpoint (this process's shard of each) in this process; jobs another
+    process holds are skipped. The engine is loaded only if some claimed job needs a new sample.
     """
     report = GenReport()
+    shard = shard_of(opts)
     try:
         jobs = plan_jobs(ck, opts)
     except ValueError as e:
         report.failed.append(f"{ck.source}: {e}")
         return report
-    claimed: list[tuple[Job, JobLock]] = []
+    claimed = []
     for job in jobs:
         try:
-            lock = JobLock(job.dir).acquire()
+            lock = shard.lock(job.dir).acquire()
         except JobBusy as e:
-            report.busy.append(f"{job.dir} ({e.holder or 'another process'})")
+            report.busy.append(f"{job.dir}{'' if shard.whole else f' shard {shard}'} ({e.holder or 'another process'})")
             continue
-        if (job.dir / GEN_FILE).exists():  # finished by another process since we planned
+        if (job.dir / GEN_FILE).exists() or shard.output(job.dir).exists():  # finished by another process since we planned
             lock.release()
             continue
         claimed.append((job, lock))
     if not claimed:
         return report
-    engine = None
+    engine = _LazyEngine(lambda: make_engine(
+        opts.engine,
+        ck.path,
+        tp=opts.tp,
+        seed=opts.seed,
+        dtype=opts.dtype,
+        max_model_len=opts.max_model_len,
+        gpu_memory_utilization=opts.gpu_memory_utilization,
+        per_request_seed=opts.per_request_seed,
+        trust_remote_code=opts.trust_remote_code,
+    ))
     try:
-        engine = make_engine(
-            opts.engine,
-            ck.path,
-            tp=opts.tp,
-            seed=opts.seed,
-            dtype=opts.dtype,
-            max_model_len=opts.max_model_len,
-            gpu_memory_utilization=opts.gpu_memory_utilization,
-            per_request_seed=opts.per_request_seed,
-            trust_remote_code=opts.trust_remote_code,
-        )
         for job, _ in claimed:
             try:
-                report.done.append(str(run_job(engine, job, opts).parent))
+                run_job(engine, job, opts, shard)
+                report.done.append(str(job.dir))
+            except EngineStartFailed as e:
+                report.failed.append(f"{ck.source}: the engine could not start: {e}")
+                break
             except Exception as e:  # one bad job does not stop the others
                 report.failed.append(f"{job.dir}: {type(e).__name__}: {_one_line(e)}")
-    except Exception as e:
-        report.failed.append(f"{ck.source}: the engine could not start: {type(e).__name__}: {_one_line(e)}")
     finally:
         for _, lock in claimed:
             lock.release()
-        if engine is not None:
-            engine.close()
+        engine.close()
     return report
 
 
@@ -370,15 +425,41 @@ def _one_line(e: BaseException) -> str:
     return s.splitlines()[0] if s else type(e).__name__
 
 
+def check_options(opts: GenOptions) -> None:
+    """Fail fast on bad names, n < k and option combinations, before touching any checkpoint."""
+    register_custom_benchmarks(opts.data)
+    check_context(opts.template, opts.system_prompt, opts.chat_template_kwargs)
+    for b in opts.benchmarks:
+        resolve_n_k(b, opts)
+    shard = shard_of(opts)
+    if opts.dp < 1:
+        raise ValueError(f"--dp must be >= 1, got {opts.dp}")
+    if (opts.dp > 1 or not shard.whole) and not opts.per_request_seed and opts.engine.startswith("vllm"):
+        raise ValueError("--dp / --shard split a job's samples over engines, which needs a seed per sample: drop "
+                         "--no-per-request-seed (or run one engine per checkpoint without --dp / --shard)")
+
+
 def generate(ckpts: list[str], opts: GenOptions) -> GenReport:
-    """Generate for every checkpoint; vLLM (or ``isolate="always"``) gets one process per checkpoint.
+    """Generate for every checkpoint; vLLM (or ``isolate="always"``) gets one process per checkpoint, and
+    ``opts.dp > 1`` one engine process per device set (:mod:`evaluation.dp`).
 
     Returns what happened; raises :class:`JobsFailed` after the other jobs finished if any failed.
     """
-    register_custom_benchmarks(opts.data)
-    check_context(opts.template, opts.system_prompt, opts.chat_template_kwargs)
-    for b in opts.benchmarks:  # fail fast on bad names / n < k before touching any checkpoint
-        resolve_n_k(b, opts)
+    check_options(opts)
+    if opts.dp > 1:
+        from .dp import generate_dp
+
+        report = generate_dp(ckpts, opts)
+    else:
+        report = generate_report(ckpts, opts)
+    if report.failed:
+        raise JobsFailed(f"{len(report.failed)} failed (the other jobs finished; rerun to resume):\n  "
+                         + "\n  ".join(report.failed))
+    return report
+
+
+def generate_report(ckpts: list[str], opts: GenOptions) -> GenReport:
+    """:func:`generate` in this process (its shard of every job), failures in the report instead of raised."""
     checkpoints, bad = resolve_checkpoints(ckpts)
     report = GenReport(failed=[f"{path}: {why}" for path, why in bad])
     isolate = opts.isolate == "always" or (opts.isolate == "auto" and opts.engine.startswith("vllm"))
@@ -393,9 +474,6 @@ def generate(ckpts: list[str], opts: GenOptions) -> GenReport:
             report.failed.append(f"{ck.source}: {e}")
             continue
         report.merge(_generate_in_subprocess(ck, opts))
-    if report.failed:
-        raise JobsFailed(f"{len(report.failed)} failed (the other jobs finished; rerun to resume):\n  "
-                         + "\n  ".join(report.failed))
     return report
 
 
@@ -410,13 +488,27 @@ def _generate_in_subprocess(ck: Checkpoint, opts: GenOptions) -> GenReport:
 
 
 def generate_one_from_spec(spec_path: str) -> None:
+    """The internal ``_generate-one`` command: one checkpoint (``ckpt``) or, for a ``--dp`` engine
+    process, every checkpoint (``ckpts``) with its shard; writes the :class:`GenReport` to ``result``."""
     with open(spec_path) as f:
         spec = json.load(f)
-    opts = GenOptions(**spec["opts"])
+    opts = options_from_dict(spec["opts"])
     register_custom_benchmarks(opts.data)
-    report = generate_checkpoint(Checkpoint(**spec["ckpt"]), opts)
+    if "ckpts" in spec:
+        from .dp import worker_banner
+
+        worker_banner(opts)
+        try:
+            report = generate_report(spec["ckpts"], opts)
+        except ValueError as e:
+            report = GenReport(failed=[f"{', '.join(spec['ckpts'])}: {e}"])
+    else:
+        report = generate_checkpoint(Checkpoint(**spec["ckpt"]), opts)
     Path(spec["result"]).write_text(json.dumps(dataclasses.asdict(report)))
 
 
 def options_from_dict(d: dict[str, Any]) -> GenOptions:
+    d = dict(d)
+    if "shard" in d:
+        d["shard"] = tuple(d["shard"])
     return GenOptions(**d)

@@ -28,17 +28,18 @@ class JobBusy(Exception):
 
 
 class JobLock:
-    """``with JobLock(dir, wait=False):`` holds ``dir/.lock``; raises :class:`JobBusy` when ``wait`` is False
-    and another process holds it."""
+    """``with JobLock(dir, wait=False):`` holds ``dir/.lock`` (or ``dir/name``: a shard's own lock, see
+    :mod:`evaluation.shards`); raises :class:`JobBusy` when ``wait`` is False and another process holds it."""
 
-    def __init__(self, job_dir: str | os.PathLike, wait: bool = False):
+    def __init__(self, job_dir: str | os.PathLike, wait: bool = False, name: str = LOCK_FILE):
         self.dir = Path(job_dir)
         self.wait = wait
+        self.name = name
         self._fd: int | None = None
 
     def acquire(self) -> "JobLock":
         self.dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o666)
+        fd = os.open(self.dir / self.name, os.O_RDWR | os.O_CREAT, 0o666)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | (0 if self.wait else fcntl.LOCK_NB))
         except BlockingIOError:

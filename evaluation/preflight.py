@@ -1,7 +1,9 @@
 """``lpo-eval generate`` / ``run`` preflight: what generation would stop on, checked before any engine starts.
 
-* first the option checks ``generate`` makes before touching a file (``--n`` >= ``--k``, the template's
-  support for ``--system-prompt`` / ``--chat-template-kwargs``), so the first error is the same;
+* first the option checks ``generate`` makes before touching a file (:func:`evaluation.generate.check_options`:
+  ``--n`` >= ``--k``, the template's support for ``--system-prompt`` / ``--chat-template-kwargs``,
+  ``--dp`` / ``--shard`` with per-sample seeds), so the first error is the same, and with ``--dp N`` that
+  ``N x --tp`` devices are there (:func:`evaluation.dp.worker_plan`);
 * every ``--ckpts`` value resolves (:func:`evaluation.checkpoints.resolve_checkpoints`: a glob that
   matches nothing, a path that does not exist, a run folder with no model folder below it);
 * every benchmark of ``--benchmarks`` loads with its ``--data NAME=PATH`` (or its staged copy):
@@ -17,17 +19,18 @@ from __future__ import annotations
 
 from .benchmarks import get_benchmark, load_benchmark
 from .checkpoints import resolve_checkpoints
-from .generate import resolve_n_k
-from .templates import check_context
+from .generate import check_options
 
 __all__ = ["preflight"]
 
 
 def preflight(ckpts: list[str], opts) -> None:
     """Raise ValueError naming the flag, file, row or field of the first bad input."""
-    check_context(opts.template, opts.system_prompt, opts.chat_template_kwargs)
-    for bench in opts.benchmarks:
-        resolve_n_k(bench, opts)
+    check_options(opts)  # template context, n >= k, --dp / --shard combinations
+    if opts.dp > 1:
+        from .dp import worker_plan
+
+        worker_plan(opts)  # --dp x --tp devices exist (--devices, the visibility variable)
     resolve_checkpoints(ckpts)  # a folder without weights yet is not an input error: generate reports it (exit 1)
     for bench in opts.benchmarks:
         load_benchmark(bench, opts.data.get(get_benchmark(bench).name), opts.limit)

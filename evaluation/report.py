@@ -1,11 +1,13 @@
 """Stage 3 (``lpo-eval report``): checkpoints x benchmarks tables and plots from ``metrics.json`` files.
 
-Writes ``summary.md`` (Pass@1, Pass@k, maj@n, best/worst of n, response length), ``summary.csv``,
-``summary.json`` (raw fractions), ``passk.png`` (Pass@k against k per benchmark, one line per
-checkpoint), ``steps.png`` (a metric against training step, one line per run, one panel per benchmark
-and average) and ``lengths.png`` (mean response length against step, correct and wrong samples).
+Writes ``summary.md`` (Pass@1 and Pass@k with their standard errors, maj@n, best/worst of n, Pass@1 at
+token budgets, response length), ``summary.csv``, ``summary.json`` (raw fractions), ``passk.png``
+(Pass@k against k per benchmark, one line per checkpoint), ``steps.png`` (a metric against training
+step, one line per run, one panel per benchmark and average), ``lengths.png`` (mean response length
+against step, correct and wrong samples) and ``budget.png`` (Pass@1 against token budget).
 Averages: ``math_avg`` over the in-distribution math benchmarks, ``ood_avg`` over the OOD ones; an
-average is left empty for a checkpoint that lacks one of its benchmarks.
+average is left empty for a checkpoint that lacks one of its benchmarks. A cell ``45.2 ± 1.3`` is the
+score and its standard error over problems (:mod:`evaluation.stats`; an average's from its benchmarks').
 
 One checkpoint x benchmark evaluated with several configs (say two templates): the latest (by the time
 its generations finished) is reported unless ``select`` (``KEY=VALUE`` on ``config.json`` fields,
@@ -28,6 +30,7 @@ from .generate import CONFIG_FILE, GEN_FILE
 from .io import atomic_write_bytes, atomic_write_json, atomic_write_text, read_json
 from .protocol import header_lines, table_protocol
 from .score import METRICS_FILE
+from .stats import combined_stderr
 
 FORMATS = ("md", "csv", "json")
 
@@ -121,6 +124,10 @@ def build_table(ms: list[dict], passk_average: str = "auto") -> dict:
         r["cells"][m["benchmark"]] = {
             "pass@1": m["pass@1"],
             "pass@k": m["pass@k"][str(m["k"])],
+            "pass@1_se": m.get("pass@1_stderr"),
+            "pass@k_se": (m.get("pass@k_stderr") or {}).get(str(m["k"])),
+            "budget": {int(b): v for b, v in (m.get("budget") or {}).items()},
+            "max_tokens": m.get("max_tokens"),
             "maj@n": maj.get(str(n)),
             "best@n": m.get("best_of_n", m["pass@k"][str(n)]),
             "worst@n": m.get("worst_of_n"),
@@ -141,6 +148,9 @@ def build_table(ms: list[dict], passk_average: str = "auto") -> dict:
                 vals = [r["cells"][b][metric] for b in use if b in r["cells"]]
                 ok = bool(use) and len(vals) == len(use) and all(v is not None for v in vals)
                 r[f"{group}_avg_{metric}"] = sum(vals) / len(vals) if ok else None
+                if metric != "maj@n":
+                    ses = [r["cells"][b][metric + "_se"] for b in members if b in r["cells"]]
+                    r[f"{group}_avg_{metric}_se"] = combined_stderr(ses) if ok else None
     ordered = sorted(rows.values(), key=lambda r: (r["step"] is None, r["step"] or 0, r["checkpoint"]))
     return {"benchmarks": benches, "groups": groups, "k": kmap, "rows": ordered, "protocol": protocol}
 
@@ -168,20 +178,60 @@ def _cell(row: dict, key: str, metric: str):
     if key.endswith("_avg"):
         return row.get(f"{key}_{metric}")
     c = row["cells"].get(key)
-    return None if c is None else c[metric]
+    return None if c is None else c.get(metric)
+
+
+def _fmt_se(row: dict, key: str, metric: str) -> str:
+    """``45.2 ± 1.3``: the value and its standard error (just the value when there is none)."""
+    v, se = _cell(row, key, metric), _cell(row, key, metric + "_se")
+    return _fmt(v) if v is None or se is None else f"{100 * v:.1f} ± {100 * se:.1f}"
 
 
 def _has_n_gt_1(table: dict) -> bool:
     return any(c["n"] > 1 for r in table["rows"] for c in r["cells"].values())
 
 
-def _metric_table(table: dict, metric: str, title: str, fmt=_fmt) -> list[str]:
+def _metric_table(table: dict, metric: str, title: str) -> list[str]:
     cols = _columns(table, metric)
     out = [f"### {title}\n", "| checkpoint | step | " + " | ".join(c[0] for c in cols) + " |",
            "|---|---:|" + "---:|" * len(cols)]
     for r in table["rows"]:
         step = "" if r["step"] is None else str(r["step"])
-        out.append(f"| {r['checkpoint']} | {step} | " + " | ".join(fmt(_cell(r, c[1], c[2])) for c in cols) + " |")
+        cells = [_fmt_se(r, c[1], c[2]) if metric in ("pass@1", "pass@k") else _fmt(_cell(r, c[1], c[2])) for c in cols]
+        out.append(f"| {r['checkpoint']} | {step} | " + " | ".join(cells) + " |")
+    out.append("")
+    return out
+
+
+def budgets_of(table: dict) -> list[int]:
+    """Every token budget some cell was scored at (sorted)."""
+    return sorted({b for r in table["rows"] for c in r["cells"].values() for b in c.get("budget") or {}})
+
+
+def budget_value(cell: dict, b: int) -> float | None:
+    """Pass@1 of a cell at budget ``b``: its scored value, the full Pass@1 when ``b`` cuts nothing (at or
+    above ``--max-tokens``), else None."""
+    if b in (cell.get("budget") or {}):
+        return cell["budget"][b]["pass@1"]
+    mt = cell.get("max_tokens")
+    return cell["pass@1"] if mt is not None and b >= mt else None
+
+
+def _budget_table(table: dict) -> list[str]:
+    budgets = budgets_of(table)
+    if not budgets:
+        return []
+    out = ["### Pass@1 (%) at token budget: responses cut after B tokens (a cut response needs its box within B)\n",
+           "| checkpoint | step | benchmark | " + " | ".join(f"B={b}" for b in budgets) + " | full | max tokens |",
+           "|---|---:|---|" + "---:|" * (len(budgets) + 2)]
+    for r in table["rows"]:
+        for bench in table["benchmarks"]:
+            c = r["cells"].get(bench)
+            if c is None:
+                continue
+            vals = [_fmt(budget_value(c, b)) for b in budgets]
+            out.append(f"| {r['checkpoint']} | {'' if r['step'] is None else r['step']} | {bench} | " + " | ".join(vals)
+                       + f" | {_fmt(c['pass@1'])} | {'' if c.get('max_tokens') is None else c['max_tokens']} |")
     out.append("")
     return out
 
@@ -207,6 +257,7 @@ def to_markdown(table: dict) -> str:
                 cells.append("" if c is None else f"{_fmt(c['best@n'])} / {_fmt(c['worst@n'])}")
             out.append(f"| {r['checkpoint']} | {'' if r['step'] is None else r['step']} | " + " | ".join(cells) + " |")
         out.append("")
+    out += _budget_table(table)
     out += ["### Response length (tokens)\n",
             "| checkpoint | step | benchmark | mean | p50 | p90 | p99 | max | correct | wrong | truncated % | no answer % |",
             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -223,7 +274,7 @@ def to_markdown(table: dict) -> str:
     out.append("")
     ns = ", ".join(f"{b}: n={table['rows'][0]['cells'][b]['n'] if b in table['rows'][0]['cells'] else '?'}"
                    for b in table["benchmarks"])
-    out.append(f"Samples per problem: {ns}.\n")
+    out.append(f"Samples per problem: {ns}. ± is the standard error over problems.\n")
     return "\n".join(out)
 
 
@@ -237,10 +288,19 @@ def to_csv(table: dict) -> str:
     for label, key, metric in cols:
         k = table["k"].get(key)
         headers.append(f"{key}/pass@{k}" if (metric == "pass@k" and k) else f"{key}/{metric}")
+    se_cols = [(label, key, metric + "_se") for label, key, metric in cols if metric in ("pass@1", "pass@k")]
+    for _, key, metric in se_cols:
+        k = table["k"].get(key)
+        headers.append(f"{key}/pass@{k}_se" if (metric == "pass@k_se" and k) else f"{key}/{metric}")
+    budgets = budgets_of(table)
+    headers += [f"{b}/pass@1@{t}" for b in table["benchmarks"] for t in budgets]
     headers += [f"{b}/{x}" for b in table["benchmarks"] for x in ("length_mean", "length_p90", "truncated")]
     w.writerow(["checkpoint", "step"] + headers)
     for r in table["rows"]:
-        vals = ["" if v is None else f"{100 * v:.2f}" for v in (_cell(r, c[1], c[2]) for c in cols)]
+        vals = ["" if v is None else f"{100 * v:.2f}" for v in (_cell(r, c[1], c[2]) for c in cols + se_cols)]
+        for b in table["benchmarks"]:
+            c = r["cells"].get(b)
+            vals += ["" if c is None or budget_value(c, t) is None else f"{100 * budget_value(c, t):.2f}" for t in budgets]
         for b in table["benchmarks"]:
             ln = (r["cells"].get(b) or {}).get("length") or {}
             vals += [_num(ln.get("mean"), 2), _num(ln.get("p90"), 1),
@@ -249,21 +309,29 @@ def to_csv(table: dict) -> str:
     return buf.getvalue()
 
 
-def _plot_passk(table: dict, path: Path) -> None:
+def _panel_grid(count: int):
+    """``(fig, axes)``: ``count`` panels, three to a row (matplotlib without a display)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    benches = table["benchmarks"]
-    cols = min(3, len(benches))
-    nrows = math.ceil(len(benches) / cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.2 * nrows), squeeze=False)
+    cols = min(3, count)
+    nrows = math.ceil(count / cols)
+    return plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.2 * nrows), squeeze=False)
+
+
+def _panels(table: dict, axes, benches: list[str]):
+    """(axis, benchmark, [(row, cell) of each checkpoint scored on it]) per panel."""
     for ax, b in zip(axes.flat, benches):
-        for r in table["rows"]:
-            c = r["cells"].get(b)
-            if c is None:
-                continue
+        yield ax, b, [(r, r["cells"][b]) for r in table["rows"] if r["cells"].get(b) is not None]
+
+
+def _plot_passk(table: dict, path: Path) -> None:
+    benches = table["benchmarks"]
+    fig, axes = _panel_grid(len(benches))
+    for ax, b, cells in _panels(table, axes, benches):
+        for r, c in cells:
             ks = sorted(c["curve"])
             ax.plot(ks, [100 * c["curve"][k] for k in ks], marker="o", markersize=3, label=r["checkpoint"])
         ax.set_title(b)
@@ -308,16 +376,9 @@ def _runs(table: dict) -> dict[str, list[dict]]:
 
 
 def _plot_steps(table: dict, path: Path, metric: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     panels = list(table["benchmarks"]) + [g + "_avg" for g in ("math", "ood") if any(table["groups"][b] == g for b in table["benchmarks"])]
     runs = _runs(table)
-    cols = min(3, len(panels))
-    nrows = math.ceil(len(panels) / cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.2 * nrows), squeeze=False)
+    fig, axes = _panel_grid(len(panels))
     for ax, key in zip(axes.flat, panels):
         for run, rs in sorted(runs.items()):
             pts = [(r["step"], _cell(r, key, metric)) for r in rs]
@@ -333,16 +394,9 @@ def _plot_steps(table: dict, path: Path, metric: str) -> None:
 
 def _plot_lengths(table: dict, path: Path) -> None:
     """Mean response length against training step (solid: all samples; dashed: correct; dotted: wrong)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     benches = table["benchmarks"]
     runs = _runs(table)
-    cols = min(3, len(benches))
-    nrows = math.ceil(len(benches) / cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.2 * nrows), squeeze=False)
+    fig, axes = _panel_grid(len(benches))
     for ax, b in zip(axes.flat, benches):
         for i, (run, rs) in enumerate(sorted(runs.items())):
             color = f"C{i % 10}"
@@ -355,6 +409,26 @@ def _plot_lengths(table: dict, path: Path) -> None:
         ax.set_title(f"{b}: response length")
         ax.set_xlabel("training step")
         ax.set_ylabel("tokens")
+        ax.grid(alpha=0.3)
+    _save_panels(fig, axes, len(benches), path)
+
+
+def _plot_budget(table: dict, path: Path) -> None:
+    """Pass@1 against token budget (the last point of a line is the full run, at --max-tokens)."""
+    budgets = budgets_of(table)
+    benches = [b for b in table["benchmarks"] if any((r["cells"].get(b) or {}).get("budget") for r in table["rows"])]
+    fig, axes = _panel_grid(len(benches))
+    for ax, b, cells in _panels(table, axes, benches):
+        for r, c in cells:
+            pts = {t: budget_value(c, t) for t in budgets}
+            if c.get("max_tokens") is not None:
+                pts[c["max_tokens"]] = c["pass@1"]
+            pts = sorted((t, v) for t, v in pts.items() if v is not None)
+            ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], marker="o", markersize=3, label=r["checkpoint"])
+        ax.set_title(f"{b}: Pass@1 at token budget")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("token budget")
+        ax.set_ylabel("pass@1 (%)")
         ax.grid(alpha=0.3)
     _save_panels(fig, axes, len(benches), path)
 
@@ -380,4 +454,6 @@ def report(runs: str | Path, out: str | Path | None = None, formats: tuple[str, 
         _plot_passk(table, out / "passk.png")
         _plot_steps(table, out / "steps.png", step_metric)
         _plot_lengths(table, out / "lengths.png")
+        if budgets_of(table):
+            _plot_budget(table, out / "budget.png")
     return table

@@ -8,13 +8,16 @@ For every finished job directory: ``samples.jsonl`` (each generation row plus ``
 assistant's turn: when the job's prompt opened a ``<think>`` block (``problems.jsonl``), it is put back
 in front of the response, so unfinished reasoning has no answer.
 
-Metrics: Pass@k (unbiased, every k <= n), maj@k (majority vote over grader-equivalent answers,
+Metrics: Pass@k (unbiased, every k <= n) with its standard error over problems (:mod:`evaluation.stats`),
+Pass@1 at token budgets below ``--max-tokens`` (:mod:`evaluation.budget`), maj@k (majority vote over grader-equivalent answers,
 :mod:`evaluation.majority`; only for kinds whose samples have an answer, not code), worst@k (all k samples correct; worst@n with best@n = pass@n), response
 length (mean, percentiles, correct vs wrong, truncation rate) and grader statuses.
 
 Scoring is idempotent and needs no GPU: a job whose ``metrics.json`` records the same generations hash
 and grader settings is skipped unless ``force``. Each job is locked while it is scored, so several
 scorers can share one runs directory; a job that fails is reported and the others are still scored.
+A job generated in shards (``--shard``, ``--dp``) is merged first when every shard is there, and named
+(not scored) while some are missing.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any
 
 from openrlhf_lpo.rewards.grading import GradeResult, GraderPool, assistant_text
 
+from .budget import DEFAULT_BUDGETS, checkpoint_tokenizer, grade_at_budgets, job_budgets
 from .generate import CONFIG_FILE, GEN_FILE, PROBLEMS_FILE, JobsFailed
 from .grading import GRADERS, check_grading_options, job_grading_options  # how each kind is graded (the registry)
 from .io import atomic_write_json, atomic_write_jsonl, read_json, read_jsonl, sha256_file
@@ -37,7 +41,10 @@ from .metrics import (
     default_ks,
     length_stats,
     majority_at_k,
+    pass_at_k,
 )
+from .shards import merge_job, sharded_jobs
+from .stats import mean_stderr
 from .protocol import job_protocol
 
 SAMPLES_FILE = "samples.jsonl"
@@ -48,11 +55,20 @@ SAMPLE_KEYS = ("checkpoint", "benchmark", "problem_id", "sample_idx", "prompt_sh
                "n_tokens", "gold")
 
 
-def find_jobs(runs: str | Path) -> list[Path]:
-    """Job directories under ``runs`` that hold a finished generations file."""
+def find_jobs(runs: str | Path, quiet: bool = False) -> list[Path]:
+    """Job directories under ``runs`` that hold a finished generations file; sharded jobs whose shards
+    are all there are merged first, the others named on stderr (``quiet``: not)."""
     root = Path(runs)
     if not root.is_dir():
         raise ValueError(f"--runs {str(root)!r} is not a directory")
+    for d in sharded_jobs(root):  # merge what is complete (and clear the shard files of merged jobs)
+        try:
+            have, total = merge_job(d)
+        except (OSError, ValueError, KeyError) as e:
+            have, total = 0, f"? ({type(e).__name__}: {e})"
+        if have != total and not quiet:
+            print(f"lpo-eval score: {d}: {have} of {total} samples generated so far (shards still running or "
+                  "not started: rerun their `generate --shard`); not scored", file=sys.stderr)
     return sorted(p.parent for p in root.glob(f"*/*/{GEN_FILE}"))
 
 
@@ -66,23 +82,52 @@ def check_rows(rows: list[dict], path: Path) -> None:
                 raise ValueError(f"{path}:{i}: field {name!r} must be {typ.__name__}, got {type(r[name]).__name__}")
 
 
+def _problem_rows(rows: list[dict], n: int, bench: str) -> list[list[int]]:
+    """Row indices of each problem (in order of first appearance), sorted by sample index."""
+    by_problem: dict[str, list[int]] = {}
+    for i, r in enumerate(rows):
+        by_problem.setdefault(r["problem_id"], []).append(i)
+    for pid, idx in by_problem.items():
+        if len(idx) != n:
+            raise ValueError(f"{bench}: problem {pid} has {len(idx)} samples, expected n={n}")
+    return [sorted(idx, key=lambda i: rows[i]["sample_idx"]) for idx in by_problem.values()]
+
+
 def _by_problem(rows: list[dict], n: int, bench: str) -> list[list[dict]]:
-    by_problem: dict[str, list[dict]] = {}
-    for r in rows:
-        by_problem.setdefault(r["problem_id"], []).append(r)
-    for pid, rs in by_problem.items():
-        if len(rs) != n:
-            raise ValueError(f"{bench}: problem {pid} has {len(rs)} samples, expected n={n}")
-    return [sorted(rs, key=lambda r: r["sample_idx"]) for rs in by_problem.values()]
+    return [[rows[i] for i in idx] for idx in _problem_rows(rows, n, bench)]
+
+
+def passk_stderr(correct: list[list[bool]], ks) -> dict[int, float | None]:
+    """Standard error over problems of the benchmark Pass@k, for each k (:func:`evaluation.stats.mean_stderr`)."""
+    n = len(correct[0])
+    counts = [sum(map(bool, row)) for row in correct]
+    return {k: mean_stderr([pass_at_k(n, c, k) for c in counts]) for k in ks}
+
+
+def budget_metrics(cfg: dict, rows: list[dict], verdicts: dict[int, list[bool]]) -> dict:
+    """``metrics.json["budget"]``: per budget, Pass@1 (and its SE), Pass@k at the job's k, the share of
+    samples cut, when generation stops after that many tokens (:mod:`evaluation.budget`)."""
+    n, k = cfg["n"], cfg["k"]
+    problems = _problem_rows(rows, n, cfg["benchmark"])
+    out = {}
+    for b, ok in sorted(verdicts.items()):
+        correct = [[ok[i] for i in idx] for idx in problems]
+        passk = benchmark_pass_at_k(correct, sorted({1, k}))
+        se = passk_stderr(correct, sorted({1, k}))
+        out[str(b)] = {"pass@1": passk[1], "pass@1_stderr": se[1], "pass@k": passk[k], "pass@k_stderr": se[k],
+                       "cut_rate": sum(r["n_tokens"] > b for r in rows) / len(rows)}
+    return out
 
 
 def compute_metrics(cfg: dict, rows: list[dict], gen_sha: str, grader: dict,
-                    votes: list[list[int | None]] | None = None) -> dict:
-    """``metrics.json`` of one job from its graded rows (``votes``: majority labels per problem, or None)."""
+                    votes: list[list[int | None]] | None = None, budget: dict[int, list[bool]] | None = None) -> dict:
+    """``metrics.json`` of one job from its graded rows (``votes``: majority labels per problem, or None;
+    ``budget``: each sample's verdict per token budget, or None)."""
     n = cfg["n"]
     problems = _by_problem(rows, n, cfg["benchmark"])
     correct = [[bool(r["correct"]) for r in rs] for rs in problems]
     passk = benchmark_pass_at_k(correct)
+    stderr = passk_stderr(correct, range(1, n + 1))
     worst = benchmark_worst_at_k(correct)
     total = len(rows)
 
@@ -100,8 +145,11 @@ def compute_metrics(cfg: dict, rows: list[dict], gen_sha: str, grader: dict,
         "n_problems": len(correct),
         "n": n,
         "k": cfg["k"],
+        "max_tokens": (cfg.get("sampling") or {}).get("max_tokens"),
         "pass@1": passk[1],
         "pass@k": {str(k): v for k, v in passk.items()},
+        "pass@1_stderr": stderr[1],
+        "pass@k_stderr": {str(k): v for k, v in stderr.items()},
         "worst@k": {str(k): v for k, v in worst.items()},
         "best_of_n": passk[n],
         "worst_of_n": worst[n],
@@ -117,6 +165,8 @@ def compute_metrics(cfg: dict, rows: list[dict], gen_sha: str, grader: dict,
         "grader": grader,
         "protocol": job_protocol(cfg),
     }
+    if budget:
+        out["budget"] = budget_metrics(cfg, rows, budget)
     if votes is not None:
         from .majority import CORRECT
 
@@ -144,15 +194,17 @@ def _grade_rows(rows: list[dict], cfg: dict, prompts: dict, pool: GraderPool, ti
 
 def score_job(d: Path, pool: GraderPool, timeout: float, fast_path: bool = True, force: bool = False,
               show_progress: bool = True, boxes: str = "last", majority: bool = True,
-              options: dict | None = None) -> dict:
+              budgets: tuple[int, ...] = DEFAULT_BUDGETS, options: dict | None = None) -> dict:
     """Grade one job directory; return its metrics (also written to ``metrics.json``)."""
     with JobLock(d, wait=True):
         cfg = read_json(d / CONFIG_FILE)
         gen = d / GEN_FILE
         gen_sha = sha256_file(gen)
         majority = majority and cfg["kind"] in VOTING_KINDS
+        cuts = job_budgets(cfg, tuple(budgets))
         grader = {"version": GRADER_VERSION, "timeout": timeout, "fast_path": fast_path, "boxes": boxes,
-                  "majority": majority, **job_grading_options(cfg["kind"], cfg["benchmark"], options or {})}
+                  "majority": majority, "budgets": cuts,
+                  **job_grading_options(cfg["kind"], cfg["benchmark"], options or {})}
         mpath = d / METRICS_FILE
         if not force and mpath.exists() and (d / SAMPLES_FILE).exists():
             old = read_json(mpath)
@@ -167,10 +219,23 @@ def score_job(d: Path, pool: GraderPool, timeout: float, fast_path: bool = True,
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(rows), desc=f"score {cfg['checkpoint']}/{cfg['benchmark']}", unit="sample")
-        results = _grade_rows(rows, cfg, _think_flags(d, cfg), pool, timeout, fast_path, boxes,
-                              bar.update if bar else None, options)
+        prompts = _think_flags(d, cfg)
+        results = _grade_rows(rows, cfg, prompts, pool, timeout, fast_path, boxes, bar.update if bar else None,
+                              options)
         if bar is not None:
             bar.close()
+        verdicts = None
+        if cuts:
+            try:
+                tok = checkpoint_tokenizer(cfg["checkpoint_path"], bool(cfg.get("trust_remote_code")))
+            except Exception as e:  # the checkpoint moved: no budget curve for this job, the rest is scored
+                print(f"lpo-eval score: {d}: no accuracy-vs-budget curve: cannot load the tokenizer of "
+                      f"{cfg['checkpoint_path']} ({type(e).__name__}); --budgets none skips it", file=sys.stderr)
+                grader["budgets"] = []
+            else:
+                verdicts = grade_at_budgets(rows, results, cfg, prompts, pool,
+                                            {"timeout": timeout, "fast_path": fast_path, "boxes": boxes,
+                                             **check_grading_options(options or {})}, cuts, tok)
         out_rows: list[dict[str, Any]] = []
         for r, g in zip(rows, results):
             row = {key: r.get(key) for key in SAMPLE_KEYS}
@@ -180,7 +245,7 @@ def score_job(d: Path, pool: GraderPool, timeout: float, fast_path: bool = True,
         if majority:
             problems = _by_problem(out_rows, cfg["n"], cfg["benchmark"])
             votes = vote_labels(problems, cfg["kind"], pool, timeout=min(timeout, 5.0))
-        metrics = compute_metrics(cfg, out_rows, gen_sha, grader, votes)
+        metrics = compute_metrics(cfg, out_rows, gen_sha, grader, votes, verdicts)
         atomic_write_jsonl(d / SAMPLES_FILE, out_rows)
         atomic_write_json(mpath, metrics)
         return metrics
@@ -188,7 +253,7 @@ def score_job(d: Path, pool: GraderPool, timeout: float, fast_path: bool = True,
 
 def score(runs: str | Path, workers: int | None = None, timeout: float = 10.0, fast_path: bool = True,
           force: bool = False, show_progress: bool = True, boxes: str = "last", majority: bool = True,
-          options: dict | None = None) -> list[dict]:
+          budgets: tuple[int, ...] = DEFAULT_BUDGETS, options: dict | None = None) -> list[dict]:
     """Score every finished job under ``runs`` with one worker pool; a failing job does not stop the others.
 
     ``options``: grading options (``require_box``, ``choice_extraction``; :data:`evaluation.grading.GRADING_DEFAULTS`).
@@ -201,7 +266,8 @@ def score(runs: str | Path, workers: int | None = None, timeout: float = 10.0, f
     with GraderPool(workers=workers, timeout=timeout) as pool:
         for d in jobs:
             try:
-                out.append(score_job(d, pool, timeout, fast_path, force, show_progress, boxes, majority, options))
+                out.append(score_job(d, pool, timeout, fast_path, force, show_progress, boxes, majority, budgets,
+                                     options))
             except (ValueError, KeyError, OSError) as e:
                 failed.append(f"{d}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
                 print(f"lpo-eval score: {failed[-1]}", file=sys.stderr)

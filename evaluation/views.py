@@ -6,7 +6,9 @@ is hostile input).
 A checkpoint is named by its id under ``--runs`` or any unique substring of it (``global_step20``).
 A problem's accuracy is c/n over its samples; in ``compare`` a problem is *gained* when the first
 checkpoint solved none of its samples and the second at least one, *lost* the other way round, and
-*changed* when its accuracy moved otherwise.
+*changed* when its accuracy moved otherwise. Each benchmark's difference in Pass@1 (and in Pass@k at
+the jobs' k) comes with its paired bootstrap interval and p-value over the shared problems
+(:func:`evaluation.stats.paired_bootstrap`).
 
 A long gold (a code problem's tests JSON) is cut to :data:`GOLD_INLINE` characters in headers, summaries
 and the compare table, and shown whole in its own block of the problem.
@@ -19,7 +21,9 @@ from pathlib import Path
 
 from .generate import CONFIG_FILE, GEN_FILE, PROBLEMS_FILE
 from .io import read_json, read_jsonl
+from .metrics import pass_at_k
 from .score import METRICS_FILE, SAMPLES_FILE
+from .stats import paired_bootstrap
 
 
 def checkpoint_dirs(runs: str | Path) -> list[Path]:
@@ -178,8 +182,15 @@ def show_html(title: str, recs: list[dict]) -> str:
 # -- compare ---------------------------------------------------------------------------------------
 
 
-def compare(runs: str | Path, a: str, b: str, benchmarks: list[str] | None = None) -> dict:
-    """Problem-by-problem comparison of checkpoints ``a`` and ``b`` on the benchmarks both were scored on."""
+def _passk_values(rec: dict, k: int) -> float:
+    n = len(rec["samples"])
+    return pass_at_k(n, sum(bool(s["correct"]) for s in rec["samples"]), k)
+
+
+def compare(runs: str | Path, a: str, b: str, benchmarks: list[str] | None = None, resamples: int = 10000,
+            seed: int = 0) -> dict:
+    """Problem-by-problem comparison of checkpoints ``a`` and ``b`` on the benchmarks both were scored on,
+    with a paired bootstrap (``resamples``, ``seed``) of each difference."""
     da, db = find_checkpoint(runs, a), find_checkpoint(runs, b)
     common = sorted(set(scored_benchmarks(da)) & set(scored_benchmarks(db)))
     if benchmarks:
@@ -191,8 +202,9 @@ def compare(runs: str | Path, a: str, b: str, benchmarks: list[str] | None = Non
         raise ValueError(f"{da.name} and {db.name} share no scored benchmark")
     out = {"a": da.name, "b": db.name, "benchmarks": {}}
     for bench in common:
-        ra = {r["problem_id"]: r for r in problem_records(find_job(da, bench))}
-        rb = {r["problem_id"]: r for r in problem_records(find_job(db, bench))}
+        ja, jb = find_job(da, bench), find_job(db, bench)
+        ra = {r["problem_id"]: r for r in problem_records(ja)}
+        rb = {r["problem_id"]: r for r in problem_records(jb)}
         ids = [pid for pid in ra if pid in rb]
         rows = []
         for pid in ids:
@@ -202,7 +214,7 @@ def compare(runs: str | Path, a: str, b: str, benchmarks: list[str] | None = Non
             rows.append({"problem_id": pid, "a": x, "b": y, "change": change, "gold": ra[pid]["gold"],
                          "record_a": ra[pid], "record_b": rb[pid]})
         n = max(1, len(rows))
-        out["benchmarks"][bench] = {
+        entry = {
             "problems": len(rows),
             "pass@1_a": sum(r["a"] for r in rows) / n,
             "pass@1_b": sum(r["b"] for r in rows) / n,
@@ -210,18 +222,50 @@ def compare(runs: str | Path, a: str, b: str, benchmarks: list[str] | None = Non
             "lost": sum(r["change"] == "lost" for r in rows),
             "changed": sum(r["change"] == "changed" for r in rows),
             "rows": rows,
+            "pass@1_test": paired_bootstrap([r["a"] for r in rows], [r["b"] for r in rows], resamples, seed) if rows else None,
         }
+        # Pass@k at the jobs' k (the smaller one when they differ), when both have k samples
+        k = min(read_json(ja / CONFIG_FILE)["k"], read_json(jb / CONFIG_FILE)["k"])
+        if rows and k > 1 and all(len(r[x]["samples"]) >= k for r in rows for x in ("record_a", "record_b")):
+            pa = [_passk_values(r["record_a"], k) for r in rows]
+            pb = [_passk_values(r["record_b"], k) for r in rows]
+            entry.update({"k": k, "pass@k_a": sum(pa) / n, "pass@k_b": sum(pb) / n,
+                          "pass@k_test": paired_bootstrap(pa, pb, resamples, seed)})
+        out["benchmarks"][bench] = entry
     return out
+
+
+def _delta(t: dict | None) -> str:
+    """``+1.2 [-0.4, +2.8]``: the difference (B - A) and its bootstrap interval, in points."""
+    if t is None:
+        return ""
+    lo, hi = t["ci"]
+    return f"{100 * t['delta']:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]"
+
+
+def _p(t: dict | None) -> str:
+    return "" if t is None else f"{t['p']:.2g}"
 
 
 def compare_markdown(cmp: dict, max_rows: int = 50) -> str:
     out = [f"### {cmp['a']} (A) vs {cmp['b']} (B)\n",
-           "| benchmark | problems | A pass@1 (%) | B pass@1 (%) | delta | gained | lost | changed |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|"]
+           "| benchmark | problems | A pass@1 (%) | B pass@1 (%) | delta [95% CI] | p | gained | lost | changed |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for bench, s in cmp["benchmarks"].items():
         out.append(f"| {bench} | {s['problems']} | {100 * s['pass@1_a']:.1f} | {100 * s['pass@1_b']:.1f} | "
-                   f"{100 * (s['pass@1_b'] - s['pass@1_a']):+.1f} | {s['gained']} | {s['lost']} | {s['changed']} |")
+                   f"{_delta(s['pass@1_test'])} | {_p(s['pass@1_test'])} | {s['gained']} | {s['lost']} | {s['changed']} |")
     out.append("")
+    withk = {bench: s for bench, s in cmp["benchmarks"].items() if "pass@k_test" in s}
+    if withk:
+        out += ["| benchmark | k | A pass@k (%) | B pass@k (%) | delta [95% CI] | p |", "|---|---:|---:|---:|---:|---:|"]
+        for bench, s in withk.items():
+            out.append(f"| {bench} | {s['k']} | {100 * s['pass@k_a']:.1f} | {100 * s['pass@k_b']:.1f} | "
+                       f"{_delta(s['pass@k_test'])} | {_p(s['pass@k_test'])} |")
+        out.append("")
+    any_test = next((s["pass@1_test"] for s in cmp["benchmarks"].values() if s["pass@1_test"]), None)
+    if any_test:
+        out += [f"delta = B - A in points, with its paired bootstrap 95% interval over the shared problems and the "
+                f"two-sided p of no difference ({any_test['resamples']} resamples, seed {any_test['seed']}).", ""]
     for bench, s in cmp["benchmarks"].items():
         moved = sorted((r for r in s["rows"] if r["change"] != "same"), key=lambda r: (-abs(r["b"] - r["a"]), r["problem_id"]))
         if not moved:
@@ -239,11 +283,11 @@ def compare_markdown(cmp: dict, max_rows: int = 50) -> str:
 
 def compare_html(cmp: dict) -> str:
     title = f"{cmp['a']} (A) vs {cmp['b']} (B)"
-    body = ["<table><tr><th class=l>benchmark</th><th>problems</th><th>A pass@1 %</th><th>B pass@1 %</th><th>delta</th>"
-            "<th>gained</th><th>lost</th><th>changed</th></tr>"]
+    body = ["<table><tr><th class=l>benchmark</th><th>problems</th><th>A pass@1 %</th><th>B pass@1 %</th>"
+            "<th>delta [95% CI]</th><th>p</th><th>gained</th><th>lost</th><th>changed</th></tr>"]
     for bench, s in cmp["benchmarks"].items():
         body.append(f"<tr><td class=l>{html.escape(bench)}</td><td>{s['problems']}</td><td>{100 * s['pass@1_a']:.1f}</td>"
-                    f"<td>{100 * s['pass@1_b']:.1f}</td><td>{100 * (s['pass@1_b'] - s['pass@1_a']):+.1f}</td>"
+                    f"<td>{100 * s['pass@1_b']:.1f}</td><td>{_delta(s['pass@1_test'])}</td><td>{_p(s['pass@1_test'])}</td>"
                     f"<td>{s['gained']}</td><td>{s['lost']}</td><td>{s['changed']}</td></tr>")
     body.append("</table>")
     for bench, s in cmp["benchmarks"].items():

@@ -146,6 +146,69 @@ MUTATIONS = [
         "self._log_ratios(items, [[i] for i in idx.tolist()], prev_ctx)",
         [f"{INTERNALS}::test_pre_pass_and_end_kl_follow_the_token_budget"],
     ),
+    Mutation(
+        "job-key-without-temperature",
+        "the job key forgets the sampling temperature: a temperature sweep is served the first run's samples",
+        "evaluation/generate.py",
+        '"sampling": {**dataclasses.asdict(opts.sampling(stop)), "stop": list(stop)},',
+        '"sampling": {**{k: v for k, v in dataclasses.asdict(opts.sampling(stop)).items() if k != "temperature"}, '
+        '"stop": list(stop)},',
+        ["tests/evaluation/test_eval_keys.py::test_two_runs_differing_in_one_sampling_setting_leave_two_jobs"],
+    ),
+    Mutation(
+        "checkpoint-id-weights-by-name",
+        "the checkpoint id hashes weight files by name only: a checkpoint re-saved in the same folder is never "
+        "evaluated again",
+        "evaluation/checkpoints.py",
+        'h.append(f"{f.name}:{st.st_size}:{st.st_mtime_ns}:{weights_fingerprint(f)}")',
+        "h.append(f.name)",
+        ["tests/evaluation/test_eval_keys.py::test_checkpoint_id_changes_when_the_weights_are_resaved"],
+    ),
+    Mutation(
+        "majority-without-grader",
+        "score votes maj@k without the grader: 1/2, 0.5 and \\frac{1}{2} count as three answers",
+        "evaluation/score.py",
+        'votes = vote_labels(problems, cfg["kind"], pool, timeout=min(timeout, 5.0))',
+        'votes = vote_labels(problems, cfg["kind"], None, timeout=min(timeout, 5.0))',
+        ["tests/evaluation/test_eval_keys.py::test_score_majority_votes_with_the_graders_equivalence"],
+    ),
+    Mutation(
+        "sample-seed-by-batch-position",
+        "a sample's seed follows its position in the engine call, not its index: shards, --dp and a larger n "
+        "draw other samples than one plain run",
+        "evaluation/generate.py",
+        'seeds = [sample_seed(opts.seed, cfg["benchmark"], problems[p].id, j) for p, j in missing]',
+        'seeds = [sample_seed(opts.seed, cfg["benchmark"], problems[p].id, i) for i, (p, j) in enumerate(missing)]',
+        ["tests/evaluation/test_eval_scale.py::test_two_shards_merge_to_the_plain_run_and_score_counts_each_sample_once",
+         "tests/evaluation/test_eval_scale.py::test_larger_n_draws_only_the_new_samples"],
+    ),
+    Mutation(
+        "bootstrap-unpaired",
+        "compare's bootstrap resamples the two checkpoints' problems independently instead of in pairs",
+        "evaluation/stats.py",
+        "    means = bootstrap_means(d, resamples, seed)\n",
+        "    means = bootstrap_means(np.asarray(b, dtype=np.float64), resamples, seed) - bootstrap_means(\n"
+        "        np.asarray(a, dtype=np.float64), resamples, seed + 1)\n",
+        ["tests/evaluation/test_eval_stats.py::test_paired_bootstrap_matches_the_exact_bootstrap_distribution"],
+    ),
+    Mutation(
+        "dp-dead-engine-unreported",
+        "a --dp engine process that dies is not reported: the run ends as if finished, with a shard missing",
+        "evaluation/dp.py",
+        '                    report.failed.append(f"engine process {r}/{opts.dp} exited with code {rc} (its log is above); "\n'
+        '                                         "rerun to resume")\n',
+        "                    pass\n",
+        ["tests/evaluation/test_eval_scale.py::test_dp2_engine_processes_give_the_samples_of_one_even_when_one_dies"],
+    ),
+    Mutation(
+        "budget-credits-unboxed-prefix",
+        "a response cut at a token budget is graded without its box: unfinished text whose last number is the "
+        "gold gets credit",
+        "evaluation/budget.py",
+        'if cfg["kind"] == "math" and not _has_box(text):',
+        "if False:",
+        ["tests/evaluation/test_eval_budget.py::test_pass1_at_token_budgets_regrades_the_cut_prefixes"],
+    ),
 ]
 
 

@@ -38,6 +38,88 @@ def tiny_ckpt(tmp_path_factory) -> str:
                             num_heads=2, head_dim=64, num_kv_heads=1, intermediate_size=256)
 
 
+class Planted:
+    """A custom math benchmark whose samples are planted texts: ``make(tmp_path, {gold: [texts]})`` writes the
+    data file (one problem per gold, ids "0", "1", ...) and arms the ``planted-test`` engine, which answers
+    sample j of problem p with ``texts[j]`` (found from the per-sample seed) and counts the text's tokens
+    with the checkpoint's tokenizer."""
+
+    plan: dict[str, list[str]] = {}
+    bench = "planted"
+
+    @classmethod
+    def make(cls, root: Path, golds_texts: dict[str, list[str]], bench: str = "planted") -> Path:
+        import json
+
+        data = root / f"{bench}.jsonl"
+        data.write_text("".join(json.dumps({"problem": f"Question {i}: find it.", "answer": gold}) + "\n"
+                                for i, gold in enumerate(golds_texts)))
+        cls.plan = {str(i): list(texts) for i, texts in enumerate(golds_texts.values())}
+        cls.bench = bench
+        return data
+
+
+def _register_planted_engine():
+    from evaluation.engines import ENGINES, Completion, register_engine
+
+    if "planted-test" in ENGINES:
+        return
+
+    @register_engine("planted-test")
+    class PlantedEngine:
+        def __init__(self, model_path, seed=0, **kw):
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+            self.seed = seed
+
+        def generate(self, prompts, n, sampling, seeds, **kw):
+            from evaluation.generate import sample_seed
+
+            where = {sample_seed(self.seed, Planted.bench, pid, j): (pid, j)
+                     for pid, texts in Planted.plan.items() for j in range(len(texts))}
+            out = []
+            for seed in seeds:
+                pid, j = where[seed]
+                text = Planted.plan[pid][j]
+                ntok = len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+                out.append([Completion(text, "length" if ntok >= sampling.max_tokens else "stop", ntok)])
+            return out
+
+        def close(self):
+            pass
+
+
+_register_planted_engine()
+
+
+@pytest.fixture(scope="session")
+def planted():
+    return Planted
+
+
+@pytest.fixture
+def kill_engine_after(monkeypatch):
+    """``kill_engine_after(calls)``: the hf engine's generate raises KeyboardInterrupt (a killed process) after
+    ``calls`` calls; returns ``restore()``, which puts the previous generate back."""
+    from evaluation.engines import HFEngine
+
+    def arm(calls: int):
+        real = HFEngine.generate
+        count = {"n": 0}
+
+        def dying(self, *a, **k):
+            count["n"] += 1
+            if count["n"] > calls:
+                raise KeyboardInterrupt("simulated kill")
+            return real(self, *a, **k)
+
+        monkeypatch.setattr(HFEngine, "generate", dying)
+        return lambda: monkeypatch.setattr(HFEngine, "generate", real)
+
+    return arm
+
+
 @pytest.fixture
 def gpqa_csv(tmp_path):
     """Write GPQA's original csv layout with ``n`` made-up questions; returns the path."""

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from evaluation.engines import ENGINES, Completion, HFEngine, register_engine
+from evaluation.engines import ENGINES, Completion, register_engine
 from evaluation.generate import GEN_FILE, PARTIAL_SUFFIX, GenOptions, generate, recover_partial
 from evaluation.report import report
 from evaluation.score import score
@@ -73,32 +73,28 @@ def test_fake_engine_resume_is_byte_identical(tmp_path, tiny_ckpt):
         assert a[name] == b[name], name
 
 
-def test_recover_partial_cuts_to_whole_problems(tmp_path):
+def test_recover_partial_keeps_every_whole_expected_sample(tmp_path):
+    """Each sample has its own seed, so every whole line that is the next expected sample is kept (also
+    inside a problem); a torn line, or the first line out of order, ends what is kept."""
     p = tmp_path / "g.partial"
     rows = [f'{{"problem_id": "{i}", "sample_idx": {j}}}\n' for i in range(3) for j in range(2)]
+    expected = [(str(i), j) for i in range(3) for j in range(2)]
     p.write_text("".join(rows[:5]) + '{"problem_id": "2", "sam')
-    assert recover_partial(p, ["0", "1", "2"], 2) == 2
-    assert p.read_text() == "".join(rows[:4])
+    assert recover_partial(p, expected) == 5
+    assert p.read_text() == "".join(rows[:5])
+    p.write_text("".join(rows[:3]) + rows[4])  # sample (1, 1) is missing: (2, 0) is not the next one
+    assert recover_partial(p, expected) == 3 and p.read_text() == "".join(rows[:3])
     p.write_text("".join(rows[2:4]))  # does not start with problem 0: nothing is reusable
-    assert recover_partial(p, ["0", "1", "2"], 2) == 0 and p.read_text() == ""
+    assert recover_partial(p, expected) == 0 and p.read_text() == ""
 
 
-def test_hf_engine_resume_is_byte_identical(tmp_path, tiny_ckpt, monkeypatch):
+def test_hf_engine_resume_is_byte_identical(tmp_path, tiny_ckpt, kill_engine_after):
     kw = dict(benchmarks=["math500"], limit=3, batch_problems=1, n={"*": 2}, k={"*": 1}, max_tokens=5)
     generate([tiny_ckpt], _opts(tmp_path / "clean", "hf", **kw))
-    real = HFEngine.generate
-    calls = {"n": 0}
-
-    def dying(self, *a, **k):
-        calls["n"] += 1
-        if calls["n"] > 1:
-            raise KeyboardInterrupt("simulated kill")
-        return real(self, *a, **k)
-
-    monkeypatch.setattr(HFEngine, "generate", dying)
+    restore = kill_engine_after(1)
     with pytest.raises(KeyboardInterrupt):
         generate([tiny_ckpt], _opts(tmp_path / "resumed", "hf", **kw))
-    monkeypatch.setattr(HFEngine, "generate", real)
+    restore()
     generate([tiny_ckpt], _opts(tmp_path / "resumed", "hf", **kw))
     a, b = _files(tmp_path / "clean"), _files(tmp_path / "resumed")
     assert sorted(a) == sorted(b) and any(k.endswith(GEN_FILE) for k in a)

@@ -15,9 +15,10 @@ if "sums-test" not in ENGINES:
 
     @register_engine("sums-test")
     class SumsEngine:
-        """Answers 'a+b' questions; the step-20 checkpoint is right more often than step 10 (seeded per problem).
+        """Answers 'a+b' questions; the step-20 checkpoint is right more often than step 10 (seeded per sample).
 
-        Sample 0 carries hostile markup, so the HTML pages must escape it.
+        About a third of the samples carry hostile markup, so the HTML pages must escape it; a quarter hit
+        the token limit.
         """
 
         def __init__(self, model_path, **kw):
@@ -32,8 +33,9 @@ if "sums-test" not in ENGINES:
                 comps = []
                 for j in range(n):
                     ans = a + b if rng.random() < self.skill else a + b + rng.choice([1, 10])
-                    text = f"<script>alert(1)</script> so \\boxed{{{ans}}}" if j == 0 else f"The sum is \\boxed{{{ans}}}."
-                    comps.append(Completion(text, "stop" if j < n - 1 else "length", 5 + 3 * j + ans % 7))
+                    hostile = rng.random() < 0.35
+                    text = f"<script>alert(1)</script> so \\boxed{{{ans}}}" if hostile else f"The sum is \\boxed{{{ans}}}."
+                    comps.append(Completion(text, "length" if rng.random() < 0.25 else "stop", 5 + 3 * (seed % 4) + ans % 7))
                 out.append(comps)
             return out
 
@@ -103,7 +105,8 @@ def test_custom_benchmark_metrics_and_report(sums_runs):
         assert m["maj@k"]["4"] == pytest.approx(ref / len(by_pid))
         assert m["best_of_n"] == pytest.approx(sum(any(s["correct"] for s in rs) for rs in by_pid.values()) / len(by_pid))
         assert m["worst_of_n"] == pytest.approx(sum(all(s["correct"] for s in rs) for rs in by_pid.values()) / len(by_pid))
-        assert m["length"]["truncated_rate"] == pytest.approx(0.25)  # the last of 4 samples hits the limit
+        cut = sum(s["finish_reason"] == "length" for s in samples)
+        assert 0 < cut < len(samples) and m["length"]["truncated_rate"] == pytest.approx(cut / len(samples))
         right = [s["n_tokens"] for s in samples if s["correct"]]
         assert m["length"]["mean_correct"] == pytest.approx(sum(right) / len(right))
     md = (out / "summary.md").read_text()
@@ -138,7 +141,12 @@ def test_show_and_compare(sums_runs, capsys, tmp_path):
     lost = sum(samples[10][p] > 0 and samples[20][p] == 0 for p in samples[10])
     a = 100 * sum(samples[10].values()) / 12
     b = 100 * sum(samples[20].values()) / 12
-    assert f"| sums | 12 | {a:.1f} | {b:.1f} | {b - a:+.1f} | {gained} | {lost} |" in md
+    row = next(line for line in md.splitlines() if line.startswith("| sums | 12 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[2:4] == [f"{a:.1f}", f"{b:.1f}"] and cells[6:8] == [str(gained), str(lost)]
+    assert cells[4].startswith(f"{b - a:+.1f} [")  # the difference with its paired bootstrap interval
+    lo, hi = (float(x) for x in cells[4].split("[")[1].rstrip("]").split(","))
+    assert lo <= b - a <= hi and 0 < float(cells[5]) <= 1
     assert gained > 0
     page = cmp_html.read_text()
     assert page.startswith("<!DOCTYPE html>") and "<script" not in page and page.count("<details class=") == 12
