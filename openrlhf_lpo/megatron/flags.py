@@ -90,27 +90,32 @@ def _validate(args: argparse.Namespace) -> None:
         raise FlagError(f"--backend megatron: {e}") from None
     if m.vpp != 1:
         raise FlagError(f"--megatron.vpp {m.vpp}: virtual pipeline stages are not supported yet (use 1)")
-    # dynamic batching and ring attention first: the stock parser switches --ds.packing_samples on for
-    # both, and the message must name the flag the user gave
+    # ring attention first: the stock parser switches --ds.packing_samples on for it (packing itself is
+    # native to the Megatron actor: THD micro-batches), and the message must name the flag the user gave
     unsupported = [
-        (args.train.dynamic_batch_enable, "--train.dynamic_batch_enable"),
-        (args.ds.ring_attn_size > 1, "--ds.ring_attn_size > 1"),
-        (args.ds.packing_samples, "--ds.packing_samples"),
-        (args.ds.tensor_parallel_size > 1, "--ds.tensor_parallel_size > 1 (use --megatron.tp)"),
-        (args.ds.enable_sleep, "--ds.enable_sleep"),
-        (args.train.enable_ema, "--train.enable_ema"),
-        (args.ds.lora.rank > 0, "--ds.lora.rank"),
-        (args.algo.kl.use_loss, "--algo.kl.use_loss"),
-        (bool(args.actor.entropy_coef), "--actor.entropy_coef != 0"),
-        (args.actor.aux_loss_coef > 0, "--actor.aux_loss_coef"),
-        (args.actor.lr_scheduler != "constant" or args.actor.lr_warmup_ratio > 0,
-         f"--actor.lr_scheduler {args.actor.lr_scheduler} / --actor.lr_warmup_ratio {args.actor.lr_warmup_ratio} "
-         "(the Megatron actor keeps --actor.adam.lr constant: pass --actor.lr_scheduler constant "
-         "--actor.lr_warmup_ratio 0)"),
+        (args.ds.ring_attn_size > 1, "--ds.ring_attn_size > 1",
+         "ring attention splits a sequence over DeepSpeed ranks; use --megatron.tp / --megatron.pp"),
+        (args.ds.tensor_parallel_size > 1, "--ds.tensor_parallel_size > 1",
+         "DeepSpeed tensor parallelism; use --megatron.tp"),
+        (args.ds.enable_sleep, "--ds.enable_sleep",
+         "offloading the actor between phases only helps when vLLM shares its GPUs, which --backend megatron "
+         "does not support (no CUDA-IPC weight path); give the engines GPUs of their own"),
+        (args.train.enable_ema, "--train.enable_ema",
+         "the Megatron actor keeps no EMA copy of the weights; train it on the DeepSpeed backend"),
+        (args.ds.lora.rank > 0, "--ds.lora.rank",
+         "the Megatron actor trains full weights (no LoRA adapters); train LoRA on the DeepSpeed backend"),
+        (args.actor.aux_loss_coef > 0, "--actor.aux_loss_coef",
+         "the mixture-of-experts load-balancing loss: the Megatron actor builds dense models only"),
     ]
-    for bad, flag in unsupported:
+    for bad, flag, why in unsupported:
         if bad:
-            raise FlagError(f"{flag} is not supported with --backend megatron")
+            raise FlagError(f"{flag} is not supported with --backend megatron: {why}")
+    try:
+        from openrlhf_lpo.megatron.schedule import check_lr_scheduler
+
+        check_lr_scheduler(args.actor.lr_scheduler, args.actor.lr_warmup_ratio, args.actor.min_lr_ratio)
+    except ValueError as e:
+        raise FlagError(str(e)) from None
     dp = world // (m.tp * m.pp)
     if args.train.batch_size % dp:
         raise FlagError(
