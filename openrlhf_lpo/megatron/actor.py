@@ -279,6 +279,7 @@ class MegatronActor:
             mb["n_tokens"] = act.sum().to(torch.int)
             mb["n_nonempty"] = (act.sum(-1) > 0).sum().to(torch.int)
             mb["counts"] = {"responses": b, "tokens": int(act.sum()), "nonempty": int((act.sum(-1) > 0).sum())}
+            mb["bounds"] = [int(x) for x in pk.cu_seqlens.tolist()]  # host copy for the local THD attention
             mb = {k: (_to(v, dev) if isinstance(v, torch.Tensor) else v) for k, v in mb.items()}
             pk.tokens, pk.position_ids, pk.cu_seqlens = _to(pk.tokens, dev), _to(pk.position_ids, dev), _to(pk.cu_seqlens, dev)
             mb["packed"] = pk
@@ -317,7 +318,9 @@ class MegatronActor:
         mb = next(data_iterator)
         pk: PackedMicroBatch = mb["packed"]
         kwargs = {"fp32_output": False} if self.half else {}  # logits stay bf16; action rows upcast
-        out = model(pk.tokens, pk.position_ids, None, packed_seq_params=pk.packed_seq_params(), **kwargs)
+        params = pk.packed_seq_params()
+        params._lpo_bounds = mb["bounds"]  # attention.segment_bounds: no device read per forward
+        out = model(pk.tokens, pk.position_ids, None, packed_seq_params=params, **kwargs)
         return out, partial(loss_fn, mb)
 
     def _run(self, mbatches: List[Dict], loss_fn, forward_only: bool):

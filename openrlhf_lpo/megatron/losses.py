@@ -96,10 +96,10 @@ def clip_bounds(clip_eps) -> Tuple[float, float]:
     return float(clip_eps), float(clip_eps)
 
 
-def _count(mb, key: str, fallback: int) -> torch.Tensor:
-    """The micro-batch's precomputed count (on the device, no host sync), else ``fallback``."""
+def _count(mb, key: str, fallback) -> torch.Tensor:
+    """The micro-batch's precomputed count (on the device, no host sync), else ``fallback()``."""
     c = mb.get(key)
-    return c if c is not None else torch.tensor(fallback, dtype=torch.int)
+    return c if c is not None else torch.tensor(int(fallback()), dtype=torch.int)
 
 
 def listwise_log_ratio(log_probs, mb, spec: LossSpec) -> torch.Tensor:
@@ -127,7 +127,7 @@ def _listwise(log_probs, mb, spec: LossSpec) -> Tuple[torch.Tensor, torch.Tensor
         s.view(g, K), mb["target"].view(g, K).to(s.dtype), spec.divergence, spec.projection
     )
     total = (per_group_mean * g * K).to(log_probs.dtype)
-    return total, _count(mb, "n_responses", b), {"loss_sum": per_group_mean.detach() * g}
+    return total, _count(mb, "n_responses", lambda: b), {"loss_sum": per_group_mean.detach() * g}
 
 
 @register_policy_loss("listwise_surrogate")
@@ -138,7 +138,7 @@ def _listwise_surrogate(log_probs, mb, spec: LossSpec):
     s = listwise_log_ratio(log_probs, mb, spec)
     sur = listwise.listwise_surrogate(s.unsqueeze(-1), mb["coefficients"].to(s.dtype).unsqueeze(-1))
     total = (sur.sum() * spec.group_size).to(log_probs.dtype)
-    return total, _count(mb, "n_responses", s.shape[0]), {"surrogate_sum": sur.detach().sum()}
+    return total, _count(mb, "n_responses", lambda: s.shape[0]), {"surrogate_sum": sur.detach().sum()}
 
 
 def policy_loss_module(spec: LossSpec):
@@ -176,8 +176,8 @@ def _pg(log_probs, mb, spec: LossSpec):
     if vllm_kl is not None:
         stats["vllm_kl_sum"] = vllm_kl.detach() * tokens
     if spec.loss_agg_mode == "token-mean" and spec.policy_loss_type != "gspo":
-        return total, _count(mb, "n_tokens", int(mask.sum())), stats
-    return total, _count(mb, "n_nonempty", int((mask.sum(-1) > 0).sum())), stats
+        return total, _count(mb, "n_tokens", lambda: mask.sum()), stats
+    return total, _count(mb, "n_nonempty", lambda: (mask.sum(-1) > 0).sum()), stats
 
 
 def count_key(spec: LossSpec) -> str:

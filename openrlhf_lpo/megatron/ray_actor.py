@@ -326,6 +326,7 @@ class MegatronPolicyActor:
         from openrlhf_lpo.openrlhf import layout
 
         n = sub["sequences"].shape[0]
+        self._local_micro_count = None
         if not _get(self.args, "train.dynamic_batch_enable", False):
             return self.actor.fixed_micro_batches(n), whole_groups_fixed
         K = spec.group_size if spec.name.startswith("listwise") else 1
@@ -340,6 +341,7 @@ class MegatronPolicyActor:
         count = torch.tensor([float(whole if all_whole else per_sample)], dtype=torch.float64, device=dev)
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
         n_micro = min(int(count.item()), len(groups) if all_whole else n)
+        self._local_micro_count = whole if all_whole else per_sample  # before agreement (tests read it)
         return layout.budget_micro_batches(groups, lengths, n_micro, all_whole), all_whole or K == 1
 
     def fit(self, kl_ctl: float = 0):
@@ -363,6 +365,7 @@ class MegatronPolicyActor:
         force_two_pass = bool(_get(args, "lpo.force_two_pass", False))
         status: Dict[str, float] = {}
         modes = {"one_pass": 0, "shortcut": 0, "pre_pass": 0, "pointwise": 0}
+        self.last_plan: List[dict] = []  # per optimizer step: where c came from, its samples, micro-batch sizes
         n = 0
         N = batch["sequences"].shape[0]
         for epoch in range(args.train.max_epochs):
@@ -379,7 +382,7 @@ class MegatronPolicyActor:
             for w, idx in enumerate(windows):
                 sub = {k: v[idx] for k, v in batch.items() if k != "lpo_gid"}
                 micro, whole = self._micro_plan(sub, spec, mbs % K == 0)
-                step_spec, coefficients = spec, None
+                step_spec, coefficients, mode = spec, None, "pg"
                 if lpo:
                     if spec.projection == "pointwise":
                         mode = "pointwise"
@@ -397,6 +400,10 @@ class MegatronPolicyActor:
                     modes[mode] += 1
                     step_spec = replace(spec, name="listwise" if mode == "one_pass" else "listwise_surrogate")
                 m = self.actor.train_step(sub, step_spec, micro_batches=micro, coefficients=coefficients)
+                self.last_plan.append({"mode": mode, "samples": idx.tolist(), "micro": [len(i) for i in micro],
+                                       "micro_tokens": [int(sub["attention_mask"][i].sum()) for i in micro],
+                                       "local_micro_count": getattr(self, "_local_micro_count", None),
+                                       "grad_norm": m["grad_norm"], "lr": m["lr"]})
                 for k, v in m.items():
                     status[k] = status.get(k, 0.0) + v
                 n += 1
@@ -539,33 +546,7 @@ class MegatronPolicyActor:
 from openrlhf.trainer.ray.launcher import RayActorGroup as _RayActorGroup  # noqa: E402
 
 
-def _await_all(refs, picked):
-    """Wait for every ref, raising the first failure as soon as it is known (not after the others: a
-    rank that failed leaves its TP/PP peers blocked in a collective until the NCCL timeout), then
-    return the results at ``picked``."""
-    import ray
-
-    pending = list(refs)
-    while pending:
-        ready, pending = ray.wait(pending, num_returns=1)
-        ray.get(ready)  # re-raises the rank's exception at once
-    out = ray.get([refs[i] for i in picked])
-    return out[0] if len(picked) == 1 else tuple(out)
-
-
-_AWAIT_ALL = None
-
-
-def await_all_refs(refs, picked):
-    """One ref per index in ``picked``, resolved when *every* ref in ``refs`` is (a failure of any
-    rank fails them all at once); a small Ray task waits, so callers keep their asynchrony."""
-    import ray
-
-    global _AWAIT_ALL
-    if _AWAIT_ALL is None:
-        _AWAIT_ALL = ray.remote(num_cpus=0, max_retries=0)(_await_all)
-    out = _AWAIT_ALL.options(num_returns=len(picked)).remote(list(refs), list(picked))
-    return [out] if len(picked) == 1 else list(out)
+from openrlhf_lpo.megatron.ray_wait import await_all_refs  # noqa: E402
 
 
 class MegatronActorGroup(_RayActorGroup):
