@@ -6,8 +6,14 @@ Flags: ``--backend {deepspeed,megatron}`` (default deepspeed), ``--megatron.tp N
 groups' NCCL/gloo timeout, default 60 as OpenRLHF's DeepSpeed strategy).
 
 Stock flags the Megatron actor honours: ``--actor.gradient_checkpointing_enable`` (full layer
-recompute), ``--actor.eps_clip_low_high``, ``--vllm.sync_with_ray``, ``--vllm.enable_prefix_caching``,
-``--ckpt.max_num`` / ``--ckpt.max_mem``. Refused with a message instead of ignored: see ``_validate``.
+recompute), ``--actor.eps_clip_low_high``, ``--actor.lr_scheduler`` / ``--actor.lr_warmup_ratio`` /
+``--actor.min_lr_ratio`` (OpenRLHF's schedules, :mod:`.schedule`), ``--algo.kl.use_loss``,
+``--actor.entropy_coef``, ``--train.dynamic_batch_enable`` / ``--train.max_tokens_per_gpu``,
+``--ds.packing_samples`` (native), ``--train.async_enable``, ``--train.partial_rollout_enable``,
+``--algo.advantage.is_correction_*``, ``--vllm.sync_with_ray``, ``--vllm.enable_prefix_caching``,
+``--ckpt.max_num`` / ``--ckpt.max_mem``. Refused with a message instead of ignored (ring attention,
+DeepSpeed TP, sleep, EMA, LoRA, the MoE aux loss, colocation, schedules OpenRLHF cannot run): see
+``_validate``.
 Before any actor starts, the layout is placed on the running Ray cluster
 (:func:`openrlhf_lpo.megatron.cluster.check_ray_cluster`).
 

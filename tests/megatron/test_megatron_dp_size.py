@@ -22,7 +22,9 @@ def _argv(model, *extra):
     return ["--actor.model_name_or_path", model, "--reward.remote_url", "http://127.0.0.1:1/reward",
             "--data.prompt_dataset", "unused", "--actor.num_nodes", "1", "--actor.num_gpus_per_node", "8",
             "--vllm.num_engines", "1", "--rollout.n_samples_per_prompt", "8", "--algo.advantage.estimator", "lpo",
-            "--train.micro_batch_size", "1", "--algo.kl.init_coef", "0", *extra]
+            "--train.micro_batch_size", "1", "--algo.kl.init_coef", "0",
+            # (the default schedule parses too, test_megatron_flags.py; constant keeps this file about dp)
+            "--actor.lr_scheduler", "constant", "--actor.lr_warmup_ratio", "0", *extra]
 
 
 def _parse(argv):
