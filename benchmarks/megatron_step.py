@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import statistics
 import sys
@@ -66,23 +65,10 @@ def main(argv=None):
 
     from openrlhf_lpo.megatron.ray_actor import plain_class
     from openrlhf_lpo.openrlhf.actor_trainer import LPOActorTrainer
-    from openrlhf_lpo.tiny import build_tiny_model
 
     G, K = opts.groups, opts.k
-    root = tempfile.mkdtemp(prefix="lpo-mbench-")
-    model_dir = build_tiny_model(os.path.join(root, "tiny"), hidden_size=opts.hidden, num_layers=opts.layers,
-                                 num_heads=4, num_kv_heads=2, head_dim=opts.hidden // 4,
-                                 intermediate_size=3 * opts.hidden)
-    gen = torch.Generator().manual_seed(0)
-    samples = H.make_rollout_samples(G, K, seed=0)
-    for s in samples:  # responses of ~resp_len tokens
-        plen = int(s.action_mask.shape[1] - s.action_mask.sum() + 1)
-        rlen = max(1, int(opts.resp_len * (0.5 + torch.rand(1, generator=gen).item())))
-        seq = torch.cat([s.sequences[0, :plen], torch.randint(4, 90, (rlen,), generator=gen)])
-        mask = torch.zeros(seq.numel() - 1, dtype=torch.long)
-        mask[plen - 1:] = 1
-        s.sequences, s.attention_mask, s.action_mask = seq[None], torch.ones(1, seq.numel(), dtype=torch.long), mask[None]
-        s.response_length, s.total_length = torch.tensor([rlen]), torch.tensor([float(seq.numel())])
+    model_dir, samples = H.benchmark_inputs(tempfile.mkdtemp(prefix="lpo-mbench-"), G, K, opts.resp_len, opts.hidden,
+                                            opts.layers)
 
     layouts = {"one_pass": dict(micro=K, train_batch=G * K), "two_windows": dict(micro=2, train_batch=G * K // 2)}
     actor = H.make_actor(model_dir, dtype=torch.float32)
@@ -158,10 +144,11 @@ def main(argv=None):
         print(f"  {n}: megatron / deepspeed = {ratio[n]:.3f} best-of-rounds, {ratio_median[n]:.3f} median of round "
               f"ratios (passes {passes[n]['megatron']})")
     if opts.json:
-        tmp = opts.json + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(result, f, indent=1)
-        os.replace(tmp, opts.json)
+        from pathlib import Path
+
+        from openrlhf_lpo.demo.report import atomic_write_json
+
+        atomic_write_json(Path(opts.json), result)
     dist.destroy_process_group()
     return result
 
