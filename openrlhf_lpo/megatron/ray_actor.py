@@ -557,7 +557,8 @@ class MegatronActorGroup(_RayActorGroup):
     with the DeepSpeed factor (``ring_attn_size * ds.tensor_parallel_size``), which is 1 here.
     Each returned ref resolves only when every rank of its replica has finished, and fails as soon
     as any of them fails (cluster review F8: an OOM on TP rank 3 is an error in seconds, not the
-    NCCL timeout while the trainer waits on rank 0). Calls on one actor run in submission order, so
+    NCCL timeout while the trainer waits on rank 0). ``async_run_method`` (``fit``, ...) stays stock:
+    it returns every rank's ref and ``ray.get`` of a list raises at the first failure (tested). Calls on one actor run in submission order, so
     later calls (``fit``) still see every ``append``. The instance is re-classed in the driver and
     pickled by reference, so the PPO trainer actor (another process) uses these methods too.
     """
@@ -569,11 +570,6 @@ class MegatronActorGroup(_RayActorGroup):
         for start in range(0, len(refs), mp):
             out += await_all_refs(refs[start:start + mp], [0])
         return out
-
-    def async_run_method(self, method_name, *args, **kwargs):
-        """Every rank's result, each ref failing as soon as any rank fails (``fit``, ``broadcast_to_vllm``)."""
-        refs = super().async_run_method(method_name, *args, **kwargs)
-        return await_all_refs(refs, range(len(refs)))
 
 
 def plain_class():

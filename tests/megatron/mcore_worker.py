@@ -1199,7 +1199,7 @@ def check_pg_partial_batch():
     model_dir, hf = _tiny_dir()
     t = time.time()
     pa = _policy_actor(model_dir, algo__advantage__estimator="group_norm", train__batch_size=1024,
-                       train__micro_batch_size=130, ckpt__path=os.path.join(OUT, "pg_partial"))
+                       train__micro_batch_size=8, ckpt__path=os.path.join(OUT, "pg_partial"))
     dp, r = pa.actor.ps.get_data_parallel_world_size(), pa.actor.ps.get_data_parallel_rank()
     n = 520 if r == 0 else 512
     g = torch.Generator().manual_seed(r)
