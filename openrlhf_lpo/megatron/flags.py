@@ -122,7 +122,9 @@ def _validate(args: argparse.Namespace) -> None:
         check_lr_scheduler(args.actor.lr_scheduler, args.actor.lr_warmup_ratio, args.actor.min_lr_ratio)
     except ValueError as e:
         raise FlagError(str(e)) from None
-    dp = world // (m.tp * m.pp)
+    from openrlhf_lpo.openrlhf.config import dp_size
+
+    dp = dp_size(args)  # world / (tp x pp)
     if args.train.batch_size % dp:
         raise FlagError(
             f"--train.batch_size {args.train.batch_size} must be divisible by the Megatron data-parallel size "
