@@ -1,8 +1,10 @@
 """LPO evaluation: ``lpo-eval generate -> score -> report`` over checkpoints and benchmarks.
 
-Modules: ``benchmarks`` (data by name, custom ``--data`` sets), ``code_benchmarks`` (PRIME/HumanEval/
-MBPP: the ``code`` kind, graded in the sandbox), ``vision`` (Geometry3k with its images, the ``verl-geo3k``
-template, the ``hf-vlm`` / ``vllm-vlm`` engines), ``templates`` (prompts, default stop strings),
+Modules: ``benchmarks`` (the benchmark table: registers every family), ``benchmark_registry`` (specs,
+readers, custom ``--data`` sets), ``text_benchmarks`` (math, MMLU-Pro, ARC-c, GPQA with its option
+orderings), ``code_benchmarks`` (PRIME/HumanEval/MBPP: the ``code`` kind, graded in the sandbox),
+``vision`` (Geometry3k with its images, the ``verl-geo3k`` template, the ``hf-vlm`` / ``vllm-vlm``
+engines), ``protocol`` (presets, the settings header of reports), ``templates`` (prompts, default stop strings),
 ``checkpoints`` (``--ckpts`` resolution, run name and step), ``engines`` (vllm / hf), ``generate``,
 ``locks`` (per-job locks for a shared ``--out``), ``score``, ``majority`` (maj@k answer clusters),
 ``metrics`` (pass@k, worst@k, maj@k, lengths), ``report``, ``views`` (``show`` / ``compare``),

@@ -16,6 +16,8 @@ import sys
 
 from .benchmarks import BENCHMARKS, get_benchmark, register_custom_benchmarks
 from .engines import ENGINES, default_engine
+from .grading import CHOICE_EXTRACTIONS, REQUIRE_BOX
+from .protocol import GENERATION_DEFAULTS, PASSK_AVERAGES, PRESETS
 from .templates import TEMPLATES
 
 DEFAULT_BENCHMARKS = "aime24,aime25,amc23,math500,minerva,olympiadbench"
@@ -153,7 +155,11 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
                    help=f"comma list from: {', '.join(BENCHMARKS)}, or a custom name given with --data "
                         f"(default: {DEFAULT_BENCHMARKS})")
     g.add_argument("--out", required=True, help="output directory (one folder per checkpoint); several processes may share it")
-    g.add_argument("--template", default="qwen-boxed", choices=sorted(TEMPLATES), help="prompt template")
+    g.add_argument("--preset", default=None, choices=sorted(PRESETS),
+                   help="a whole protocol in one flag (explicit flags beat it): "
+                        + "; ".join(f"{p.name}: {p.summary}" for p in PRESETS.values()))
+    g.add_argument("--template", default=None, choices=sorted(TEMPLATES),
+                   help=f"prompt template (default {GENERATION_DEFAULTS['template']})")
     g.add_argument("--system-prompt", default=None,
                    help="system message (replaces qwen-boxed's; added by the chat templates)")
     g.add_argument("--chat-template-kwargs", type=_kv_pairs("--chat-template-kwargs"), default={},
@@ -170,10 +176,13 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
                    help="NAME=PATH or NAME=org/dataset[:config][@split]: read a benchmark from a local file or HF "
                         "(required for gpqa_diamond); an unknown NAME defines a custom math benchmark")
     g.add_argument("--limit", type=_positive_int("--limit"), default=None, help="first N problems per benchmark")
-    g.add_argument("--temperature", type=float, default=0.6)
-    g.add_argument("--top-p", type=float, default=0.95)
-    g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--max-tokens", type=_positive_int("--max-tokens"), default=8192)
+    g.add_argument("--temperature", type=float, default=None, help=f"default {GENERATION_DEFAULTS['temperature']}")
+    g.add_argument("--top-p", type=float, default=None, help=f"default {GENERATION_DEFAULTS['top_p']}")
+    g.add_argument("--top-k", type=int, default=None, help=f"default {GENERATION_DEFAULTS['top_k']} (off)")
+    g.add_argument("--max-tokens", type=_positive_int("--max-tokens"), default=None,
+                   help=f"response budget (default {GENERATION_DEFAULTS['max_tokens']})")
+    g.add_argument("--gpqa-orderings", type=_positive_int("--gpqa-orderings"), default=None,
+                   help="option orderings per GPQA question (default 4, as simple-evals; needs GPQA's original rows)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--engine", default=None, choices=sorted(ENGINES),
                    help="vllm (accelerators) or hf (transformers, CPU fallback); default: vllm if usable")
@@ -203,6 +212,35 @@ def _add_score_args(p: argparse.ArgumentParser, runs_required: bool) -> None:
     g.add_argument("--boxes", default="last", choices=("last", "all"),
                    help="math: grade the last \\boxed{} (default, Qwen2.5-Math's rule) or all boxes as a set (math-verify's)")
     g.add_argument("--no-majority", action="store_true", help="skip maj@k (it compares distinct wrong answers pairwise)")
+    g.add_argument("--require-box", default="truncated", choices=tuple(REQUIRE_BOX),
+                   help="math: which responses are graded by their boxes only (no box = no answer): truncated "
+                        "(default: responses that hit --max-tokens), all, never")
+    g.add_argument("--choice-extraction", type=_choice_chains, default={"*": "explicit"},
+                   help=f"multiple choice: {' or '.join(CHOICE_EXTRACTIONS)} (MMLU-Pro's own chain), for every "
+                        "choice benchmark or NAME=CHAIN,... (default explicit: the last explicit answer)")
+
+
+def _choice_chains(s: str) -> dict[str, str]:
+    """``CHAIN`` (every choice benchmark) or ``NAME=CHAIN,...``."""
+    out: dict[str, str] = {}
+    for part in [p.strip() for p in s.split(",") if p.strip()]:
+        key, sep, chain = part.rpartition("=")
+        if chain not in CHOICE_EXTRACTIONS:
+            raise argparse.ArgumentTypeError(
+                f"--choice-extraction {part!r}: the chain must be one of {', '.join(CHOICE_EXTRACTIONS)}")
+        if not sep:
+            out["*"] = chain
+            continue
+        try:
+            spec = get_benchmark(key)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"--choice-extraction {part!r}: {e}") from None
+        if spec.kind != "choice":
+            raise argparse.ArgumentTypeError(f"--choice-extraction {part!r}: {spec.name} is not a multiple-choice benchmark")
+        out[spec.name] = chain
+    if not out:
+        raise argparse.ArgumentTypeError("--choice-extraction is empty")
+    return out
 
 
 def _formats(s: str) -> tuple[str, ...]:
@@ -223,6 +261,9 @@ def _add_report_args(p: argparse.ArgumentParser, runs_required: bool) -> None:
     g.add_argument("--format", type=_formats, default=("md", "csv", "json"), help="md,csv,json")
     g.add_argument("--no-plots", action="store_true")
     g.add_argument("--step-metric", default="pass@1", choices=("pass@1", "pass@k", "maj@n"))
+    g.add_argument("--passk-average", default="auto", choices=PASSK_AVERAGES,
+                   help="the Pass@k average: all benchmarks of a group, or k>1 (the paper's: only benchmarks with "
+                        "k > 1); auto: k>1 when the settings match --preset paper")
     g.add_argument("--select", type=_select_pair, action="append", default=[],
                    help="KEY=VALUE on config.json (dotted: sampling.temperature=0): report only matching configs "
                         "(default: the latest config per checkpoint x benchmark)")
@@ -281,8 +322,10 @@ def _stops(raw: list[str] | None) -> list[str] | None:
     return out
 
 
-def _gen_options(args):
+def _gen_options(args, announce: bool = False):
+    """GenOptions from the flags: explicit flags, then ``--preset``, then the defaults (per benchmark for --n/--k)."""
     from .generate import GenOptions
+    from .protocol import describe_settings, get_preset, merge_per_benchmark, resolve_settings
 
     register_custom_benchmarks(dict(args.data))
     benchmarks = _bench_list(args.benchmarks)
@@ -290,18 +333,25 @@ def _gen_options(args):
     for name in benchmarks:  # a benchmark with neither a staged copy nor built-in rows needs --data
         if BENCHMARKS[name].staged is None and BENCHMARKS[name].default_rows is None and name not in data:
             raise ValueError(f"--benchmarks {name}: {BENCHMARKS[name].note}")
+    given = {key: getattr(args, key) for key in GENERATION_DEFAULTS}
+    settings, origin = resolve_settings(args.preset, given)
+    preset = get_preset(args.preset)
+    k = merge_per_benchmark(preset.k if preset else {}, _per_bench(args.k, "--k"))
+    if announce and preset is not None:  # what the preset set and what a flag overrode
+        print(f"lpo-eval: {describe_settings(args.preset, settings, origin)}", file=sys.stderr)
+    bench_options = {"gpqa_diamond": {"orderings": args.gpqa_orderings}} if args.gpqa_orderings else {}
     return GenOptions(
         benchmarks=benchmarks,
         out=args.out,
-        template=args.template,
+        template=settings["template"],
         n=_per_bench(args.n, "--n"),
-        k=_per_bench(args.k, "--k"),
+        k=k,
         data=data,
         limit=args.limit,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        max_tokens=args.max_tokens,
+        temperature=settings["temperature"],
+        top_p=settings["top_p"],
+        top_k=settings["top_k"],
+        max_tokens=settings["max_tokens"],
         seed=args.seed,
         engine=args.engine or default_engine(),
         tp=args.tp,
@@ -316,6 +366,7 @@ def _gen_options(args):
         chat_template_kwargs=args.chat_template_kwargs,
         stop=_stops(args.stop),
         trust_remote_code=args.trust_remote_code,
+        benchmark_options=bench_options,
     )
 
 
@@ -323,7 +374,7 @@ def _report(args, runs) -> None:
     from .report import report, to_markdown
 
     table = report(runs, args.report_dir, args.format, plots=not args.no_plots, step_metric=args.step_metric,
-                   select=dict(args.select), config_sha=args.config_sha)
+                   select=dict(args.select), config_sha=args.config_sha, passk_average=args.passk_average)
     print(to_markdown(table))
     if args.tensorboard:
         from .trackers import log_tensorboard
@@ -410,8 +461,14 @@ def _dispatch(args) -> int:
     if args.command in ("generate", "run"):
         from .generate import generate
 
-        opts = _gen_options(args)
+        opts = _gen_options(args, announce=True)
         opts.sampling()  # validates temperature / top-p
+        from .preflight import preflight
+        from .protocol import data_warnings
+
+        preflight(args.ckpts, opts)  # every checkpoint pattern and benchmark file, before any engine starts
+        for line in data_warnings(opts):
+            print(f"lpo-eval: {line}", file=sys.stderr)
         try:
             rep = generate(args.ckpts, opts)
             if rep.busy:
@@ -428,7 +485,8 @@ def _dispatch(args) -> int:
 
         try:
             score(runs, workers=args.workers, timeout=args.item_timeout, fast_path=not args.no_fast_path,
-                  force=args.force, show_progress=not args.no_progress, boxes=args.boxes, majority=not args.no_majority)
+                  force=args.force, show_progress=not args.no_progress, boxes=args.boxes, majority=not args.no_majority,
+                  options={"require_box": args.require_box, "choice_extraction": args.choice_extraction})
         except JobsFailed as e:
             if args.command == "score":
                 raise

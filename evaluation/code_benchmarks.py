@@ -42,7 +42,7 @@ from openrlhf_lpo.data.code import (
 from openrlhf_lpo.data.templates import CODE_INSTRUCTION
 from openrlhf_lpo.rewards.grade_result import GradeResult
 
-from .benchmarks import BenchmarkSpec, FieldMissing, Problem, register_benchmark
+from .benchmark_registry import BenchmarkSpec, FieldMissing, Problem, register_benchmark
 from .grading import GRADERS
 from .templates import INSTRUCTIONS
 
@@ -83,7 +83,7 @@ for _spec in (
         "of PRIME-RL/Eurus-2-RL-Data as .parquet/.jsonl) or --data prime_code=PRIME-RL/Eurus-2-RL-Data@validation "
         "(needs the Hugging Face hub)",
     ),
-    BenchmarkSpec("humaneval", "code", "code", 8, _conv_humaneval, None, aliases=("human_eval", "human-eval"),
+    BenchmarkSpec("humaneval", "code", "code", 8, _conv_humaneval, None, aliases=("human_eval", "human-eval"), size=164,
                   default_rows=humaneval_problems),
     BenchmarkSpec("mbpp", "code", "code", 8, _conv_mbpp, None,
                   note="MBPP is not staged: pass --data mbpp=PATH (mbpp.jsonl) or --data mbpp=google-research-datasets/mbpp@test"),

@@ -69,6 +69,7 @@ class GenOptions:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     stop: list[str] | None = None  # None: the template's end-of-turn tokens (templates.default_stop)
     trust_remote_code: bool = False
+    benchmark_options: dict[str, dict] = field(default_factory=dict)  # per benchmark (gpqa_diamond: orderings)
 
     def sampling(self, stop: list[str] | tuple[str, ...] = ()) -> Sampling:
         return Sampling(self.temperature, self.top_p, self.top_k, self.max_tokens, tuple(stop))
@@ -204,7 +205,7 @@ def recover_partial(path: Path, problem_ids: list[str], n: int) -> int:
     return done
 
 
-def _write_config(d: Path, cfg: dict) -> None:
+def _write_config(d: Path, cfg: dict, data_notes: dict | None = None) -> None:
     import importlib.metadata as md
 
     versions = {}
@@ -217,7 +218,9 @@ def _write_config(d: Path, cfg: dict) -> None:
                 break
             except md.PackageNotFoundError:
                 continue
-    atomic_write_json(d / CONFIG_FILE, {**cfg, "config_sha": config_sha(cfg), "versions": versions})
+    # data notes (subset, GPQA orderings) and versions are recorded for reports, not part of the job key
+    atomic_write_json(d / CONFIG_FILE, {**cfg, "config_sha": config_sha(cfg), "data_notes": data_notes or {},
+                                        "versions": versions})
 
 
 def plan_jobs(ck: Checkpoint, opts: GenOptions, tokenizer: Any = None) -> list[Job]:
@@ -228,7 +231,8 @@ def plan_jobs(ck: Checkpoint, opts: GenOptions, tokenizer: Any = None) -> list[J
     stop = list(opts.stop) if opts.stop is not None else default_stop(opts.template, tokenizer)
     jobs = []
     for bench in opts.benchmarks:
-        loaded = load_benchmark(bench, opts.data.get(get_benchmark(bench).name), opts.limit)
+        name = get_benchmark(bench).name
+        loaded = load_benchmark(bench, opts.data.get(name), opts.limit, opts.benchmark_options.get(name))
         n, k = resolve_n_k(bench, opts)
         prompts = [render_prompt(opts.template, p.question, p.kind, tokenizer, opts.system_prompt,
                                  opts.chat_template_kwargs) for p in loaded.problems]
@@ -246,7 +250,7 @@ def run_job(engine, job: Job, opts: GenOptions) -> Path:
     d = job.dir
     d.mkdir(parents=True, exist_ok=True)
     cfg, loaded, n = job.config, job.loaded, job.n
-    _write_config(d, cfg)
+    _write_config(d, cfg, loaded.notes)
     problems = loaded.problems
     atomic_write_jsonl(d / PROBLEMS_FILE, [
         {"problem_id": p.id, "question": p.question, "prompt": prompt, "gold": p.gold,

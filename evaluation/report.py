@@ -26,6 +26,7 @@ from typing import Any
 from .benchmarks import BENCHMARKS
 from .generate import CONFIG_FILE, GEN_FILE
 from .io import atomic_write_bytes, atomic_write_json, atomic_write_text, read_json
+from .protocol import header_lines, table_protocol
 from .score import METRICS_FILE
 
 FORMATS = ("md", "csv", "json")
@@ -95,8 +96,12 @@ def collect(runs: str | Path, select: dict[str, str] | None = None, config_sha: 
     return out
 
 
-def build_table(ms: list[dict]) -> dict:
-    """Rows (checkpoints, ordered by step then name) x benchmarks (registry order) with averages."""
+def build_table(ms: list[dict], passk_average: str = "auto") -> dict:
+    """Rows (checkpoints, ordered by step then name) x benchmarks (registry order) with averages.
+
+    ``table["protocol"]``: the settings the jobs were made with (:func:`evaluation.protocol.table_protocol`),
+    including the Pass@k average rule (``all``, or ``k>1``: the paper's, only benchmarks with k > 1)."""
+    protocol = table_protocol(ms, passk_average)
     order = {name: i for i, name in enumerate(BENCHMARKS)}
     benches = sorted({m["benchmark"] for m in ms}, key=lambda b: (order.get(b, len(order)), b))
     groups = {m["benchmark"]: m["group"] for m in ms}
@@ -132,11 +137,12 @@ def build_table(ms: list[dict]) -> dict:
             if not members:
                 continue
             for metric in ("pass@1", "pass@k", "maj@n"):
-                vals = [r["cells"][b][metric] for b in members if b in r["cells"]]
-                ok = len(vals) == len(members) and all(v is not None for v in vals)
+                use = [b for b in members if metric != "pass@k" or protocol["passk_average"] == "all" or kmap[b] > 1]
+                vals = [r["cells"][b][metric] for b in use if b in r["cells"]]
+                ok = bool(use) and len(vals) == len(use) and all(v is not None for v in vals)
                 r[f"{group}_avg_{metric}"] = sum(vals) / len(vals) if ok else None
     ordered = sorted(rows.values(), key=lambda r: (r["step"] is None, r["step"] or 0, r["checkpoint"]))
-    return {"benchmarks": benches, "groups": groups, "k": kmap, "rows": ordered}
+    return {"benchmarks": benches, "groups": groups, "k": kmap, "rows": ordered, "protocol": protocol}
 
 
 def _fmt(v) -> str:
@@ -151,9 +157,10 @@ def _columns(table: dict, metric: str) -> list[tuple[str, str, str | None]]:
         label = f"{b} (pass@{k})" if metric == "pass@k" else b
         cols.append((label, b, metric))
     if metric in ("pass@1", "pass@k", "maj@n"):
+        k_rule = metric == "pass@k" and (table.get("protocol") or {}).get("passk_average") == "k>1"
         for group in ("math", "ood"):
             if any(table["groups"][b] == group for b in table["benchmarks"]):
-                cols.append((f"{group} avg", f"{group}_avg", metric))
+                cols.append((f"{group} avg" + (" (k>1)" if k_rule else ""), f"{group}_avg", metric))
     return cols
 
 
@@ -184,7 +191,8 @@ def _num(v, digits=0) -> str:
 
 
 def to_markdown(table: dict) -> str:
-    out = _metric_table(table, "pass@1", "Pass@1 (%), mean accuracy over n samples")
+    out = header_lines(table["protocol"]) if table.get("protocol") else []
+    out += _metric_table(table, "pass@1", "Pass@1 (%), mean accuracy over n samples")
     if any(k > 1 for k in table["k"].values()):
         out += _metric_table(table, "pass@k", "Pass@k (%), unbiased estimator at each benchmark's k")
     if _has_n_gt_1(table):
@@ -353,14 +361,14 @@ def _plot_lengths(table: dict, path: Path) -> None:
 
 def report(runs: str | Path, out: str | Path | None = None, formats: tuple[str, ...] = FORMATS,
            plots: bool = True, step_metric: str = "pass@1", select: dict[str, str] | None = None,
-           config_sha: str | None = None) -> dict:
+           config_sha: str | None = None, passk_average: str = "auto") -> dict:
     """Write the summary files (and plots) for every scored job under ``runs``; return the table."""
     for f in formats:
         if f not in FORMATS:
             raise ValueError(f"--format {f!r} is not one of {', '.join(FORMATS)}")
     if step_metric not in ("pass@1", "pass@k", "maj@n"):
         raise ValueError(f"--step-metric must be pass@1, pass@k or maj@n, got {step_metric!r}")
-    table = build_table(collect(runs, select, config_sha))
+    table = build_table(collect(runs, select, config_sha), passk_average)
     out = Path(out or runs)
     if "md" in formats:
         atomic_write_text(out / "summary.md", to_markdown(table))

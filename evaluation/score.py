@@ -26,7 +26,7 @@ from typing import Any
 from openrlhf_lpo.rewards.grading import GradeResult, GraderPool, assistant_text
 
 from .generate import CONFIG_FILE, GEN_FILE, PROBLEMS_FILE, JobsFailed
-from .grading import GRADERS  # how each kind is graded; score.GRADERS is that registry
+from .grading import GRADERS, check_grading_options, job_grading_options  # how each kind is graded (the registry)
 from .io import atomic_write_json, atomic_write_jsonl, read_json, read_jsonl, sha256_file
 from .locks import JobLock
 from .majority import VOTING_KINDS, vote_labels
@@ -38,10 +38,11 @@ from .metrics import (
     length_stats,
     majority_at_k,
 )
+from .protocol import job_protocol
 
 SAMPLES_FILE = "samples.jsonl"
 METRICS_FILE = "metrics.json"
-GRADER_VERSION = 2  # bump when grading semantics change: forces a rescore (2: issue-17 grading rules)
+GRADER_VERSION = 3  # bump when grading semantics change: forces a rescore (2: issue-17 rules; 3: issue-24 rules)
 REQUIRED = {"problem_id": str, "sample_idx": int, "response": str, "finish_reason": str, "n_tokens": int, "gold": str}
 SAMPLE_KEYS = ("checkpoint", "benchmark", "problem_id", "sample_idx", "prompt_sha", "response", "finish_reason",
                "n_tokens", "gold")
@@ -114,6 +115,7 @@ def compute_metrics(cfg: dict, rows: list[dict], gen_sha: str, grader: dict,
                                [r["finish_reason"] == "length" for r in rows]),
         "generations_sha": gen_sha,
         "grader": grader,
+        "protocol": job_protocol(cfg),
     }
     if votes is not None:
         from .majority import CORRECT
@@ -132,16 +134,17 @@ def _think_flags(d: Path, cfg: dict) -> dict[str, str | None]:
 
 
 def _grade_rows(rows: list[dict], cfg: dict, prompts: dict, pool: GraderPool, timeout: float, fast_path: bool,
-                boxes: str, progress) -> list[GradeResult]:
+                boxes: str, progress, options: dict | None = None) -> list[GradeResult]:
     if cfg["kind"] not in GRADERS:
         raise ValueError(f"{cfg['benchmark']}: no grader for kind {cfg['kind']!r} (known: {', '.join(GRADERS)})")
     texts = [assistant_text(r["response"], prompts.get(r["problem_id"], prompts.get("*"))) for r in rows]
-    opts = {"timeout": timeout, "fast_path": fast_path, "boxes": boxes}
+    opts = {"timeout": timeout, "fast_path": fast_path, "boxes": boxes, **check_grading_options(options or {})}
     return GRADERS[cfg["kind"]](rows, texts, pool, opts, progress)
 
 
 def score_job(d: Path, pool: GraderPool, timeout: float, fast_path: bool = True, force: bool = False,
-              show_progress: bool = True, boxes: str = "last", majority: bool = True) -> dict:
+              show_progress: bool = True, boxes: str = "last", majority: bool = True,
+              options: dict | None = None) -> dict:
     """Grade one job directory; return its metrics (also written to ``metrics.json``)."""
     with JobLock(d, wait=True):
         cfg = read_json(d / CONFIG_FILE)
@@ -149,7 +152,7 @@ def score_job(d: Path, pool: GraderPool, timeout: float, fast_path: bool = True,
         gen_sha = sha256_file(gen)
         majority = majority and cfg["kind"] in VOTING_KINDS
         grader = {"version": GRADER_VERSION, "timeout": timeout, "fast_path": fast_path, "boxes": boxes,
-                  "majority": majority}
+                  "majority": majority, **job_grading_options(cfg["kind"], cfg["benchmark"], options or {})}
         mpath = d / METRICS_FILE
         if not force and mpath.exists() and (d / SAMPLES_FILE).exists():
             old = read_json(mpath)
@@ -165,7 +168,7 @@ def score_job(d: Path, pool: GraderPool, timeout: float, fast_path: bool = True,
 
             bar = tqdm(total=len(rows), desc=f"score {cfg['checkpoint']}/{cfg['benchmark']}", unit="sample")
         results = _grade_rows(rows, cfg, _think_flags(d, cfg), pool, timeout, fast_path, boxes,
-                              bar.update if bar else None)
+                              bar.update if bar else None, options)
         if bar is not None:
             bar.close()
         out_rows: list[dict[str, Any]] = []
@@ -184,8 +187,13 @@ def score_job(d: Path, pool: GraderPool, timeout: float, fast_path: bool = True,
 
 
 def score(runs: str | Path, workers: int | None = None, timeout: float = 10.0, fast_path: bool = True,
-          force: bool = False, show_progress: bool = True, boxes: str = "last", majority: bool = True) -> list[dict]:
-    """Score every finished job under ``runs`` with one worker pool; a failing job does not stop the others."""
+          force: bool = False, show_progress: bool = True, boxes: str = "last", majority: bool = True,
+          options: dict | None = None) -> list[dict]:
+    """Score every finished job under ``runs`` with one worker pool; a failing job does not stop the others.
+
+    ``options``: grading options (``require_box``, ``choice_extraction``; :data:`evaluation.grading.GRADING_DEFAULTS`).
+    """
+    check_grading_options(options or {})
     jobs = find_jobs(runs)
     if not jobs:
         raise ValueError(f"--runs {str(runs)!r} holds no finished generations (run `lpo-eval generate` first)")
@@ -193,7 +201,7 @@ def score(runs: str | Path, workers: int | None = None, timeout: float = 10.0, f
     with GraderPool(workers=workers, timeout=timeout) as pool:
         for d in jobs:
             try:
-                out.append(score_job(d, pool, timeout, fast_path, force, show_progress, boxes, majority))
+                out.append(score_job(d, pool, timeout, fast_path, force, show_progress, boxes, majority, options))
             except (ValueError, KeyError, OSError) as e:
                 failed.append(f"{d}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
                 print(f"lpo-eval score: {failed[-1]}", file=sys.stderr)

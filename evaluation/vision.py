@@ -33,7 +33,7 @@ import base64
 import io
 import os
 
-from .benchmarks import BenchmarkSpec, Problem, register_benchmark
+from .benchmark_registry import BenchmarkSpec, Problem, register_benchmark
 from .engines import ENGINE_ROUTES, ENGINES, HFEngine, VLLMEngine, register_engine
 from .templates import PromptContext, apply_chat, register_template
 
@@ -72,7 +72,7 @@ def geometry3k_problem(rec: dict, i: int) -> Problem:
 
 register_benchmark(BenchmarkSpec(
     "geometry3k", "math", "vision", 16, geometry3k_problem, None, aliases=("geo3k", "geometry_3k"),
-    read=read_geometry3k_rows,
+    read=read_geometry3k_rows, size=601,
     note="the 601-problem test split, read from hiyouga/geometry3k (network) or a local copy: --data geometry3k=PATH",
 ))
 

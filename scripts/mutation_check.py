@@ -125,8 +125,8 @@ MUTATIONS = [
         "fast-path-changes-verdict",
         "the grading fast path changes a verdict: it accepts a response whose final text merely contains the gold",
         "openrlhf_lpo/rewards/math_grading.py",
-        "if box is not None and box.strip() == gold.strip():",
-        "if box is not None and gold.strip() in text:",
+        "if fast_path and from_box and extracted == gold.strip():",
+        "if fast_path and gold.strip() in text:",
         ["tests/evaluation/test_eval_grading_faults.py"],
     ),
 ]

@@ -6,7 +6,8 @@ Public names (stable):
     gpus_needed(args) -> int
     check_cluster(args, resources) -> None    raises ClusterTooSmall naming GPUs needed per role vs present
     dataset_rows(args) -> (rows or None, note)
-    plan_lines(args) -> list of str           what ``lpo-train --dry-run`` prints
+    plan_lines(args, preflight=None) -> list of str   what ``lpo-train --dry-run`` prints (with the
+                                              preflight's summary: data, tokens, reward, disk, resume)
     ClusterTooSmall
 
 ``--dry-run`` validates every flag (the stock parser and validation, every flag group), prints the
@@ -165,7 +166,18 @@ def _batch_shape(args, groups: int) -> str:
             f"{windows * epochs} step(s); {passes}")
 
 
-def plan_lines(args) -> List[str]:
+def plan_lines(args, preflight=None) -> List[str]:
+    """The plan; ``preflight`` (a ``cli.preflight.Preflight``, None for ``--preflight off``) adds the rows it
+    read as upstream reads them (hub datasets included) and its summary."""
+    from openrlhf_lpo.cli.preflight import summary_lines
+
+    lines = _plan_lines(args, preflight)
+    if preflight is not None or getattr(args, "preflight", "on") == "off":
+        lines += summary_lines(preflight)
+    return lines
+
+
+def _plan_lines(args, preflight) -> List[str]:
     est = args.algo.advantage.estimator
     K, dp = args.rollout.n_samples_per_prompt, dp_size(args)
     B = args.rollout.batch_size
@@ -180,7 +192,10 @@ def plan_lines(args) -> List[str]:
             f"up to {args.rollout.max_tokens_per_gpu} tokens (dynamic batching)" if args.train.dynamic_batch_enable
             else f"{args.rollout.micro_batch_size} sample(s)"))
         lines.append(f"  full batch: {_batch_shape(args, B)}")
-    rows, note = dataset_rows(args)
+    if preflight is not None and preflight.train_rows is not None:
+        rows, note = preflight.train_rows, "read by the preflight"  # as upstream reads them
+    else:
+        rows, note = dataset_rows(args)
     if rows is None:
         lines.append(f"dataset: size unknown ({note})")
         return lines

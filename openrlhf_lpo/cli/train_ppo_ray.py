@@ -38,7 +38,8 @@ STOCK_CLI = "openrlhf.cli.train_ppo_ray"
 ESTIMATOR_DEST = "algo.advantage.estimator"
 
 # Modules that register more flag groups (imported if present; owned by other engineers).
-PLUGIN_MODULES = ("openrlhf_lpo.cpu", "openrlhf_lpo.megatron.flags")
+PLUGIN_MODULES = ("openrlhf_lpo.cpu", "openrlhf_lpo.megatron.flags", "openrlhf_lpo.cli.preflight",
+                  "openrlhf_lpo.megatron.preflight")
 
 
 def _load_plugins() -> None:
@@ -199,17 +200,21 @@ def main(argv: Optional[List[str]] = None) -> None:
     install()  # progress bars as plain lines when the output is a file
 
     def run(args, stock_train):
-        from openrlhf_lpo.cli import plan
+        from openrlhf_lpo.cli import plan, preflight
 
+        # every input checked before Ray or any model starts (exit 2 naming the file, line or field)
+        checked = preflight.preflight_or_exit(args, "lpo-train --dry-run" if args.dry_run else "lpo-train")
         if args.dry_run:
             try:
-                lines = plan.plan_lines(args)
+                lines = plan.plan_lines(args, checked)
             except (FileNotFoundError, ValueError) as e:
                 print(f"lpo-train --dry-run: {e}", file=sys.stderr)
                 raise SystemExit(2) from None
             print("lpo-train --dry-run: flags are valid; nothing was started")
             print("\n".join(lines))
             return
+        if checked is not None:
+            print("\n".join(preflight.summary_lines(checked)), flush=True)
         with contextlib.ExitStack() as stack:
             _flags.enter_before_train(stack, args)
             _check_cluster(args, plan)

@@ -20,24 +20,31 @@ Public API (a contract other code and checks rely on)::
     lists) and equals the expected value, or its single element (APPS wraps outputs in a list);
     floats within 1e-6.
   - HumanEval/MBPP style: ``{"test": str, "entry_point": str}`` (optional ``"prefix"``: code put
-    before the program, e.g. the prompt's imports): the test code runs after the program and then
-    ``check(entry_point)`` when it defines ``check``; one test, passed when that returns.
+    before the program, e.g. the prompt's imports): the test code and then ``check(entry_point)`` (when
+    it defines ``check``) run in a harness process that never executes model code; the program's
+    functions are proxies that take and return plain data (:mod:`openrlhf_lpo.rewards.sandbox_runner`);
+    the prefix's own helpers are the trusted ones the tests use. One test, passed when that returns.
 
 * **Passing** a test needs a clean exit (status 0, no limit hit) and a matching output. Expected
   outputs never enter the sandbox: the comparison happens here, so a program cannot read them, and
-  ``os._exit(0)`` or printing a fake marker does not pass a stdin/stdout or call-based test. The
-  HumanEval style is weaker: its asserts run inside the sandbox next to the program (a program that
-  patches the harness could fake a pass); use it for evaluation, not for RL on untrusted data.
-* **Status**: ``ok`` (every test passed), ``fail`` (ran, some test failed), ``timeout`` (some test hit
-  the per-test time limit), ``error`` (the program does not compile, or the sandbox died),
+  ``os._exit(0)`` or printing a fake marker does not pass a stdin/stdout or call-based test. In the
+  HumanEval style the expected values are in the test code: it runs in the harness process, which the
+  program cannot patch, read or impersonate (its verdict goes through a pipe only it holds), and the
+  comparisons see only built-in values (an always-equal object arrives as an opaque object that equals
+  nothing else and has no truth value).
+* **Status**: ``ok`` (every test passed), ``fail`` (ran, some test failed; also a program that does
+  not compile), ``timeout`` (some test hit the per-test time limit), ``error`` (the reward could not
+  be computed: the sandbox died or could not fork a test's process; reward 0 whatever passed before),
   ``no_code``.
 * **Reward** (:func:`code_reward`): ``fraction`` = passed/total (PRIME's continuous code reward, the
   default) or ``all`` = 1.0 only when every test passes (``LPO_CODE_REWARD``). In ``all`` mode
-  grading stops at the first failing test (``passed`` then counts the tests before it).
+  grading stops at the first failing test, in both modes at the first test that times out (a looping
+  program costs one time limit, not one per test; the tests it did not run count as failed).
 
 Every program runs in :mod:`openrlhf_lpo.rewards.sandbox`; nothing here executes model output.
 Safe from threads and Ray workers: each call starts its own sandbox process, at most
-``LPO_CODE_WORKERS`` (default: cpu count) at a time per process.
+``LPO_CODE_WORKERS`` (default: sized from the usable cores and ``LPO_CODE_ENGINES_PER_NODE``) at a time
+per process.
 """
 
 from __future__ import annotations
@@ -93,7 +100,9 @@ class CodeResult:
         return self.total > 0 and self.passed == self.total
 
     def reward(self, mode: str = "fraction") -> float:
-        """``fraction``: passed/total; ``all``: 1.0 when every test passed, else 0.0."""
+        """``fraction``: passed/total; ``all``: 1.0 when every test passed, else 0.0; 0.0 for ``error``."""
+        if mode in REWARD_MODES and self.status == "error":
+            return 0.0
         if mode == "fraction":
             return self.passed / self.total if self.total else 0.0
         if mode == "all":
@@ -294,13 +303,15 @@ def grade_program(
     *,
     sandbox: Optional[CodeSandbox] = None,
     stop_on_fail: bool = False,
+    stop_on_timeout: bool = True,
 ) -> CodeResult:
-    """Run an already-extracted ``program`` against ``tests`` in the sandbox."""
+    """Run an already-extracted ``program`` against ``tests`` in the sandbox (``stop_on_fail``: stop at
+    the first failing test; ``stop_on_timeout``: at the first that times out)."""
     t = tests if isinstance(tests, CodeTests) else parse_tests(tests)
     if not isinstance(program, str):
         raise ValueError(f"program must be a str, got {type(program).__name__}")
     if len(program) > MAX_PROGRAM_CHARS:
-        return CodeResult(0, t.total, "error", f"program longer than {MAX_PROGRAM_CHARS} characters")
+        return CodeResult(0, t.total, "fail", f"program longer than {MAX_PROGRAM_CHARS} characters")
     box = sandbox or shared_sandbox()
     source = (t.prefix + "\n" + program) if t.prefix else program
     passed = []
@@ -308,17 +319,19 @@ def grade_program(
     def stop(i: int, outcome: TestOutcome) -> bool:
         ok = _test_passed(t, i, outcome)
         passed.append(ok)
-        return stop_on_fail and not ok
+        return (stop_on_fail and not ok) or (stop_on_timeout and outcome.timed_out)
 
     report = box.run(source, t.mode, t.inputs, fn_name=t.fn_name, test_code=t.test_code,
-                     entry_point=t.entry_point, timeout_s=timeout_s, stop=stop)
+                     entry_point=t.entry_point, prefix=t.prefix, timeout_s=timeout_s, stop=stop)
     if report.compile_error is not None:
-        return CodeResult(0, t.total, "error", report.compile_error)
+        return CodeResult(0, t.total, "fail", report.compile_error)
     if len(passed) < len(report.outcomes):  # the last outcome (no stop call for it)
         passed.append(_test_passed(t, len(passed), report.outcomes[-1]))
     n_passed = sum(passed)
     if n_passed == t.total:
         return CodeResult(n_passed, t.total, "ok")
+    if report.error is not None:
+        return CodeResult(n_passed, t.total, "error", report.failure or report.error)
     failed = [(i, o) for i, o in enumerate(report.outcomes) if not passed[i]]
     detail = _why(t, *failed[0]) if failed else (report.failure or "")
     if any(o.timed_out for o in report.outcomes) or (report.failure or "").startswith("the sandbox hit its deadline"):
@@ -335,12 +348,13 @@ def grade_code(
     *,
     sandbox: Optional[CodeSandbox] = None,
     stop_on_fail: bool = False,
+    stop_on_timeout: bool = True,
 ) -> CodeResult:
     """Grade one response: its last fenced code block against ``tests`` (module docstring).
 
     ``timeout_s``: CPU seconds per test (default ``LPO_CODE_TIMEOUT_S``, 5; wall clock 2x + 1 s).
     ``sandbox``: a :class:`CodeSandbox` (default: the process-wide one from ``LPO_CODE_*``).
-    ``stop_on_fail``: stop at the first failing test.
+    ``stop_on_fail``: stop at the first failing test; ``stop_on_timeout``: at the first timeout.
     """
     if not isinstance(response, str):
         raise ValueError(f"response must be a str, got {type(response).__name__}")
@@ -348,7 +362,8 @@ def grade_code(
     code = extract_code(response)
     if code is None:
         return CodeResult(0, t.total, "no_code", "no fenced code block")
-    return grade_program(code, t, timeout_s, sandbox=sandbox, stop_on_fail=stop_on_fail)
+    return grade_program(code, t, timeout_s, sandbox=sandbox, stop_on_fail=stop_on_fail,
+                         stop_on_timeout=stop_on_timeout)
 
 
 def grade_code_batch(
@@ -359,6 +374,7 @@ def grade_code_batch(
     workers: Optional[int] = None,
     sandbox: Optional[CodeSandbox] = None,
     stop_on_fail: bool = False,
+    stop_on_timeout: bool = True,
     progress=None,
 ) -> List[CodeResult]:
     """Grade ``responses[i]`` against ``tests[i]`` in parallel (threads; each program in its sandbox)."""
@@ -369,7 +385,8 @@ def grade_code_batch(
     n = workers or box.config.n_workers()
 
     def one(i: int) -> CodeResult:
-        result = grade_code(responses[i], tests[i], timeout_s, sandbox=box, stop_on_fail=stop_on_fail)
+        result = grade_code(responses[i], tests[i], timeout_s, sandbox=box, stop_on_fail=stop_on_fail,
+                            stop_on_timeout=stop_on_timeout)
         if progress is not None:
             progress(1)
         return result

@@ -11,7 +11,7 @@ from any thread, from Ray actors and after ``fork``.
 
 Items are ``(kind, response, gold)``; :data:`ITEM_KINDS` names what a worker does with them (the math
 rules of :mod:`openrlhf_lpo.rewards.math_grading` with or without the fast path, with the last-box or the
-all-boxes rule, and multiple choice). Single calls (:func:`grade_math`) use a lazily started shared
+all-boxes rule, with or without a required box, and multiple choice). Single calls (:func:`grade_math`) use a lazily started shared
 pool (``LPO_GRADER_WORKERS`` workers, default ``min(4, cpu_count)``; ``LPO_GRADER_TIMEOUT`` seconds,
 default 10). Batches (:func:`grade_math_batch` or :class:`GraderPool`) stream chunks to every worker.
 """
@@ -76,21 +76,20 @@ def default_workers() -> int:
     return max(1, min(4, os.cpu_count() or 1))
 
 
-# What a worker does with an item, by kind name (the names travel over the pipe).
-ITEM_KINDS: dict[str, Callable[[str, str], GradeResult]] = {
-    "math": functools.partial(grade_math_inprocess, fast_path=True, boxes="last"),
-    "math_full": functools.partial(grade_math_inprocess, fast_path=False, boxes="last"),
-    "math_allboxes": functools.partial(grade_math_inprocess, fast_path=True, boxes="all"),
-    "math_full_allboxes": functools.partial(grade_math_inprocess, fast_path=False, boxes="all"),
-    "choice": grade_choice,
-}
-
-
-def math_kind(fast_path: bool = True, boxes: str = "last") -> str:
+def math_kind(fast_path: bool = True, boxes: str = "last", require_box: bool = False) -> str:
     """The item kind for math grading with these options (see :mod:`openrlhf_lpo.rewards.math_grading`)."""
     if boxes not in BOX_RULES:
         raise ValueError(f"boxes must be one of {BOX_RULES}, got {boxes!r}")
-    return ("math" if fast_path else "math_full") + ("" if boxes == "last" else "_allboxes")
+    return ("math" if fast_path else "math_full") + ("" if boxes == "last" else "_allboxes") + ("_boxed" if require_box else "")
+
+
+# What a worker does with an item, by kind name (the names travel over the pipe): every math option
+# combination (``math``, ``math_full``, ``math_allboxes``, ``math_boxed``, ...) and multiple choice.
+ITEM_KINDS: dict[str, Callable[[str, str], GradeResult]] = {
+    math_kind(fast, boxes, req): functools.partial(grade_math_inprocess, fast_path=fast, boxes=boxes, require_box=req)
+    for fast in (True, False) for boxes in BOX_RULES for req in (False, True)
+}
+ITEM_KINDS["choice"] = grade_choice
 
 
 # ----------------------------------------------------------------------------------------------

@@ -7,14 +7,26 @@ Rules (one grader for RL rewards and ``lpo-eval``):
   (:func:`openrlhf_lpo.rewards.extraction.normalize_math`).
 * **Answer**: the text after the last ``</think>`` (none if a ``<think>`` is left open). With
   ``boxes="last"`` (the default, Qwen2.5-Math's rule) only the **last** ``\\boxed{}``/``\\fbox{}`` is
-  graded, so ``\\boxed{12} ... no: \\boxed{13}`` answers 13. ``boxes="all"`` is math-verify's own
-  behaviour: every box of the text is read and several boxes become a set ({12, 13} matches neither).
-  Without any box the whole text goes to math-verify (it finds ``$...$`` and plain expressions).
+  graded, so ``\\boxed{12} ... no: \\boxed{13}`` answers 13, with two refinements:
+
+  - **A list of boxes is one answer** when the gold has several parts
+    (:func:`~openrlhf_lpo.rewards.extraction.answer_parts`): the boxes that end the text separated only
+    by list glue (:func:`~openrlhf_lpo.rewards.extraction.box_list`: ``\\boxed{(1, 2)}, \\boxed{(2, 1)}``,
+    ``\\boxed{k = 45} and \\boxed{n = 2}``, ``x = \\boxed{2} or x = \\boxed{3}``) are graded together
+    as ``\\boxed{(1, 2), (2, 1)}``. A correction (``no:``, ``or rather``, any other words) still takes
+    the last box, and so does a one-part gold.
+  - **A closing "The final answer is $X$"** after the last box (lm-eval's Minerva format, intermediate
+    results boxed on the way) is the answer.
+
+  ``boxes="all"`` is math-verify's own behaviour: every box of the text is read and several boxes
+  become a set ({12, 13} matches neither). Without any box the whole text goes to math-verify (it finds
+  ``$...$`` and plain expressions) unless ``require_box``: then there is no answer (``no_answer``),
+  the box-required policy of verl's math reward, NeMo-Skills and DeepScaleR.
 * **Numbers are compared relatively**: math-verify rounds floats to 6 decimal places before comparing,
   so any two numbers below 5e-7 are "equal" (Minerva's ``2.88e-19`` accepted ``2.88e-18``, or 0). A
   verdict of "equal" between two plain numbers must also hold to a relative tolerance of
   :data:`REL_TOL` (1e-4, Qwen2.5-Math's ``numeric_equal``); this only ever turns a match into a mismatch.
-* **Fast path**: when the graded box's content is exactly the gold string (whitespace-stripped) and
+* **Fast path**: when the graded box content (one box, or a list joined with ", ") is exactly the gold string (whitespace-stripped) and
   the gold parses, the answer is correct without calling ``verify``. This is the same verdict the full
   path gives (math-verify's ``verify`` is reflexive on every staged gold; tested on all of them with
   both paths), so ``fast_path=False`` never changes a verdict, it only costs time.
@@ -27,7 +39,16 @@ from __future__ import annotations
 
 import functools
 
-from .extraction import boxed_spans, final_answer_text, last_boxed, normalize_math, normalize_text
+from .extraction import (
+    answer_parts,
+    box_list,
+    boxed_spans,
+    final_answer_text,
+    final_statement,
+    last_boxed,
+    normalize_math,
+    normalize_text,
+)
 from .grade_result import GradeResult
 
 __all__ = ["BOX_RULES", "REL_TOL", "grade_math_inprocess", "math_prediction_text", "warm_up"]
@@ -61,7 +82,7 @@ def _normalize_all_boxes(text: str) -> str:
     for start, end, content in sorted(boxed_spans(text)):
         if start < pos:
             continue  # nested in a box already rewritten
-        head = text[start : end - 1 - len(content)]  # "\boxed{"
+        head = text[start : text.index("{", start) + 1]  # "\boxed{"
         out.append(normalize_text(text[pos:start]))
         out.append(head + normalize_math(content) + "}")
         pos = end
@@ -69,50 +90,61 @@ def _normalize_all_boxes(text: str) -> str:
     return "".join(out)
 
 
-def _graded_box(text: str, boxes: str) -> str | None:
-    """The box whose content is graded: the last one (``"last"``), or the only ``\\boxed`` (``"all"``)."""
-    if boxes == "last":
-        return last_boxed(text)
-    if text.count("\\boxed") == 1 and "\\fbox" not in text:  # math-verify reads \boxed only
-        return last_boxed(text)
-    return None
+def math_prediction_text(text: str, gold: str = "", boxes: str = "last",
+                         require_box: bool = False) -> tuple[str | None, str | None, bool]:
+    """What math-verify reads for a final-answer text: ``(text or None, extracted or None, from_box)``.
 
-
-def math_prediction_text(text: str, boxes: str = "last") -> tuple[str, str | None]:
-    """``(text given to math-verify, the box content graded or None)`` for a final-answer text."""
-    if _check_rule(boxes) == "last":
-        box = last_boxed(text)
-        if box is not None:
-            return "\\boxed{" + normalize_math(box) + "}", box.strip()
-        return normalize_text(text), None
-    return _normalize_all_boxes(text), None
+    ``None`` text: no answer (``require_box`` and no box). ``extracted`` is the graded box content (a list
+    of boxes joined with ", "), or a closing statement's answer; ``from_box`` says it is box content
+    (the fast path compares only box content with the gold).
+    """
+    if _check_rule(boxes) == "all":
+        if require_box and not boxed_spans(text):
+            return None, None, False
+        single = text.count("\\boxed") == 1 and "\\fbox" not in text  # math-verify reads \boxed only
+        return _normalize_all_boxes(text), (last_boxed(text) or "").strip() if single else None, single
+    run = box_list(text)
+    if not run:
+        return (None, None, False) if require_box else (normalize_text(text), None, False)
+    if not require_box:
+        statement = final_statement(text, run[-1][1])
+        if statement is not None:
+            return normalize_text(statement), statement.strip("$").strip(), False
+    if len(run) > 1 and answer_parts(gold) > 1:
+        contents = [c.strip() for _, _, c in run]
+        return "\\boxed{" + ", ".join(normalize_math(c) for c in contents) + "}", ", ".join(contents), True
+    box = last_boxed(text)  # the last box by opening position (the inner one of nested boxes)
+    return "\\boxed{" + normalize_math(box) + "}", box.strip(), True
 
 
 def _repr(parsed) -> str | None:
     return str(parsed[-1]) if parsed else None
 
 
-def grade_math_inprocess(response: str, gold: str, fast_path: bool = True, boxes: str = "last") -> GradeResult:
+def grade_math_inprocess(response: str, gold: str, fast_path: bool = True, boxes: str = "last",
+                         require_box: bool = False) -> GradeResult:
     """Grade ``response`` against ``gold`` here, with math-verify and **no timeout at all**.
 
     See the module docstring for the rules. Statuses: ``no_answer`` (open ``<think>``, nothing
-    parsable), ``error`` (the gold does not parse, or math-verify raised), ``ok``.
+    parsable, no box when ``require_box``), ``error`` (the gold does not parse, or math-verify raised),
+    ``ok``.
     """
     _check_rule(boxes)
     text = final_answer_text(response)
     if text is None:
         return GradeResult(False, "no_answer", None)
+    pred_text, extracted, from_box = math_prediction_text(text, gold, boxes, require_box)
+    if pred_text is None:
+        return GradeResult(False, "no_answer", None)
     try:
-        if fast_path:
-            box = _graded_box(text, boxes)
-            if box is not None and box.strip() == gold.strip():
-                return GradeResult(True, "ok", box.strip()) if _parse_gold(gold) else GradeResult(False, "error", None)
+        if fast_path and from_box and extracted == gold.strip():
+            return GradeResult(True, "ok", extracted) if _parse_gold(gold) else GradeResult(False, "error", None)
         gold_parsed = _parse_gold(gold)
     except Exception:
         return GradeResult(False, "error", None)
     if not gold_parsed:
         return GradeResult(False, "error", None)
-    pred_text, box = math_prediction_text(text, boxes)
+    box = extracted if boxes == "last" else None
     try:
         pred = _parse(pred_text)
     except Exception:

@@ -16,6 +16,10 @@ Labels (written by :mod:`openrlhf_lpo.data`) name their task, and tasks are a re
   ``LPO_CODE_*`` limits). When ``LPO_CODE_SANDBOX`` is set (the code recipe sets it), loading this
   file probes the sandbox, so a machine that cannot sandbox fails at start, not at the first reward.
 
+Each task also registers the parser of its label fields (``LABELS``, :func:`register_label`); its reward
+reads the label through it, and :func:`check_label` (used by ``lpo-train``'s preflight on every row)
+runs the same parser, so a label the preflight accepts is a label the reward can grade.
+
 Returned per batch: ``rewards`` and ``scores`` (float tensors) and ``extra_logs``
 (``answer_found``, ``grader_timeout``; the same keys for every task so batches concatenate).
 """
@@ -41,12 +45,87 @@ def register_reward(name: str):
     return deco
 
 
+# task -> the parser of its label fields: the task's reward reads the label through it, and lpo-train's
+# preflight (openrlhf_lpo/cli/preflight/labels.py) runs it on every row before anything starts.
+LABELS: Dict[str, Callable[[dict], object]] = {}
+
+
+def register_label(name: str):
+    """Register ``fn(label_dict) -> fields`` for a task; it raises ValueError naming the bad field."""
+
+    def deco(fn):
+        if name in LABELS:
+            raise ValueError(f"label parser of task {name!r} is already registered")
+        LABELS[name] = fn
+        return fn
+
+    return deco
+
+
+def _integer(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError
+    as_int = int(value) if not isinstance(value, str) else int(value.strip())
+    if as_int != float(value):
+        raise ValueError
+    return as_int
+
+
+@register_label("countdown")
+def countdown_fields(label: dict) -> Tuple[List[int], int]:
+    """``(nums, target)``: at least two integers and an integer target."""
+    nums, target = label.get("nums"), label.get("target")
+    try:
+        if not isinstance(nums, list) or len(nums) < 2:
+            raise ValueError
+        nums = [_integer(n) for n in nums]
+    except ValueError:
+        raise ValueError(f"'nums' must be a list of at least 2 integers, got {nums!r:.80}") from None
+    try:
+        target = _integer(target)
+    except ValueError:
+        raise ValueError(f"'target' must be an integer, got {target!r:.80}") from None
+    return nums, target
+
+
+@register_label("math")
+def math_answer(label: dict) -> str:
+    """The gold answer: a non-empty string."""
+    answer = label.get("answer")
+    if answer is None or not str(answer).strip():
+        raise ValueError(f"'answer' is missing or empty (got {answer!r:.40}): a math label needs a gold answer")
+    return str(answer)
+
+
+@register_label("code")
+def code_tests(label: dict):
+    """The tests, validated by the sandbox runner's own :func:`~openrlhf_lpo.rewards.code.parse_tests`."""
+    from openrlhf_lpo.rewards.code import parse_tests
+
+    try:
+        return parse_tests(label.get("tests"))
+    except ValueError as e:
+        raise ValueError(f"'tests': {e}") from None
+
+
+@register_label("geometry")
+def geometry_fields(label: dict):
+    """``(answer, choices or None)`` as :func:`~openrlhf_lpo.rewards.geometry.geometry_reward` reads them."""
+    from openrlhf_lpo.rewards.geometry import parse_geometry_label
+
+    answer, choices = parse_geometry_label(label)
+    if not answer:
+        raise ValueError("'answer' is empty")
+    return answer, choices
+
+
 @register_reward("countdown")
 def _countdown(response: str, label: dict) -> Tuple[float, str]:
     from openrlhf_lpo.rewards.countdown import grade_countdown
 
     format_score = float(os.environ.get("LPO_COUNTDOWN_FORMAT_SCORE", "0.0"))
-    result = grade_countdown(response, label["nums"], label["target"], format_score=format_score)
+    nums, target = countdown_fields(label)
+    result = grade_countdown(response, nums, target, format_score=format_score)
     return result.reward, result.status
 
 
@@ -54,13 +133,14 @@ def _countdown(response: str, label: dict) -> Tuple[float, str]:
 def _math(response: str, label: dict) -> Tuple[float, str]:
     from openrlhf_lpo.rewards.math_reward import math_reward
 
-    return math_reward(response, label["answer"])
+    return math_reward(response, math_answer(label))
 
 
 @register_reward("code")
 def _code(response: str, label: dict) -> Tuple[float, str]:
     from openrlhf_lpo.rewards.code import code_reward
 
+    code_tests(label)  # a bad test set is an error, even for a response without code
     reward, status = code_reward(response, label["tests"])
     return reward, ("no_answer" if status == "no_code" else status)
 
@@ -87,6 +167,15 @@ def parse_label(label) -> dict:
     if task not in REWARDS:
         raise ValueError(f"label task {task!r} is unknown; registered tasks: {sorted(REWARDS)}")
     return parsed
+
+
+def check_label(label) -> str:
+    """The task of ``label``, after parsing it as that task's reward will (ValueError names the field)."""
+    parsed = parse_label(label)
+    parser = LABELS.get(parsed["task"])
+    if parser is not None:
+        parser(parsed)
+    return parsed["task"]
 
 
 def response_of(query: str, prompt: str) -> str:

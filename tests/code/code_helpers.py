@@ -44,14 +44,7 @@ def wait_no_sandbox_processes(timeout: float = 5.0) -> list[int]:
 def assert_pool_healthy(box: CodeSandbox) -> None:
     """The pool kept working: no slot leaked, a correct program still passes, nothing left running."""
     assert box.stats["in_flight"] == 0
-    taken = 0
-    try:
-        for _ in range(box.config.n_workers()):
-            assert box._slots.acquire(blocking=False), "a sandbox slot leaked"
-            taken += 1
-    finally:
-        for _ in range(taken):
-            box._slots.release()
+    assert box.free_slots() == len(box.slots) == box.config.n_workers(), "a sandbox slot leaked"
     result = grade_code(CORRECT, SUM_TESTS, sandbox=box)
     assert (result.passed, result.total, result.status) == (2, 2, "ok")
     assert wait_no_sandbox_processes() == []

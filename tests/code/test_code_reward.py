@@ -89,11 +89,11 @@ def test_humaneval_style_tests(box):
 def test_statuses_and_stop_on_fail(box):
     tests = {"inputs": ["1\n", "2\n", "3\n"], "outputs": ["1\n", "2\n", "3\n"]}
     assert grade_code("I would print the input.", tests, sandbox=box) == CodeResult(0, 3, "no_code", "no fenced code block")
-    syntax = grade_code(fence("print(input()"), tests, sandbox=box)
-    assert (syntax.status, syntax.passed) == ("error", 0) and syntax.detail.startswith("SyntaxError")
+    syntax = grade_code(fence("print(input()"), tests, sandbox=box)  # the model's fault: fail, not error
+    assert (syntax.status, syntax.passed) == ("fail", 0) and syntax.detail.startswith("SyntaxError")
     slow = fence("x = int(input())\nwhile x == 2:\n    pass\nprint(x)")
-    r = grade_code(slow, tests, timeout_s=1, sandbox=box)
-    assert (r.passed, r.status, r.detail) == (2, "timeout", "test 1: time limit")
+    r = grade_code(slow, tests, timeout_s=1, sandbox=box)  # stops at the timeout: test 2 is not run
+    assert (r.passed, r.status, r.detail) == (1, "timeout", "test 1: time limit")
     wrong_first = fence("x = int(input())\nprint(x if x > 1 else 0)")
     assert grade_code(wrong_first, tests, sandbox=box).passed == 2
     stopped = grade_code(wrong_first, tests, sandbox=box, stop_on_fail=True)

@@ -141,11 +141,11 @@ def test_classify_bwrap_errors(text, cls):
     assert got == cls and (line == text.strip() or cls == "unknown") and why
 
 
-def test_opt_out_is_explicit_and_loud(capfd, tmp_path):
+def test_opt_out_is_explicit_and_loud(capfd, stub_dir):
     """LPO_CODE_SANDBOX=none: still a separate process with limits, but no isolation, and it says so."""
-    host_file = tmp_path / "visible.txt"
+    host_file = Path(stub_dir) / "visible.txt"  # world-readable: as root, programs run as an unprivileged uid
     host_file.write_text("host data")
-    os.chmod(tmp_path, 0o755)
+    os.chmod(host_file, 0o644)
     box = CodeSandbox(SandboxConfig.from_env(mode="none", timeout_s=1.0))
     description = box.ensure_ready().description
     err = capfd.readouterr().err
@@ -170,6 +170,13 @@ def test_config_from_environment(monkeypatch):
     monkeypatch.setenv("LPO_CODE_WORKERS", "3")
     cfg = SandboxConfig.from_env()
     assert (cfg.mode, cfg.timeout_s, cfg.n_workers()) == ("bwrap", 2.5, 3)
+    for name, value, msg in [("LPO_CODE_WALL", "cpu", "LPO_CODE_WALL='cpu' must be one of"),
+                             ("LPO_CODE_UIDS", "7-3", "LPO_CODE_UIDS='7-3' must be FIRST-LAST"),
+                             ("LPO_CODE_WORKERS", "many", "LPO_CODE_WORKERS='many' must be an integer >= 0 or auto")]:
+        monkeypatch.setenv(name, value)
+        with pytest.raises(ValueError, match=msg):
+            SandboxConfig.from_env()
+        monkeypatch.delenv(name)
 
 
 def test_reward_file_refuses_at_load_time(repo_env):
@@ -179,8 +186,13 @@ def test_reward_file_refuses_at_load_time(repo_env):
                          env=dict(repo_env, LPO_CODE_SANDBOX="bwrap", LPO_CODE_BWRAP="/bin/true"))
     assert bad.returncode != 0 and "SandboxUnavailableError: Code-execution reward disabled" in bad.stderr
     good = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env=dict(repo_env, LPO_CODE_SANDBOX="bwrap"))
+                          env=dict(repo_env, LPO_CODE_SANDBOX="bwrap", LPO_CODE_ENGINES_PER_NODE="1"))
     assert good.returncode == 0, good.stderr
+    # the effective configuration, once per engine process at start
+    (config,) = [line for line in good.stderr.splitlines() if line.startswith("[openrlhf_lpo] code sandbox: ")]
+    for part in ("bwrap ", "sandboxes at once per process ((", "engines per node)", "per test 5 CPU-s, wall 11 s",
+                 "1024 MiB", "host uids: ", "process budget: 64 processes per sandbox, isolated"):
+        assert part in config, (part, config)
     loud = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env=dict(repo_env, LPO_CODE_SANDBOX="none"))
     assert loud.returncode == 0 and "CODE SANDBOX DISABLED" in loud.stderr

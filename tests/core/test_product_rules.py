@@ -41,9 +41,8 @@ def room_graph():
     return edges
 
 
-def test_rooms_import_one_way():
-    edges = room_graph()
-    # no cycles between rooms
+def assert_acyclic(edges):
+    """No cycle in the import graph ``edges`` (node -> nodes it imports); the message shows one."""
     state = {}
 
     def visit(node, stack):
@@ -57,6 +56,11 @@ def test_rooms_import_one_way():
     for node in sorted(edges):
         if node not in state:
             visit(node, [])
+
+
+def test_rooms_import_one_way():
+    edges = room_graph()
+    assert_acyclic(edges)  # no cycles between rooms
     # the rules DESIGN.md states
     assert not edges.get("listwise"), "listwise.py is pure torch: it imports nothing of ours"
     # the extension may call down into the evaluation package (training-time eval), never the reverse
@@ -88,3 +92,38 @@ def test_no_device_names_outside_the_cpu_mode():
         offenders += [f"{rel}: {c.strip()}" for c in _code_lines(path) if pattern.search(c)]
     assert offenders == []
     assert len(PRODUCT) > 60  # the scan covers the whole product
+
+
+def _evaluation_module_graph():
+    """evaluation.<module> -> the evaluation modules it imports (relative or absolute, at any depth)."""
+    edges = defaultdict(set)
+    for path in sorted(REPO.glob("evaluation/*.py")):
+        src = path.stem
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                if node.level == 1:
+                    names = [node.module] if node.module else [a.name for a in node.names]
+                elif node.level == 0 and node.module and node.module.split(".")[0] == "evaluation":
+                    parts = node.module.split(".")
+                    names = [parts[1]] if len(parts) > 1 else [a.name for a in node.names]
+                else:
+                    continue
+            elif isinstance(node, ast.Import):
+                names = [a.name.split(".")[1] for a in node.names if a.name.startswith("evaluation.")]
+            else:
+                continue
+            edges[src] |= {n.split(".")[0] for n in names if n and n.split(".")[0] != src}
+    return edges
+
+
+def test_evaluation_modules_import_one_way():
+    """The house of the evaluation package: no import cycle between its modules (lazy imports count), and
+    the benchmark families register into the registry while only evaluation.benchmarks imports them."""
+    edges = _evaluation_module_graph()
+    assert_acyclic(edges)
+    families = {"text_benchmarks", "code_benchmarks", "vision"}
+    assert families <= edges["benchmarks"], edges["benchmarks"]
+    assert not (edges["benchmark_registry"] & (families | {"benchmarks"})), edges["benchmark_registry"]
+    importers = {m for m, dst in edges.items() if dst & families}
+    assert importers == {"benchmarks"}, importers
+    assert all("benchmark_registry" in edges[f] and "benchmarks" not in edges[f] for f in families)

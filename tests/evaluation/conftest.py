@@ -36,3 +36,22 @@ def tiny_ckpt(tmp_path_factory) -> str:
     root = tmp_path_factory.mktemp("ckpts")
     return build_tiny_model(root / "run_x" / "global_step_5", seed=0, num_layers=2, hidden_size=128,
                             num_heads=2, head_dim=64, num_kv_heads=1, intermediate_size=256)
+
+
+@pytest.fixture
+def gpqa_csv(tmp_path):
+    """Write GPQA's original csv layout with ``n`` made-up questions; returns the path."""
+    import csv
+
+    def write(n: int, name: str = "gpqa_diamond.csv") -> Path:
+        path = tmp_path / name
+        with open(path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=["Question", "Correct Answer", "Incorrect Answer 1", "Incorrect Answer 2",
+                                              "Incorrect Answer 3"])
+            w.writeheader()
+            for i in range(n):
+                w.writerow({"Question": f"Q{i}?", "Correct Answer": f"right{i}", "Incorrect Answer 1": f"w1-{i}",
+                            "Incorrect Answer 2": f"w2-{i}", "Incorrect Answer 3": f"w3-{i}"})
+        return path
+
+    return write

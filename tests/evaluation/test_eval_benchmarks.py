@@ -62,8 +62,8 @@ def test_local_files_csv_gpqa_and_errors(tmp_path, bench_dir):
         for i in range(6):
             w.writerow({"Question": f"Q{i}?", "Correct Answer": f"right{i}", "Incorrect Answer 1": "w1",
                         "Incorrect Answer 2": "w2", "Incorrect Answer 3": "w3"})
-    a = load_benchmark("gpqa", str(path)).problems
-    b = load_benchmark("gpqa_diamond", str(path)).problems
+    a = load_benchmark("gpqa", str(path), options={"orderings": 1}).problems
+    b = load_benchmark("gpqa_diamond", str(path), options={"orderings": 1}).problems
     assert a == b and len(a) == 6
     for i, p in enumerate(a):
         assert f"{p.gold}) right{i}" in p.question
@@ -95,3 +95,75 @@ def test_last_boxed_balanced():
     assert last_boxed("a \\boxed{\\frac{1}{2}} b \\boxed{x^{2}}") == "x^{2}"
     assert last_boxed("\\boxed{1} then \\boxed{2") == "1"
     assert last_boxed("none") is None
+
+
+def test_gpqa_option_orderings(tmp_path, gpqa_csv):
+    """Four orderings by default (simple-evals): per question four distinct option orders, each keyed by the
+    question and the ordering index; ordering 0 is the earlier single-order shuffle; --limit keeps whole questions."""
+    import random
+
+    from evaluation.io import sha256_text
+
+    path = gpqa_csv(5)
+    loaded = load_benchmark("gpqa_diamond", str(path))
+    probs = loaded.problems
+    assert len(probs) == 20 and loaded.notes == {"questions": 5, "rows": 5, "size": 198, "subset": True, "orderings": 4}
+    assert [p.id for p in probs[:5]] == ["0-o0", "0-o1", "0-o2", "0-o3", "1-o0"]
+    for q in range(5):
+        mine = probs[4 * q : 4 * q + 4]
+        layouts = []
+        for p in mine:
+            lines = [line for line in p.question.splitlines() if line[1:3] == ") "]
+            texts = [line[3:] for line in lines]
+            assert sorted(texts) == sorted([f"right{q}", f"w1-{q}", f"w2-{q}", f"w3-{q}"])
+            assert texts["ABCD".index(p.gold)] == f"right{q}"  # the gold letter names the correct answer
+            layouts.append(tuple(texts))
+        assert len(set(layouts)) == 4  # four distinct orders of the same question
+        # ordering 0 is the shuffle seeded by the question alone (independent re-computation)
+        order = list(range(4))
+        random.Random(int(sha256_text(f"Q{q}?")[:16], 16)).shuffle(order)
+        options = [f"right{q}", f"w1-{q}", f"w2-{q}", f"w3-{q}"]
+        assert layouts[0] == tuple(options[j] for j in order)
+    # deterministic: the same file gives the same problems; a different ordering count changes the data hash
+    assert load_benchmark("gpqa_diamond", str(path)).problems == probs
+    two = load_benchmark("gpqa_diamond", str(path), options={"orderings": 2})
+    assert [p.question for p in two.problems] == [p.question for p in probs if p.id.endswith(("-o0", "-o1"))]
+    assert two.data_sha != loaded.data_sha
+    limited = load_benchmark("gpqa_diamond", str(path), limit=2)
+    assert [p.id for p in limited.problems] == [p.id for p in probs[:8]] and limited.notes["questions"] == 2
+    # files whose options are written into the question have one order; asking for more is an error
+    inlined = tmp_path / "gpqa.jsonl"
+    inlined.write_text(json.dumps({"question": "Q?\nA) x\nB) y\nC) z\nD) w", "answer": "B"}) + "\n")
+    one = load_benchmark("gpqa_diamond", str(inlined))
+    assert [p.id for p in one.problems] == ["0"] and one.notes["orderings"] == 1
+    with pytest.raises(ValueError, match="--gpqa-orderings 4 needs GPQA's original rows"):
+        load_benchmark("gpqa_diamond", str(inlined), options={"orderings": 4})
+    with pytest.raises(ValueError, match="between 1 and 24"):
+        load_benchmark("gpqa_diamond", str(path), options={"orderings": 25})
+
+
+def test_mmlu_pro_full_set_and_subset_notes(tmp_path):
+    """The full MMLU-Pro test set in its hub schema (12,032 rows, up to 10 options, "N/A" options dropped) is
+    not a subset; the staged copy and --limit are."""
+    rows = []
+    for i in range(12032):
+        opts = [f"opt{j}" for j in range(10)]
+        if i % 7 == 0:
+            opts[9] = "N/A"  # trailing padding, as in some MMLU-Pro rows
+        if i % 11 == 0:
+            opts[1] = "N/A"  # an "N/A" before the answer shifts the letters after it
+        idx = (i * 3) % 10 if opts[(i * 3) % 10] != "N/A" else 0
+        rows.append({"question_id": i, "question": f"q{i}", "options": opts, "answer": "ABCDEFGHIJ"[idx],
+                     "answer_index": idx, "cot_content": "", "category": "math", "src": "x"})
+    path = tmp_path / "mmlu_pro_test.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    full = load_benchmark("mmlu_pro", str(path))
+    assert len(full.problems) == 12032 and full.notes["subset"] is False and full.notes["size"] == 12032
+    for r, p in zip(rows[:200], full.problems[:200]):
+        kept = [o for o in r["options"] if o != "N/A"]
+        assert p.choices == "ABCDEFGHIJ"[: len(kept)]
+        letter_line = [line for line in p.question.splitlines() if line.endswith(". " + r["options"][r["answer_index"]])]
+        assert letter_line == [f"{p.gold}. {r['options'][r['answer_index']]}"]  # the gold names the answer's text
+        assert "N/A" not in p.question
+    assert load_benchmark("mmlu_pro").notes == {"questions": 300, "rows": 300, "size": 12032, "subset": True}
+    assert load_benchmark("mmlu_pro", str(path), limit=50).notes["subset"] is True

@@ -134,14 +134,14 @@ def test_main_swaps_classes_only_around_train(monkeypatch):
     no_check = mock.patch("openrlhf_lpo.cli.train_ppo_ray._check_cluster")  # tested on its own
     with no_check, mock.patch("ray.is_initialized", return_value=False), mock.patch("ray.init", fake_init):
         with pytest.raises(Stop):
-            main(BASE + ["--algo.advantage.estimator", "lpo"])
+            main(BASE + ["--algo.advantage.estimator", "lpo", "--preflight", "off"])
     from openrlhf_lpo.openrlhf.ray_classes import RemoteLPOPolicyActor, RemoteLPOTrainer
 
     assert seen == {"actor": RemoteLPOPolicyActor, "trainer": RemoteLPOTrainer}
     assert ppo_actor.PolicyModelActor is stock_actor and ppo_trainer.PPOTrainer is stock_trainer  # restored
     with no_check, mock.patch("ray.is_initialized", return_value=False), mock.patch("ray.init", fake_init):
         with pytest.raises(Stop):
-            main(BASE + ["--algo.advantage.estimator", "group_norm"])
+            main(BASE + ["--algo.advantage.estimator", "group_norm", "--preflight", "off"])
     assert seen == {"actor": stock_actor, "trainer": stock_trainer}
 
 
@@ -164,7 +164,7 @@ def test_async_trainer_is_swapped_for_lpo(monkeypatch):
             mock.patch("ray.is_initialized", return_value=False), mock.patch("ray.init", fake_init):
         with pytest.raises(Stop):
             main(BASE + ["--algo.advantage.estimator", "lpo", "--train.async_enable",
-                         "--algo.advantage.is_correction_level", "token"])
+                         "--algo.advantage.is_correction_level", "token", "--preflight", "off"])
     from openrlhf_lpo.openrlhf.ray_classes import RemoteLPOTrainerAsync
 
     assert seen["async"] is RemoteLPOTrainerAsync and async_mod.PPOTrainerAsync is stock
@@ -175,8 +175,9 @@ def test_dry_run_prints_the_plan_and_starts_nothing(tmp_path, capsys):
 
     data = tmp_path / "math.jsonl"
     data.write_text("".join('{"prompt": "p", "label": "1"}\n' for _ in range(76 + 2 * 8)))
-    argv = _with(rollout__batch_size="8") + ["--algo.advantage.estimator", "lpo", "--data.prompt_dataset", str(data),
-                                             "--dry-run"]
+    argv = _with(rollout__batch_size="8") + ["--algo.advantage.estimator", "lpo", "--data.input_key", "prompt",
+                                             "--data.label_key", "label", "--ckpt.path", str(tmp_path / "ckpt"),
+                                             "--data.prompt_dataset", str(data), "--dry-run"]
     main(argv)
     out = capsys.readouterr().out
     assert not ray.is_initialized()

@@ -30,11 +30,13 @@ def repo_env():
 
 @pytest.fixture(scope="session")
 def megatron_layout_model(tmp_path_factory):
-    """Tiny Qwen3 whose heads split over TP 8 like Qwen3-8B/14B (8 KV heads), 4 layers."""
+    """Tiny Qwen3 whose heads split over TP 8 like Qwen3-8B/14B (8 KV heads), 4 layers, and whose 32768
+    positions (Qwen3-8B's) hold the recipes' --data.max_len."""
     from openrlhf_lpo.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tp8") / "q3", arch="qwen3", hidden_size=64, num_layers=4,
-                            num_heads=8, num_kv_heads=8, head_dim=8, intermediate_size=128)
+                            num_heads=8, num_kv_heads=8, head_dim=8, intermediate_size=128,
+                            max_position_embeddings=32768)
 
 
 @pytest.fixture(scope="session")

@@ -3,6 +3,7 @@
 rollout batch, nothing starts. Datasets of the real sizes are generated (MATH 7500 = 29 x 256 + 76,
 Countdown 2000 = 15 x 128 + 80, Geometry3k train 2101 = 16 x 128 + 53), so the partial last batch of an episode is planned as it will run."""
 
+import base64
 import json
 import os
 import subprocess
@@ -30,6 +31,16 @@ RECIPES = {
 OTHERS = {"cpu_debug.sh": 2, "gpu_smoke.sh": 1, "gpu_check.sh": 1, "gpu_smoke_megatron.sh": 1}
 
 
+def _png() -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8), "white").save(buf, format="PNG")
+    return buf.getvalue()
+
+
 def test_every_script_is_covered():
     assert set(RECIPES) | set(OTHERS) == set(ALL_SCRIPTS)
 
@@ -42,10 +53,13 @@ def dry_runs(tmp_path_factory, megatron_layout_model):
                          "GPUS_PER_NODE", "VLLM_ENGINES", "VLLM_TP", "ACTOR_NODES", "ACTOR_GPUS", "LPO_PRINT_ARGS")}
     base.update(LPO_DRY_RUN="1", WORK=str(root / "work"), RAY_ADDRESS="")
     jobs = {}
+    image = "data:image/png;base64," + base64.b64encode(_png()).decode()
     for script, (rows, _, _) in RECIPES.items():
-        data = root / f"{rows}.jsonl"
+        vision = "geometry" in script  # the VLM recipe's rows carry one image each (the preflight checks them)
+        data = root / (f"{rows}_images.jsonl" if vision else f"{rows}.jsonl")
         if not data.exists():
-            data.write_text("".join(json.dumps({"prompt": f"p{i}", "label": "1"}) + "\n" for i in range(rows)))
+            data.write_text("".join(json.dumps({"prompt": f"<image>p{i}", "label": "1", "images": [image]} if vision
+                                               else {"prompt": f"p{i}", "label": "1"}) + "\n" for i in range(rows)))
         env = dict(base, DATA=str(data))
         if "megatron" in script:  # the Megatron layout check reads the model's config: offline, a tiny one
             env["MODEL"] = megatron_layout_model
@@ -113,10 +127,11 @@ def test_a_recipe_that_cannot_fit_stops_at_once(tiny_model_dir, tmp_path):
     t0 = time.time()
     out = subprocess.run(
         [sys.executable, "-m", "openrlhf_lpo.cli.train_ppo_ray", "--actor.model_name_or_path", tiny_model_dir,
-         "--data.prompt_dataset", str(data), "--reward.remote_url", "x.py", "--actor.num_gpus_per_node", "2",
+         "--data.prompt_dataset", str(data), "--data.input_key", "prompt", "--data.label_key", "label",
+         "--reward.remote_url", str(REPO / "openrlhf_lpo" / "rewards" / "reward_func.py"), "--actor.num_gpus_per_node", "2",
          "--vllm.num_engines", "1", "--algo.kl.init_coef", "0", "--rollout.n_samples_per_prompt", "4",
          "--rollout.batch_size", "4", "--train.batch_size", "16", "--train.micro_batch_size", "2",
-         "--algo.advantage.estimator", "lpo"],
+         "--data.max_len", "512", "--algo.advantage.estimator", "lpo"],
         env=env, capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
     assert out.returncode == 3, out.stderr[-3000:]
     assert "needs 3 GPUs (actor 2, vLLM engines 1) but the Ray cluster has 2" in out.stderr

@@ -119,3 +119,21 @@ def test_resume_trains_the_remaining_steps_to_the_same_weights(e2e):
     diff = max_weight_diff(a, b)
     print(f"\n[e2e] resumed vs uninterrupted: max |dw| {diff:.3g} (the run moved the weights by {moved:.3g})")
     assert moved > 1e-4 and diff < 1e-5 * max(moved, 1.0)
+
+
+def test_the_preflight_reads_a_real_deepspeed_checkpoint(e2e, capsys):
+    """Run A's DeepSpeed checkpoint (ZeRO-2, 2 ranks): the same job's dry run resumes it, with 1 rank it cannot."""
+    from openrlhf_lpo.cli.train_ppo_ray import main
+
+    ckpt = e2e["job"] / "ckpt"
+    argv = shlex.split((e2e["job"] / "command.txt").read_text())[1:] + ["--ckpt.load_enable", "--dry-run"]
+    argv[argv.index("--ckpt.path") + 1] = str(ckpt)
+    main(argv)
+    out = capsys.readouterr().out
+    assert f"resume: {ckpt / '_actor' / 'global_step4'} (DeepSpeed, 2 data-parallel ranks, ZeRO-1/2)" in out
+    assert "shapes could not be read" not in out  # the parameter shapes were read and matched the model
+    one_rank = [("1" if i and argv[i - 1] == "--actor.num_gpus_per_node" else a) for i, a in enumerate(argv)]
+    with pytest.raises(SystemExit) as exc:
+        main(one_rank)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "was written by 2 data-parallel ranks, this run has 1" in err

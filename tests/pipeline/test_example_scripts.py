@@ -182,7 +182,9 @@ def test_code_recipe_sends_the_sandbox_settings_to_every_ray_worker():
     runtime = json.loads(run("train_code_qwen3_1.7b.sh"))
     assert runtime["working_dir"] == str(REPO)
     assert runtime["env_vars"] == {"LPO_CODE_SANDBOX": "bwrap", "LPO_CODE_REWARD": "fraction",
-                                   "LPO_CODE_TIMEOUT_S": "5", "LPO_CODE_MEMORY_MB": "1024"}
+                                   "LPO_CODE_TIMEOUT_S": "5", "LPO_CODE_MEMORY_MB": "1024",
+                                   "LPO_CODE_ENGINES_PER_NODE": "8", "LPO_CODE_WORKERS": "auto"}
+    assert json.loads(run("train_code_qwen3_1.7b.sh", GPUS_PER_NODE="4"))["env_vars"]["LPO_CODE_ENGINES_PER_NODE"] == "4"
     assert json.loads(run("train_code_qwen3_1.7b.sh", LPO_CODE_REWARD="all"))["env_vars"]["LPO_CODE_REWARD"] == "all"
     assert json.loads(run("train_math_qwen3_1.7b.sh")) == {"working_dir": str(REPO)}  # other tasks: unchanged
     args = build_parser_and_parse(script_args("train_code_qwen3_1.7b.sh", "grpo"))
