@@ -59,7 +59,8 @@ def test_dry_run_of_tp4_x_dp2_says_two_data_parallel_ranks(tp8_model, tmp_path, 
     data = tmp_path / "math.jsonl"
     data.write_text("".join('{"prompt": "p", "label": "1"}\n' for _ in range(3 * 16 + 5)))
     argv = _argv(tp8_model, "--backend", "megatron", "--megatron.tp", "4", "--rollout.batch_size", "16",
-                 "--train.batch_size", "128", "--data.prompt_dataset", str(data), "--dry-run")
+                 "--train.batch_size", "128", "--data.prompt_dataset", str(data), "--data.input_key", "prompt",
+                 "--data.label_key", "label", "--data.max_len", "512", "--rollout.max_new_tokens", "256", "--dry-run")
     main(argv)
     out = capsys.readouterr().out
     assert "data-parallel ranks 2" in out and "megatron actor, TP 4 x PP 1 x DP 2" in out
