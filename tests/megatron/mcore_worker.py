@@ -1405,7 +1405,9 @@ def main():
         results["collectives"] = {"calls": RECORDER.calls, "mismatches": RECORDER.mismatches[:10]}
     elif which.startswith("only:"):  # development: MCORE_WORKER_SUITE=only:check_a,check_b
         for name in which[5:].split(","):
+            t = time.time()
             globals()[name]()
+            results.setdefault("check_seconds", {})[name] = round(time.time() - t, 1)
     results["seconds"] = time.time() - T0
 
 
