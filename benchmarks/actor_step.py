@@ -71,26 +71,11 @@ def main(argv=None):
     from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
 
     from openrlhf_lpo.openrlhf.actor_trainer import LPOActorTrainer
-    from openrlhf_lpo.tiny import build_tiny_model
 
     G, K = opts.groups, opts.k
-    root = tempfile.mkdtemp(prefix="lpo-bench-")
-    model_dir = build_tiny_model(os.path.join(root, "tiny"), hidden_size=opts.hidden, num_layers=opts.layers,
-                                 num_heads=4, num_kv_heads=2, head_dim=opts.hidden // 4,
-                                 intermediate_size=3 * opts.hidden)
-
     # rollout batch: G prompts x K responses of ~resp_len tokens
-    gen = torch.Generator().manual_seed(0)
-    samples = H.make_rollout_samples(G, K, seed=0)
-    for s in samples:
-        plen = int(s.action_mask.shape[1] - s.action_mask.sum() + 1)
-        rlen = max(1, int(opts.resp_len * (0.5 + torch.rand(1, generator=gen).item())))
-        prompt = s.sequences[0, :plen]
-        seq = torch.cat([prompt, torch.randint(4, 90, (rlen,), generator=gen)])
-        mask = torch.zeros(seq.numel() - 1, dtype=torch.long)
-        mask[plen - 1:] = 1
-        s.sequences, s.attention_mask, s.action_mask = seq[None], torch.ones(1, seq.numel(), dtype=torch.long), mask[None]
-        s.response_length, s.total_length = torch.tensor([rlen]), torch.tensor([float(seq.numel())])
+    model_dir, samples = H.benchmark_inputs(tempfile.mkdtemp(prefix="lpo-bench-"), G, K, opts.resp_len, opts.hidden,
+                                            opts.layers)
 
     # name -> (trainer class, args, experience-maker class, baseline name, goal)
     configs = {}

@@ -282,7 +282,8 @@ def _validate_extra_estimators(args: argparse.Namespace) -> None:
     if rb % dp:
         raise FlagError(
             f"--rollout.batch_size {rb} must be divisible by the actor data-parallel size {dp} "
-            "(--actor.num_nodes x --actor.num_gpus_per_node) so every rank gets whole prompt groups"
+            "(--actor.num_nodes x --actor.num_gpus_per_node, divided by --megatron.tp x --megatron.pp with "
+            "--backend megatron) so every rank gets whole prompt groups"
         )
     if tb % (dp * K):
         raise FlagError(

@@ -44,7 +44,9 @@ def gpu_roles(args) -> List[Tuple[str, int, str]]:
     has_reward = not args.reward.remote_url
     backend = getattr(args, "backend", "deepspeed")
     roles = []
-    actor_note = f"{backend} actor, dp {dp_size(args)}" if backend == "deepspeed" else f"{backend} actor"
+    actor_note = f"{backend} actor, dp {dp_size(args)}"
+    if backend == "megatron":  # one model replica spans tp x pp GPUs
+        actor_note = f"{backend} actor, TP {args.megatron.tp} x PP {args.megatron.pp} x DP {dp_size(args)}"
     if train.colocate_all:
         shared = ["actor"] + (["ref"] if has_ref else []) + (["critic"] if has_critic else []) + \
                  (["reward"] if has_reward else [])

@@ -15,12 +15,16 @@ see :mod:`.attention`). A sequence's log-probs therefore do not depend on how it
 with which others it was batched: the old-log-prob pass and the training pass see the same numbers.
 
 * :meth:`MegatronActor.log_probs` — forward-only pass with Megatron's schedule; the last stage
-  takes ``-vocab_parallel_cross_entropy`` of the vocab-sharded logits of the action positions only
-  (no full-logit gather) and broadcasts the ``[B,A]`` result over the pipeline group.
+  takes ``-vocab_parallel_cross_entropy`` of the vocab-sharded logits of the response rows only
+  (``action_mask``; no full-logit gather, no prompt rows) and broadcasts the ``[B,A]`` result over the
+  pipeline group.
 * :meth:`MegatronActor.train_step` — one optimizer step over the batch: forward/backward
-  schedule (1F1B under PP), loss from ``losses.POLICY_LOSSES`` on the last stage,
+  schedule (1F1B under PP) over the given micro-batches (fixed size, or a token-budget plan),
+  loss from ``losses.POLICY_LOSSES`` on the last stage plus the KL / entropy terms,
   ``finalize_model_grads`` (DP reduce, tied-embedding and q/k-norm grads), Megatron optimizer
-  with gradient clipping. ``listwise_surrogate`` runs a no-grad coefficient pass first.
+  with gradient clipping at the learning rate of ``--actor.lr_scheduler`` (:mod:`.schedule`).
+  ``listwise_surrogate`` takes its coefficients from the caller (s_t in the first window, -w* for the
+  pointwise projection) or runs a no-grad coefficient pass first.
   ``recompute=True`` (``--actor.gradient_checkpointing_enable``) recomputes every layer.
 * Sequence parallelism (``sequence_parallel=True``, TP > 1): every sequence of a packed row is
   padded at its tail to a multiple of TP (so the row splits evenly over the TP ranks); the pads
@@ -30,6 +34,12 @@ with which others it was batched: the old-log-prob pass and the training pass se
   is padded to a multiple of PP with one-sequence micro-batches that carry no loss (the schedule
   needs ``M % pp == 0``), and every packed row of a pass to the longest one (a trailing pad
   segment: the interleaved schedule sends fixed shapes).
+
+Host syncs: micro-batches are packed on the host before the schedule starts (their indices, counts and
+row positions go to the device in one go); inside the schedule nothing waits for the device (no
+``.item()``, no boolean indexing); the step's statistics stay on the device and are read once, after
+the optimizer step. With Transformer Engine, RoPE runs TE's fused THD kernel (``apply_rope_fusion``)
+instead of megatron's per-sequence ``.tolist()`` path.
 * :meth:`save_checkpoint` / :meth:`load_checkpoint` — :mod:`.checkpoint`: layout-free
   ``global_stepN`` directories (safetensors + JSON), resumable in another TP/PP layout.
 """
@@ -78,6 +88,10 @@ class MegatronActorConfig:
     use_te: Optional[bool] = None
     recompute: bool = False  # --actor.gradient_checkpointing_enable: full recompute of every layer
     sequence_parallel: bool = False  # --megatron.sequence_parallel (needs tp > 1)
+    lr_scheduler: str = "constant"  # --actor.lr_scheduler (transformers' names, as OpenRLHF)
+    lr_warmup_ratio: float = 0.0  # --actor.lr_warmup_ratio
+    min_lr_ratio: float = 0.1  # --actor.min_lr_ratio (cosine_with_min_lr / cosine_warmup_with_min_lr)
+    scheduler_steps: Optional[int] = None  # optimizer steps of the run (OpenRLHF's max_steps)
     timeout_minutes: int = 60  # NCCL/gloo timeout of megatron's process groups (OpenRLHF: 60)
     extra: dict = field(default_factory=dict)
 
@@ -148,6 +162,51 @@ def model_chunk_list(model) -> list:
     return list(model) if isinstance(model, ModelChunks) else [model]
 
 
+class _VocabParallelEntropy(torch.autograd.Function):
+    """H = log Z - sum_v p_v x_v' over the full vocabulary from TP-sharded logits, differentiable:
+    dH/dx_v = -p_v (log p_v + H) (p and log p local to the shard, H and Z all-reduced)."""
+
+    @staticmethod
+    def forward(ctx, logits, group):
+        x = logits.float()
+        m = x.max(-1, keepdim=True).values
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        x = x - m
+        z = torch.exp(x).sum(-1, keepdim=True)
+        dist.all_reduce(z, group=group)
+        log_p = x - torch.log(z)
+        ex = (torch.exp(log_p) * x).sum(-1, keepdim=True)
+        dist.all_reduce(ex, group=group)
+        h = torch.log(z) - ex
+        ctx.save_for_backward(log_p, h)
+        return h.squeeze(-1)
+
+    @staticmethod
+    def backward(ctx, grad_h):
+        log_p, h = ctx.saved_tensors
+        grad = -grad_h.unsqueeze(-1) * torch.exp(log_p) * (log_p + h)
+        return grad, None
+
+
+def vocab_parallel_entropy_with_grad(logits: torch.Tensor) -> torch.Tensor:
+    from megatron.core import parallel_state as ps
+
+    return _VocabParallelEntropy.apply(logits, ps.get_tensor_model_parallel_group())
+
+
+def config_overrides(use_te: bool) -> dict:
+    """TransformerConfig settings that follow the layer spec: with Transformer Engine, RoPE runs its
+    fused THD kernel (megatron's unfused THD path splits every sequence on the host, per layer)."""
+    return {"apply_rope_fusion": bool(use_te)}
+
+
+def _to(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """Host -> device without waiting for the device (pinned memory, non-blocking copy)."""
+    if dev.type == "cpu" or t.device == dev:
+        return t.to(dev)
+    return t.pin_memory().to(dev, non_blocking=True)
+
+
 class MegatronActor:
     """Megatron-core policy for one rank. ``hf_weights``: an HF checkpoint dir, a mapping or
     getter of HF tensors, or a :class:`convert.TensorReader` (None: megatron's random init)."""
@@ -157,6 +216,9 @@ class MegatronActor:
         from megatron.core.distributed import DistributedDataParallel as DDP
         from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        from openrlhf_lpo.megatron.model import te_available
+        from openrlhf_lpo.megatron.schedule import LRSchedule
 
         self.hf_config = hf_config
         self.cfg = cfg
@@ -169,12 +231,13 @@ class MegatronActor:
         initialize_parallel(cfg.tp, cfg.pp, hf_config, cfg.vpp, cfg.timeout_minutes)
         _seed(cfg.seed)
         dtype = DTYPES[cfg.params_dtype]
+        use_te = te_available() if cfg.use_te is None else bool(cfg.use_te)
         self.tconfig = transformer_config_from_hf(hf_config, cfg.tp, cfg.pp, params_dtype=dtype,
                                                   recompute=cfg.recompute, sequence_parallel=cfg.sequence_parallel,
-                                                  vpp=cfg.vpp)
+                                                  vpp=cfg.vpp, **config_overrides(use_te))
         self.attention_span = attention_span(hf_config)
         # one chunk per virtual stage (vpp 1: the rank's whole stage)
-        chunks = [build_gpt_model(hf_config, config=self.tconfig, use_te=cfg.use_te,
+        chunks = [build_gpt_model(hf_config, config=self.tconfig, use_te=use_te,
                                   vp_stage=v if cfg.vpp > 1 else None) for v in range(cfg.vpp)]
         for chunk in chunks:
             chunk.to(local_device())  # norms and other small params are built on the CPU (NCCL rejects them)
@@ -214,6 +277,8 @@ class MegatronActor:
             use_distributed_optimizer=cfg.use_distributed_optimizer,
         )
         self.optimizer = get_megatron_optimizer(opt_config, chunks)
+        self.lr_schedule = LRSchedule(cfg.lr, cfg.lr_scheduler, cfg.lr_warmup_ratio, cfg.min_lr_ratio,
+                                      cfg.scheduler_steps)
         self.tconfig.finalize_model_grads_func = finalize_model_grads
         self.tconfig.grad_scale_func = self.optimizer.scale_loss
         self.tconfig.no_sync_func = chunks[0].no_sync if cfg.vpp == 1 else [c.no_sync for c in chunks]
@@ -225,10 +290,6 @@ class MegatronActor:
     def device(self) -> torch.device:
         return next(convert.unwrap(self.model).parameters()).device
 
-    def _to_device(self, batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-        dev = self.device
-        return {k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
-
     @property
     def is_last_stage(self) -> bool:
         return self.ps.is_pipeline_last_stage()
@@ -238,23 +299,47 @@ class MegatronActor:
         """Every packed sequence is padded to this many tokens: TP under sequence parallelism."""
         return self.cfg.tp if self.cfg.sequence_parallel else 1
 
-    def _micro_batches(self, batch: Dict[str, torch.Tensor], mbs: int) -> List[Dict]:
-        """Split into micro-batches of ``mbs`` rows and pack each into one THD row."""
-        B = batch["sequences"].shape[0]
-        if B % mbs:
-            raise ValueError(f"batch of {B} sequences is not divisible by micro_batch_size={mbs}")
+    def fixed_micro_batches(self, n: int, mbs: Optional[int] = None) -> List[List[int]]:
+        """Consecutive micro-batches of ``mbs`` rows (the last one may be shorter)."""
+        mbs = mbs or self.cfg.micro_batch_size
+        return [list(range(i, min(i + mbs, n))) for i in range(0, n, mbs)]
+
+    def _micro_batches(self, batch: Dict[str, torch.Tensor], index_lists: List[List[int]]) -> List[Dict]:
+        """Pack each micro-batch (row indices into ``batch``, host tensors) into one THD row on the host
+        (plus the interleaved schedule's padding), then move it with its precomputed response-row
+        positions and counts to the device, so the schedule never waits for the device to learn a shape
+        or a count."""
         A = batch["action_mask"].shape[1]
         out = []
-        for i in range(0, B, mbs):
-            mb = {k: v[i : i + mbs] for k, v in batch.items()}
-            mb["packed"] = pack_micro_batch(mb["sequences"], mb["attention_mask"], A, self.pad_multiple)
-            self._check_span(mb["packed"])
+        for idx in index_lists:
+            sel = torch.as_tensor(idx, dtype=torch.long)
+            mb = {k: (v.index_select(0, sel) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+            act = mb["action_mask"].bool()
+            pk = pack_micro_batch(mb["sequences"], mb["attention_mask"], A, self.pad_multiple)
+            self._check_span(pk)
+            valid = pk.action_valid & act  # response rows only: OpenRLHF's action mask spans the prompt too
+            b = act.shape[0]
+            mb["rows"] = pk.action_index[valid]  # packed logit positions, in row-major (b, a) order
+            mb["row_pos"] = valid.reshape(-1).nonzero().squeeze(1)  # their flat positions in [b * A]
+            mb["row_tokens"] = pk.action_tokens[valid]
+            mb["n_responses"] = torch.tensor(b, dtype=torch.int)
+            mb["n_tokens"] = act.sum().to(torch.int)
+            mb["n_nonempty"] = (act.sum(-1) > 0).sum().to(torch.int)
+            mb["counts"] = {"responses": b, "tokens": int(act.sum()), "nonempty": int((act.sum(-1) > 0).sum())}
+            mb["packed"] = pk
             out.append(mb)
         out += self._schedule_padding(len(out), batch["sequences"])
         if self.cfg.vpp > 1:  # fixed shapes for the interleaved schedule: one packed length per pass
             total = max(mb["packed"].num_tokens for mb in out)
             for mb in out:
                 mb["packed"] = pad_to_tokens(mb["packed"], total)
+        dev = self.device
+        for i, mb in enumerate(out):
+            pk = mb["packed"]
+            mb["bounds"] = [int(x) for x in pk.cu_seqlens.tolist()]  # host copy for the local THD attention
+            mb = {k: (_to(v, dev) if isinstance(v, torch.Tensor) else v) for k, v in mb.items()}
+            pk.tokens, pk.position_ids, pk.cu_seqlens = _to(pk.tokens, dev), _to(pk.position_ids, dev), _to(pk.cu_seqlens, dev)
+            out[i] = mb
         return out
 
     def _schedule_padding(self, num: int, sequences: torch.Tensor) -> List[Dict]:
@@ -268,7 +353,8 @@ class MegatronActor:
         mask = torch.ones_like(seq)
         mask[0, 0] = 0  # n real (pad-id) tokens, one action column
         packed = pack_micro_batch(seq, mask, 1, self.pad_multiple)
-        return [{"packed": packed, "schedule_padding": True} for _ in range(pp - num % pp)]
+        zero = {"responses": 0, "tokens": 0, "nonempty": 0}
+        return [{"packed": packed, "schedule_padding": True, "counts": zero} for _ in range(pp - num % pp)]
 
     def _check_span(self, packed: PackedMicroBatch) -> None:
         span = self.attention_span
@@ -279,38 +365,40 @@ class MegatronActor:
                 "only up to the window; lower --data.max_len or use the DeepSpeed backend"
             )
 
-    def _token_log_probs(self, output: torch.Tensor, mb, with_entropy: bool):
-        """Last stage: packed logits [1,T,V/tp] -> action log-probs [b,A] (and entropy) of mb."""
+    def _token_log_probs(self, output: torch.Tensor, mb, entropy: str = "none"):
+        """Last stage: packed logits [1,T,V/tp] -> response-token log-probs [b,A] (0 elsewhere) and, with
+        ``entropy`` "detached" or "grad", their entropies [b,A]; only the response rows of the packed row
+        go through the fp32 copy, the CE and the entropy."""
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-        pk: PackedMicroBatch = mb["packed"]
-        valid = pk.action_valid
-        # the action rows only, as a fresh tensor: the CE kernel may shift it in place
-        logits = output[0, pk.action_index[valid]].float()
+        b, A = mb["action_mask"].shape
+        # a fresh fp32 tensor of the response rows: the CE kernel shifts it in place
+        logits = output[0].index_select(0, mb["rows"]).float()
         if self.cfg.temperature != 1.0:
             logits = logits / self.cfg.temperature
-        ent_rows = vocab_parallel_entropy(logits) if with_entropy else None
-        lp_rows = -vocab_parallel_cross_entropy(logits.contiguous(), pk.action_tokens[valid].contiguous())
-        logp = torch.zeros(valid.shape, dtype=lp_rows.dtype, device=lp_rows.device)
-        logp = logp.masked_scatter(valid, lp_rows)
         ent = None
-        if with_entropy:
-            ent = torch.zeros(valid.shape, dtype=ent_rows.dtype, device=ent_rows.device).masked_scatter(valid, ent_rows)
-        return logp, ent
+        if entropy != "none":  # before the CE, which overwrites ``logits``
+            rows = (vocab_parallel_entropy_with_grad(logits) if entropy == "grad" else vocab_parallel_entropy(logits))
+            ent = torch.zeros(b * A, dtype=rows.dtype, device=rows.device).index_put((mb["row_pos"],), rows).view(b, A)
+        lp_rows = -vocab_parallel_cross_entropy(logits.contiguous(), mb["row_tokens"].contiguous())
+        logp = torch.zeros(b * A, dtype=lp_rows.dtype, device=lp_rows.device).index_put((mb["row_pos"],), lp_rows)
+        return logp.view(b, A), ent
 
     def _forward_step(self, data_iterator, model, loss_fn):
         mb = next(data_iterator)
         pk: PackedMicroBatch = mb["packed"]
         kwargs = {"fp32_output": False} if self.half else {}  # logits stay bf16; action rows upcast
-        out = model(pk.tokens, pk.position_ids, None, packed_seq_params=pk.packed_seq_params(), **kwargs)
+        params = pk.packed_seq_params()
+        params._lpo_bounds = mb["bounds"]  # attention.segment_bounds: no device read per forward
+        out = model(pk.tokens, pk.position_ids, None, packed_seq_params=params, **kwargs)
         if mb.get("schedule_padding"):
             return out, _no_loss
         return out, partial(loss_fn, mb)
 
-    def _run(self, batch, loss_fn, forward_only: bool, mbs: int):
+    def _run(self, mbatches: List[Dict], loss_fn, forward_only: bool):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        mbatches = self._micro_batches(batch, mbs)
+        self.forwards = getattr(self, "forwards", 0) + len(mbatches)  # micro-batch forwards (tests count them)
         fb = get_forward_backward_func()
         chunks = model_chunk_list(self.model)
         outs = fb(
@@ -337,106 +425,188 @@ class MegatronActor:
         dist.broadcast(t, src=self.ps.get_pipeline_model_parallel_last_rank(), group=group)
         return t
 
-    def _reduce_stats(self, vals: Dict[str, float]) -> Dict[str, float]:
-        """Sum stats of the last stage over DP, then share over PP."""
-        keys = sorted(vals) if vals else None
-        if self.ps.get_pipeline_model_parallel_world_size() > 1:
-            obj = [keys if self.is_last_stage else None]
-            dist.broadcast_object_list(
-                obj, src=self.ps.get_pipeline_model_parallel_last_rank(), group=self.ps.get_pipeline_model_parallel_group()
-            )
-            keys = obj[0]
-        keys = keys or []
-        t = torch.tensor([vals[k] for k in keys], dtype=torch.float64) if self.is_last_stage else None
+    def _reduce_stats(self, vals: Dict[str, torch.Tensor], keys: List[str]) -> Dict[str, float]:
+        """Sum the last stage's statistics (0-d tensors, any device) over DP, share them over PP; one
+        host read for the whole step. ``keys`` is the same list on every rank."""
+        t = None
+        if self.is_last_stage:
+            t = torch.stack([vals[k].detach().to(torch.float64).reshape(()) if k in vals
+                             else torch.zeros((), dtype=torch.float64, device=self.device) for k in keys])
         t = self._broadcast_from_last_stage(t, (len(keys),), torch.float64)
         dp_group = self.ps.get_data_parallel_group()
         t = t.to(group_device(dp_group))
         dist.all_reduce(t, group=dp_group)
         return {k: float(v) for k, v in zip(keys, t.tolist())}
 
+    def _window_totals(self, mbatches: List[Dict]) -> Dict[str, float]:
+        """The optimizer window's global responses / tokens / non-empty responses (host numbers,
+        all-reduced over DP: one small collective per step)."""
+        local = [float(sum(m["counts"][k] for m in mbatches)) for k in ("responses", "tokens", "nonempty")]
+        group = self.ps.get_data_parallel_group()
+        t = torch.tensor(local, dtype=torch.float64, device=group_device(group))
+        dist.all_reduce(t, group=group)
+        return dict(zip(("responses", "tokens", "nonempty"), t.tolist()))
+
     # ------------------------------------------------------------------------------ API
     @torch.no_grad()
-    def log_probs(self, batch: Dict[str, torch.Tensor], with_entropy: bool = False):
+    def log_probs(self, batch: Dict[str, torch.Tensor], with_entropy: bool = False,
+                  micro_batches: Optional[List[List[int]]] = None):
         """Action log-probs ``[B,A]`` (0 where ``action_mask`` is 0; and entropy ``[B,A]``) on every
-        rank of this replica."""
+        rank of this replica. ``micro_batches``: row indices per forward (default: fixed micro-batches
+        of ``micro_batch_size``); the result is in ``batch`` order."""
         self.model.eval()
-        batch = self._to_device(batch)
+        batch = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
         B, A = batch["action_mask"].shape
+        index_lists = micro_batches or self.fixed_micro_batches(B, min(self.cfg.micro_batch_size, B))
 
         def loss_fn(mb, output):
-            logp, ent = self._token_log_probs(output, mb, with_entropy)
+            logp, ent = self._token_log_probs(output, mb, "detached" if with_entropy else "none")
             return torch.zeros((), device=logp.device), {"logp": logp, "ent": ent}
 
-        mbs = min(self.cfg.micro_batch_size, B)
-        outs = self._run(batch, loss_fn, forward_only=True, mbs=mbs)
+        outs = self._run(self._micro_batches(batch, index_lists), loss_fn, forward_only=True)
         logp = ent = None
         if self.is_last_stage:
-            logp = torch.cat([o["logp"] for o in outs])
+            order = torch.as_tensor([i for idx in index_lists for i in idx], device=outs[0]["logp"].device)
+            logp = torch.empty((B, A), dtype=torch.float32, device=order.device)
+            logp[order] = torch.cat([o["logp"] for o in outs])
             if with_entropy:
-                ent = torch.cat([o["ent"] for o in outs])
+                ent = torch.empty_like(logp)
+                ent[order] = torch.cat([o["ent"] for o in outs])
         logp = self._broadcast_from_last_stage(logp, (B, A), torch.float32)
-        mask = batch["action_mask"].to(device=logp.device, dtype=logp.dtype)
-        logp = logp * mask  # OpenRLHF's contract: 0 outside the action mask
         if with_entropy:
             ent = self._broadcast_from_last_stage(ent, (B, A), torch.float32)
             return logp, ent
         return logp
 
-    def train_step(self, batch: Dict[str, torch.Tensor], spec: LossSpec) -> Dict[str, float]:
-        """One optimizer step on this replica's batch (all replicas call it together)."""
+    def train_step(self, batch: Dict[str, torch.Tensor], spec: LossSpec,
+                   micro_batches: Optional[List[List[int]]] = None,
+                   coefficients: Optional[torch.Tensor] = None) -> Dict[str, float]:
+        """One optimizer step on this replica's batch (all replicas call it together).
+
+        ``micro_batches``: row indices per micro-batch (default: ``micro_batch_size`` rows each); every
+        rank of a replica passes the same plan. ``coefficients`` [B] (``listwise_surrogate``): c_k from the
+        caller (s_t in the first window, -w* for the pointwise projection); None runs the no-grad
+        coefficient pass at the current parameters."""
+        from openrlhf_lpo.megatron.losses import count_key, policy_loss_module
+
         loss = get_policy_loss(spec.name)
-        batch = self._to_device(batch)
+        batch = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+        B = batch["sequences"].shape[0]
+        index_lists = micro_batches or self.fixed_micro_batches(B)
         if spec.name == "listwise_surrogate":
-            batch["coefficients"] = self.surrogate_coefficients(batch, spec)
-        if spec.name == "listwise" and self.cfg.micro_batch_size % spec.group_size:
-            raise ValueError(
-                f"micro_batch_size={self.cfg.micro_batch_size} must be a multiple of the group size "
-                f"K={spec.group_size} for whole-group LPO; use the two-pass surrogate otherwise"
-            )
+            if coefficients is None:
+                coefficients = self.surrogate_coefficients(batch, spec, index_lists)
+            batch["coefficients"] = coefficients.detach().cpu().double()
+        if spec.name == "listwise":
+            bad = sorted({len(i) for i in index_lists if len(i) % spec.group_size})
+            if bad:
+                raise ValueError(f"micro-batches of {bad} responses do not hold whole groups of K={spec.group_size} "
+                                 "for one-pass LPO; use the two-pass surrogate (listwise_surrogate)")
+        use_kl = bool(spec.kl_coef) and "base_log_probs" in batch
+        if spec.kl_coef and not use_kl:
+            raise ValueError("--algo.kl.use_loss: the experiences carry no reference log-probs "
+                             "(base_action_log_probs); the reference model runs when --algo.kl.init_coef > 0")
+        entropy_mode = "grad" if spec.entropy_coef else "detached"
+        mbatches = self._micro_batches(batch, index_lists)
+        if spec.name == "pg":
+            fn = policy_loss_module(spec)
+            for mb in mbatches:
+                mb["_policy_loss_fn"] = fn
+        aux_scale = None
+        if use_kl or spec.entropy_coef:
+            # token means over the window: coef * sum(term * mask) / T globally (see losses.py)
+            totals = self._window_totals(mbatches)
+            main = {"n_responses": "responses", "n_tokens": "tokens", "n_nonempty": "nonempty"}[count_key(spec)]
+            aux_scale = totals[main] / max(totals["tokens"], 1.0)
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
 
         def loss_fn(mb, output):
-            logp, ent = self._token_log_probs(output, mb, with_entropy=True)
+            logp, ent = self._token_log_probs(output, mb, entropy_mode)
             total, count, stats = loss(logp, mb, spec)
-            mask = mb["action_mask"].float()
-            stats = {k: float(v) for k, v in stats.items()}
-            stats["entropy_sum"] = float((ent * mask).sum())
-            stats["tokens"] = float(mask.sum())
-            stats["responses"] = float(logp.shape[0])
-            return total, count.to(logp.device), stats
+            mask = mb["action_mask"].to(logp.dtype)
+            ent_sum = (ent * mask).sum()
+            stats = dict(stats, entropy_sum=ent_sum.detach(), tokens=mask.sum(), responses=mb["n_responses"])
+            if spec.entropy_coef:
+                total = total - spec.entropy_coef * aux_scale * ent_sum
+            if use_kl:
+                from openrlhf.models.utils import compute_approx_kl
 
-        outs = self._run(batch, loss_fn, forward_only=False, mbs=self.cfg.micro_batch_size)
+                kl = compute_approx_kl(logp, mb["base_log_probs"].to(logp.dtype), log_probs_old=mb["old_log_probs"],
+                                       kl_estimator=spec.kl_estimator, unbiased_gradient=spec.kl_unbiased_gradient)
+                kl_sum = (kl * mask).sum()
+                total = total + spec.kl_coef * aux_scale * kl_sum
+                stats["kl_sum"] = kl_sum.detach()
+            return total, count, stats
+
+        outs = self._run(mbatches, loss_fn, forward_only=False)
+        lr = self.lr_schedule.apply(self.optimizer)
         ok, grad_norm, _ = self.optimizer.step()
+        if ok:
+            self.lr_schedule.step()
         self.step += 1
         local = {}
         if self.is_last_stage:
             for o in outs:
                 for k, v in o.items():
-                    local[k] = local.get(k, 0.0) + v
-        tot = self._reduce_stats(local)
-        metrics = {"grad_norm": float(grad_norm) if grad_norm is not None else float("nan"), "update_ok": float(ok)}
-        metrics["entropy"] = tot.get("entropy_sum", 0.0) / max(tot.get("tokens", 1.0), 1.0)
-        if "loss_sum" in tot:
-            denom = tot.get("loss_count", tot["responses"])
-            metrics["policy_loss"] = tot["loss_sum"] / max(denom, 1.0)
-        if "clip_sum" in tot:
-            metrics["ppo_clip_ratio"] = tot["clip_sum"] / max(tot.get("tokens", 1.0), 1.0)
+                    local[k] = v if k not in local else local[k] + v
+        keys = ["entropy_sum", "tokens", "responses", "loss_sum", "surrogate_sum", "clip_sum", "ppo_kl_sum",
+                "vllm_kl_sum", "kl_sum"]
+        tot = self._reduce_stats(local, keys)
+        metrics = {"grad_norm": float(grad_norm) if grad_norm is not None else float("nan"), "update_ok": float(ok),
+                   "lr": lr, "next_lr": self.lr_schedule.lr}
+        tokens = max(tot["tokens"], 1.0)
+        metrics["entropy"] = tot["entropy_sum"] / tokens
+        if spec.name == "listwise":  # mean over groups
+            metrics["policy_loss"] = tot["loss_sum"] / max(tot["responses"] / spec.group_size, 1.0)
+        elif spec.name == "pg":
+            metrics["policy_loss"] = tot["loss_sum"] / (tokens if count_key(spec) == "n_tokens"
+                                                        else max(tot["responses"], 1.0))
+        if spec.name == "pg":
+            metrics["ppo_clip_ratio"] = tot["clip_sum"] / tokens
+            metrics["ppo_kl"] = tot["ppo_kl_sum"] / tokens
+            if spec.is_correction[0] != "off":
+                metrics["vllm_kl"] = tot["vllm_kl_sum"] / tokens
+        if use_kl:
+            metrics["kl"] = tot["kl_sum"] / tokens
         return metrics
 
-    def surrogate_coefficients(self, batch, spec: LossSpec) -> torch.Tensor:
+    def surrogate_coefficients(self, batch, spec: LossSpec, micro_batches: Optional[List[List[int]]] = None) -> torch.Tensor:
         """c_k = dL/ds_k of the projection's loss (``listwise.projection_coefficients``: dD/ds for
-        ``listwise``, -w* for ``pointwise``) from a no-grad pass at the current parameters; the
-        replica's batch holds whole groups."""
-        logp = self.log_probs(batch)
-        s = listwise.sequence_log_ratio(logp, batch["old_log_probs"], batch["action_mask"], spec.clip_eps)
+        ``listwise``, -w* for ``pointwise``) from a no-grad pass at the current parameters (over
+        ``micro_batches``, the step's own plan); the replica's batch holds whole groups, K consecutive."""
+        from openrlhf_lpo.megatron.losses import listwise_log_ratio
+
+        logp = self.log_probs(batch, micro_batches=micro_batches).cpu()
+        s = listwise_log_ratio(logp.double(), {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}, spec)
         K = spec.group_size
         c = listwise.projection_coefficients(
-            listwise.to_groups(s, K), listwise.to_groups(batch["target"].float(), K), spec.divergence,
+            listwise.to_groups(s, K), listwise.to_groups(batch["target"].double(), K), spec.divergence,
             spec.projection,
         )
         return c.reshape(-1)
+
+    # ------------------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, root: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
+                        max_num: Optional[int] = None, max_mem_gb: Optional[float] = None) -> str:
+        """``root/<tag>`` (default ``global_step<step>``), ``latest`` written last; see :mod:`.checkpoint`.
+        The learning-rate schedule's state rides in ``client_state`` (``_lr_schedule``)."""
+        from openrlhf_lpo.megatron import checkpoint
+
+        state = dict(client_state or {}, _lr_schedule=self.lr_schedule.state_dict())
+        return checkpoint.save(self, root, tag or f"global_step{self.step}", state, max_num, max_mem_gb)
+
+    def load_checkpoint(self, root: str, tag: Optional[str] = None) -> dict:
+        """Restore the latest (or ``tag``) checkpoint under ``root`` into this layout (the learning-rate
+        schedule included); returns client_state."""
+        from openrlhf_lpo.megatron import checkpoint
+
+        state = checkpoint.load(self, root, tag)
+        sched = state.pop("_lr_schedule", None)
+        if sched is not None:
+            self.lr_schedule.load_state_dict(sched)
+        return state
 
     # ------------------------------------------------------------------------------ weights
     def export_hf_weights(self, dtype: Optional[torch.dtype] = None) -> Iterator[Tuple[str, torch.Tensor]]:
@@ -444,16 +614,3 @@ class MegatronActor:
 
     def save_hf(self, out_dir: str, dtype: Optional[torch.dtype] = None):
         return convert.save_hf_checkpoint(self.model, self.hf_config, out_dir, dtype)
-
-    def save_checkpoint(self, root: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
-                        max_num: Optional[int] = None, max_mem_gb: Optional[float] = None) -> str:
-        """``root/<tag>`` (default ``global_step<step>``), ``latest`` written last; see :mod:`.checkpoint`."""
-        from openrlhf_lpo.megatron import checkpoint
-
-        return checkpoint.save(self, root, tag or f"global_step{self.step}", client_state or {}, max_num, max_mem_gb)
-
-    def load_checkpoint(self, root: str, tag: Optional[str] = None) -> dict:
-        """Restore the latest (or ``tag``) checkpoint under ``root`` into this layout; returns client_state."""
-        from openrlhf_lpo.megatron import checkpoint
-
-        return checkpoint.load(self, root, tag)

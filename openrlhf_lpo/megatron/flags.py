@@ -8,8 +8,14 @@ needs Transformer Engine, see ``CP_REFUSAL``), ``--megatron.params_dtype {bf16,f
 timeout, default 60 as OpenRLHF's DeepSpeed strategy).
 
 Stock flags the Megatron actor honours: ``--actor.gradient_checkpointing_enable`` (full layer
-recompute), ``--actor.eps_clip_low_high``, ``--vllm.sync_with_ray``, ``--vllm.enable_prefix_caching``,
-``--ckpt.max_num`` / ``--ckpt.max_mem``. Refused with a message instead of ignored: see ``_validate``.
+recompute), ``--actor.eps_clip_low_high``, ``--actor.lr_scheduler`` / ``--actor.lr_warmup_ratio`` /
+``--actor.min_lr_ratio`` (OpenRLHF's schedules, :mod:`.schedule`), ``--algo.kl.use_loss``,
+``--actor.entropy_coef``, ``--train.dynamic_batch_enable`` / ``--train.max_tokens_per_gpu``,
+``--ds.packing_samples`` (native), ``--train.async_enable``, ``--train.partial_rollout_enable``,
+``--algo.advantage.is_correction_*``, ``--vllm.sync_with_ray``, ``--vllm.enable_prefix_caching``,
+``--ckpt.max_num`` / ``--ckpt.max_mem``. Refused with a message instead of ignored (ring attention,
+DeepSpeed TP, sleep, EMA, LoRA, the MoE aux loss, colocation, schedules OpenRLHF cannot run): see
+``_validate``.
 Before any actor starts, the layout is placed on the running Ray cluster
 (:func:`openrlhf_lpo.megatron.cluster.check_ray_cluster`).
 
@@ -120,27 +126,33 @@ def _validate(args: argparse.Namespace) -> None:
         validate_layout(world, m.tp, m.pp, hf_config, m.vpp)
     except ValueError as e:
         raise FlagError(f"--backend megatron: {e}") from None
-    # dynamic batching and ring attention first: the stock parser switches --ds.packing_samples on for
-    # both, and the message must name the flag the user gave
+    # (ring attention is refused above; --ds.packing_samples, which the stock parser switches on for it,
+    # is native to the Megatron actor: THD micro-batches)
     unsupported = [
-        (args.train.dynamic_batch_enable, "--train.dynamic_batch_enable"),
-        (args.ds.packing_samples, "--ds.packing_samples"),
-        (args.ds.tensor_parallel_size > 1, "--ds.tensor_parallel_size > 1 (use --megatron.tp)"),
-        (args.ds.enable_sleep, "--ds.enable_sleep"),
-        (args.train.enable_ema, "--train.enable_ema"),
-        (args.ds.lora.rank > 0, "--ds.lora.rank"),
-        (args.algo.kl.use_loss, "--algo.kl.use_loss"),
-        (bool(args.actor.entropy_coef), "--actor.entropy_coef != 0"),
-        (args.actor.aux_loss_coef > 0, "--actor.aux_loss_coef"),
-        (args.actor.lr_scheduler != "constant" or args.actor.lr_warmup_ratio > 0,
-         f"--actor.lr_scheduler {args.actor.lr_scheduler} / --actor.lr_warmup_ratio {args.actor.lr_warmup_ratio} "
-         "(the Megatron actor keeps --actor.adam.lr constant: pass --actor.lr_scheduler constant "
-         "--actor.lr_warmup_ratio 0)"),
+        (args.ds.tensor_parallel_size > 1, "--ds.tensor_parallel_size > 1",
+         "DeepSpeed tensor parallelism; use --megatron.tp"),
+        (args.ds.enable_sleep, "--ds.enable_sleep",
+         "offloading the actor between phases only helps when vLLM shares its GPUs, which --backend megatron "
+         "does not support (no CUDA-IPC weight path); give the engines GPUs of their own"),
+        (args.train.enable_ema, "--train.enable_ema",
+         "the Megatron actor keeps no EMA copy of the weights; train it on the DeepSpeed backend"),
+        (args.ds.lora.rank > 0, "--ds.lora.rank",
+         "the Megatron actor trains full weights (no LoRA adapters); train LoRA on the DeepSpeed backend"),
+        (args.actor.aux_loss_coef > 0, "--actor.aux_loss_coef",
+         "the mixture-of-experts load-balancing loss: the Megatron actor builds dense models only"),
     ]
-    for bad, flag in unsupported:
+    for bad, flag, why in unsupported:
         if bad:
-            raise FlagError(f"{flag} is not supported with --backend megatron")
-    dp = world // (m.tp * m.pp)
+            raise FlagError(f"{flag} is not supported with --backend megatron: {why}")
+    try:
+        from openrlhf_lpo.megatron.schedule import check_lr_scheduler
+
+        check_lr_scheduler(args.actor.lr_scheduler, args.actor.lr_warmup_ratio, args.actor.min_lr_ratio)
+    except ValueError as e:
+        raise FlagError(str(e)) from None
+    from openrlhf_lpo.openrlhf.config import dp_size
+
+    dp = dp_size(args)  # world / (tp x pp)
     if args.train.batch_size % dp:
         raise FlagError(
             f"--train.batch_size {args.train.batch_size} must be divisible by the Megatron data-parallel size "

@@ -10,10 +10,23 @@ Listwise losses count **responses** and multiply the per-group loss by K: the su
 D_g divided by the number of groups G equals ``sum_g K*D_g / (G*K)``, i.e. the LPO objective
 (mean over prompts, Eq. 10/11) whatever the grouping of micro-batches.
 
-Off-policy LPO composes without change: the target carried by each sample is
-w* = softmax(R/tau + s_t) (Eq. 8, s_t = the start-of-update policy against the behaviour policy,
-``info["lpo_prev_log_ratio"]``) and s is measured against the same behaviour (old) log-probs, so
-at the start of an update s = s_t and a group with equal rewards already has P = w*.
+Off-policy LPO (async training, partial rollout, ``--algo.advantage.is_correction_*``) is the
+DeepSpeed trainer's placement (``openrlhf_lpo/openrlhf/offpolicy.py``): each sample carries
+w* = softmax(R/tau + s_t) (Eq. 8) and s_t = delta (``prev_log_ratio``: the corrected
+log pi_t - log mu, 0 when the correction is off), and s = (1/n) sum_t clip(log pi_theta - log pi_t) + delta
+over the tokens the correction keeps (``mask`` mode drops tokens, ``rollout_log_probs`` = mu). At the start
+of the update s = s_t, so a group with equal rewards already has P = w*.
+
+The policy-gradient estimators use OpenRLHF's own ``PolicyLoss`` (PPO clip with clip-higher, dual clip,
+GSPO, the train/rollout importance-sampling correction), asked for sums: with ``batch_num_tokens = 1``
+(token mean) or ``global_batch_size = 1`` (sequence mean) and ``dp_size = 1`` its ``aggregate_loss`` returns
+the masked sum, and ``count`` (tokens, or responses with at least one token) makes megatron divide by the
+global total exactly as DeepSpeed's window normalisers do.
+
+KL and entropy terms (``--algo.kl.use_loss``, ``--actor.entropy_coef``) are token means over the optimizer
+window like the DeepSpeed trainer's (``aggregate_loss`` with the window's global token count): the actor
+adds ``coef * sum(term * mask) * C / T`` to each micro-batch's sum, C and T being the window's global count
+and token total, so after megatron's division by C the step follows ``coef * sum(term * mask) / T``.
 
 Registry ``POLICY_LOSSES``: name -> fn(log_probs[b,A], mb: dict, spec: LossSpec) -> (sum, count, stats).
 """
@@ -21,7 +34,7 @@ Registry ``POLICY_LOSSES``: name -> fn(log_probs[b,A], mb: dict, spec: LossSpec)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -49,6 +62,14 @@ class LossSpec:
     projection: str = "listwise"
     clip_eps: float = 0.2
     loss_agg_mode: str = "seq-mean-token-mean"  # pg only: or "token-mean"
+    correction: Optional[object] = None  # listwise: offpolicy.BehaviourCorrection (None: s_t from the batch only)
+    dual_clip: Optional[float] = None  # pg: --actor.dual_clip
+    policy_loss_type: str = "ppo"  # pg: --actor.policy_loss_type (ppo / gspo)
+    is_correction: Tuple = ("off", "clip", "ratio", (0.5, 5.0))  # pg: level, mode, gating, threshold
+    kl_coef: float = 0.0  # --algo.kl.use_loss: the KL controller's value (kl_ctl) times the token-mean KL
+    kl_estimator: str = "k1"
+    kl_unbiased_gradient: bool = False
+    entropy_coef: float = 0.0  # --actor.entropy_coef: minus coef times the token-mean entropy
 
 
 def register_policy_loss(name: str):
@@ -75,8 +96,22 @@ def clip_bounds(clip_eps) -> Tuple[float, float]:
     return float(clip_eps), float(clip_eps)
 
 
-def _count(n: int) -> torch.Tensor:
-    return torch.tensor(n, dtype=torch.int)
+def _count(mb, key: str, fallback) -> torch.Tensor:
+    """The micro-batch's precomputed count (on the device, no host sync), else ``fallback()``."""
+    c = mb.get(key)
+    return c if c is not None else torch.tensor(int(fallback()), dtype=torch.int)
+
+
+def listwise_log_ratio(log_probs, mb, spec: LossSpec) -> torch.Tensor:
+    """s = (1/n) sum_t clip(log pi_theta - log pi_t) + delta over the tokens the behaviour correction
+    keeps (offpolicy.py placement B); delta = ``mb["prev_log_ratio"]`` (absent: 0)."""
+    from openrlhf_lpo.openrlhf.offpolicy import token_keep_mask
+
+    mask = token_keep_mask(mb["old_log_probs"], mb.get("rollout_log_probs"), mb["action_mask"], spec.correction)
+    # float64 like the DeepSpeed trainer's LPO math (B scalars)
+    s = listwise.sequence_log_ratio(log_probs.double(), mb["old_log_probs"].double(), mask, spec.clip_eps)
+    prev = mb.get("prev_log_ratio")
+    return s if prev is None else s + prev.to(device=s.device, dtype=s.dtype)
 
 
 @register_policy_loss("listwise")
@@ -86,42 +121,67 @@ def _listwise(log_probs, mb, spec: LossSpec) -> Tuple[torch.Tensor, torch.Tensor
     K = spec.group_size
     if b % K:
         raise ValueError(f"micro-batch of {b} responses does not hold whole groups of K={K}")
-    s = listwise.sequence_log_ratio(log_probs, mb["old_log_probs"], mb["action_mask"], spec.clip_eps)
+    s = listwise_log_ratio(log_probs, mb, spec)
     g = b // K
     per_group_mean = listwise.listwise_loss(
-        s.view(g, K), mb["target"].view(g, K), spec.divergence, spec.projection
+        s.view(g, K), mb["target"].view(g, K).to(s.dtype), spec.divergence, spec.projection
     )
-    return per_group_mean * g * K, _count(b), {"loss_sum": per_group_mean.detach() * g, "loss_count": g}
+    total = (per_group_mean * g * K).to(log_probs.dtype)
+    return total, _count(mb, "n_responses", lambda: b), {"loss_sum": per_group_mean.detach() * g}
 
 
 @register_policy_loss("listwise_surrogate")
 def _listwise_surrogate(log_probs, mb, spec: LossSpec):
     """Two-pass LPO: K * sum_k stopgrad(c_k) s_k with c from ``projection_coefficients`` (the
-    gradient of the projection's loss: dD/ds for listwise, -w* for pointwise)."""
-    s = listwise.sequence_log_ratio(log_probs, mb["old_log_probs"], mb["action_mask"], spec.clip_eps)
-    sur = listwise.listwise_surrogate(s.unsqueeze(-1), mb["coefficients"].unsqueeze(-1))
-    return sur.sum() * spec.group_size, _count(s.shape[0]), {"surrogate_sum": sur.detach().sum()}
+    gradient of the projection's loss: dD/ds for listwise, -w* for pointwise), computed by a no-grad
+    pass, from s_t in the first window, or as -w* for the pointwise projection."""
+    s = listwise_log_ratio(log_probs, mb, spec)
+    sur = listwise.listwise_surrogate(s.unsqueeze(-1), mb["coefficients"].to(s.dtype).unsqueeze(-1))
+    total = (sur.sum() * spec.group_size).to(log_probs.dtype)
+    return total, _count(mb, "n_responses", lambda: s.shape[0]), {"surrogate_sum": sur.detach().sum()}
+
+
+def policy_loss_module(spec: LossSpec):
+    """OpenRLHF's ``PolicyLoss`` configured as ``ActorPPOTrainer`` configures it from the flags."""
+    from openrlhf.models import PolicyLoss
+
+    lo, hi = clip_bounds(spec.clip_eps)
+    level, mode, gating, threshold = spec.is_correction
+    return PolicyLoss(clip_eps_low=lo, clip_eps_high=hi, dual_clip=spec.dual_clip,
+                      token_level_loss=spec.loss_agg_mode == "token-mean", policy_loss_type=spec.policy_loss_type,
+                      is_correction_level=level, is_correction_mode=mode, is_correction_gating=gating,
+                      is_correction_threshold=threshold)
 
 
 @register_policy_loss("pg")
 def _pg(log_probs, mb, spec: LossSpec):
-    """PPO-clip surrogate -min(r A, clip(r, 1-eps_low, 1+eps_high) A) per token, mean over tokens
-    then over responses (OpenRLHF's ``seq-mean-token-mean``; A per response [b] or per token [b, A])."""
-    mask = mb["action_mask"].to(log_probs.dtype)
-    ratio = torch.exp((log_probs - mb["old_log_probs"]).clamp(-20.0, 20.0))
+    """OpenRLHF's ``PolicyLoss`` (PPO clip, clip-higher, dual clip, GSPO, IS correction) as a sum:
+    masked token sum (``token-mean``) or sum of per-response token means (``seq-mean-token-mean``);
+    advantages per response [b] or per token [b, A]."""
+    if spec.loss_agg_mode not in ("token-mean", "seq-mean-token-mean"):
+        raise ValueError(f"--actor.loss_agg_mode {spec.loss_agg_mode!r}: use token-mean or seq-mean-token-mean")
+    mask = mb["action_mask"]
     adv = mb["advantages"].to(log_probs.dtype)
     if adv.dim() == 1:  # one advantage per response, else OpenRLHF's per-token [b, A]
-        adv = adv.unsqueeze(-1)
-    lo, hi = clip_bounds(spec.clip_eps)
-    clipped = ratio.clamp(1 - lo, 1 + hi)
-    surr = -torch.minimum(ratio * adv, clipped * adv)
-    stats = {"clip_sum": float((((ratio < 1 - lo) | (ratio > 1 + hi)).to(mask.dtype) * mask).sum())}
-    if spec.loss_agg_mode == "token-mean":
-        total = (surr * mask).sum()
-        stats.update(loss_sum=total.detach(), loss_count=float(mask.sum()))
-        return total, _count(int(mask.sum())), stats
-    if spec.loss_agg_mode != "seq-mean-token-mean":
-        raise ValueError(f"--actor.loss_agg_mode {spec.loss_agg_mode!r}: use token-mean or seq-mean-token-mean")
-    per_seq = (surr * mask).sum(-1) / mask.sum(-1).clamp(min=1)
-    stats["loss_sum"] = per_seq.detach().sum()
-    return per_seq.sum(), _count(log_probs.shape[0]), stats
+        adv = adv.unsqueeze(-1) * mask.to(log_probs.dtype)
+    fn = mb.get("_policy_loss_fn") or policy_loss_module(spec)
+    old = mb["old_log_probs"].to(log_probs.dtype)
+    rollout = mb.get("rollout_log_probs")
+    total, clip_ratio, ppo_kl, vllm_kl, filtered = fn(
+        log_probs, old, adv, action_mask=mask, rollout_log_probs=None if rollout is None else rollout.to(log_probs.dtype),
+        dp_size=1, batch_num_tokens=1.0, global_batch_size=1.0)
+    fmask = mask.to(log_probs.dtype)
+    tokens = fmask.sum()
+    stats = {"loss_sum": total.detach(), "clip_sum": clip_ratio.detach() * tokens, "ppo_kl_sum": ppo_kl.detach() * tokens}
+    if vllm_kl is not None:
+        stats["vllm_kl_sum"] = vllm_kl.detach() * tokens
+    if spec.loss_agg_mode == "token-mean" and spec.policy_loss_type != "gspo":
+        return total, _count(mb, "n_tokens", lambda: mask.sum()), stats
+    return total, _count(mb, "n_nonempty", lambda: (mask.sum(-1) > 0).sum()), stats
+
+
+def count_key(spec: LossSpec) -> str:
+    """Which precomputed count divides the loss of ``spec`` (the micro-batch keys the actor fills)."""
+    if spec.name == "pg":
+        return "n_tokens" if spec.loss_agg_mode == "token-mean" and spec.policy_loss_type != "gspo" else "n_nonempty"
+    return "n_responses"

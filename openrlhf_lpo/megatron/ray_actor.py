@@ -21,10 +21,19 @@ take state dicts (the CPU rollout engines) get one dict through Ray and a parity
 
 Training (``fit``): the rank's experiences are merged into one padded batch, split into
 optimizer windows of ``train.batch_size / dp`` responses made of whole prompt groups
-(group-level shuffle, seeded), and each window is one :meth:`MegatronActor.train_step`.
-LPO uses whole groups per micro-batch when ``train.micro_batch_size % K == 0`` and the
-two-pass surrogate otherwise; every other estimator uses the PPO-clip surrogate with
-OpenRLHF's advantages.
+(group-level shuffle, seeded), and each window is one :meth:`MegatronActor.train_step`; the
+data-parallel replicas agree on the number of windows (LPO: equal by construction, checked;
+policy-gradient estimators: a partial batch dealt 520 / 512 samples gives both replicas the same
+number of windows, each replica's samples split evenly over them). Micro-batches hold
+``--train.micro_batch_size`` samples or, with ``--train.dynamic_batch_enable``, up to
+``--train.max_tokens_per_gpu`` tokens (the group-aware planner of ``openrlhf_lpo/openrlhf/layout.py``,
+counts agreed over the replicas; every rank of a replica plans the same). Like the DeepSpeed trainer,
+LPO takes c per window from one of three places: one pass (micro-batches hold whole groups), the
+shortcut (the first window of a rollout batch runs at the parameters that produced the old log-probs,
+so s = s_t and c needs no forward) or a no-grad pre-pass (later windows); the pointwise projection's
+c = -w* needs none. Every other estimator uses OpenRLHF's ``PolicyLoss`` with its advantages.
+KL loss (``--algo.kl.use_loss``, reference log-probs from OpenRLHF's DeepSpeed reference actor as
+upstream) and the entropy bonus are token means over the window, as on DeepSpeed.
 """
 
 from __future__ import annotations
@@ -34,6 +43,9 @@ from typing import Dict, List, Optional
 
 import torch
 
+from dataclasses import replace
+
+from openrlhf_lpo.megatron.device import group_device as _group_device
 from openrlhf_lpo.megatron.losses import LossSpec
 
 # OpenRLHF 0.11.2's create_vllm_engines builds every engine with dtype="bfloat16" and its worker
@@ -76,10 +88,12 @@ def merge_experiences(experiences) -> Dict[str, torch.Tensor]:
         old[:, :a] = e.action_log_probs.cpu().float()
         for k, v in (("sequences", seq), ("attention_mask", am), ("action_mask", act), ("old_log_probs", old)):
             out[k].append(v)
-        if getattr(e, "advantages", None) is not None:
-            adv = torch.zeros(b, A, dtype=torch.float32)
-            adv[:, :a] = e.advantages.cpu().float()
-            extra.setdefault("advantages", []).append(adv)
+        for src, dst in (("advantages", "advantages"), ("base_action_log_probs", "base_log_probs"),
+                         ("rollout_log_probs", "rollout_log_probs")):
+            if getattr(e, src, None) is not None:  # per action token, right-padded like old_log_probs
+                t = torch.zeros(b, A, dtype=torch.float32)
+                t[:, :a] = getattr(e, src).cpu().float()
+                extra.setdefault(dst, []).append(t)
         info = getattr(e, "info", None) or {}
         for key in ("lpo_target", "lpo_gid", "lpo_prev_log_ratio"):
             if key in info and info[key] is not None:
@@ -102,11 +116,19 @@ STATUS_KEYS = {"grad_norm": "actor_grad_norm", "entropy": "response_entropy"}
 CKPT_SUBDIR = "_actor"
 
 
-def plan_windows(num: int, window: int, group_size: int, gids: Optional[torch.Tensor], generator) -> List[torch.Tensor]:
+def plan_windows(num: int, window: int, group_size: int, gids: Optional[torch.Tensor], generator,
+                 num_windows: Optional[int] = None) -> List[torch.Tensor]:
     """Index sets of optimizer windows: whole groups (by ``gids``, K consecutive members after
-    sorting), shuffled at group level, ``window`` responses each."""
+    sorting), shuffled at group level, ``window`` responses each. Without groups (policy-gradient
+    estimators) a random order cut every ``window`` samples, or into ``num_windows`` near-equal windows
+    when the replicas hold different numbers of samples (see :func:`agree_windows`)."""
     if gids is None:
         order = torch.randperm(num, generator=generator)
+        if num_windows is not None:
+            if num < num_windows:
+                raise ValueError(f"{num} samples cannot fill the {num_windows} optimizer windows the other "
+                                 "data-parallel replicas run")
+            return list(torch.tensor_split(order, num_windows))
         return [order[i : i + window] for i in range(0, num, window)]
     if window % group_size:
         raise ValueError(f"optimizer window of {window} responses does not hold whole groups of K={group_size}")
@@ -119,22 +141,64 @@ def plan_windows(num: int, window: int, group_size: int, gids: Optional[torch.Te
     return [groups[i : i + per].reshape(-1) for i in range(0, groups.shape[0], per)]
 
 
-def loss_spec_from_args(args, micro_batch_size: int) -> LossSpec:
+def agree_windows(num: int, window: int, group) -> Optional[int]:
+    """Collective over the data-parallel group: None when every replica holds ``num`` samples (each cuts
+    its own windows of ``window``), else the largest window count any replica needs, which all of them
+    then run (every ``train_step`` is collective over DP: a replica that stops early leaves the others
+    waiting in the gradient all-reduce until the NCCL timeout)."""
+    import torch.distributed as dist
+
+    from openrlhf_lpo.megatron.device import group_device
+
+    n_w = -(-num // window)
+    t = torch.tensor([n_w, num, -num], dtype=torch.float64, device=group_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    most, n_max, n_min = int(t[0]), int(t[1]), -int(t[2])
+    return None if n_max == n_min else most
+
+
+def _get(args, dotted: str, default=None):
+    node = args
+    for part in dotted.split("."):
+        node = getattr(node, part, None)
+        if node is None:
+            return default
+    return node
+
+
+def loss_spec_from_args(args, micro_batch_size: int, kl_ctl: float = 0.0) -> LossSpec:
+    """The loss of ``fit``'s windows from the flags (LPO: ``listwise`` when micro-batches of fixed size hold
+    whole groups, else the surrogate; the pointwise / shortcut / pre-pass choice is per window)."""
     est = args.algo.advantage.estimator
     K = args.rollout.n_samples_per_prompt
     lo, hi = getattr(args.actor, "eps_clip_low_high", None) or (args.actor.eps_clip, args.actor.eps_clip)
+    use_kl = bool(_get(args, "algo.kl.use_loss", False)) and float(_get(args, "algo.kl.init_coef", 0.0)) > 0
+    common = dict(group_size=K, kl_coef=float(kl_ctl) if use_kl else 0.0,
+                  kl_estimator=_get(args, "algo.kl.estimator", "k1"),
+                  kl_unbiased_gradient=bool(_get(args, "algo.kl.unbiased_gradient", False)),
+                  entropy_coef=float(_get(args, "actor.entropy_coef", 0.0) or 0.0))
     if est == "lpo":
+        from openrlhf_lpo.openrlhf.offpolicy import correction_from_args
+
         lpo = args.lpo
-        two_pass = bool(getattr(lpo, "force_two_pass", False)) or micro_batch_size % K != 0
+        level = _get(args, "algo.advantage.is_correction_level", "off")
+        two_pass = bool(getattr(lpo, "force_two_pass", False)) or micro_batch_size % K != 0 \
+            or bool(_get(args, "train.dynamic_batch_enable", False))
         return LossSpec(
             name="listwise_surrogate" if two_pass else "listwise",
-            group_size=K,
             divergence=lpo.divergence,
             projection=getattr(lpo, "projection", "listwise"),
             clip_eps=(lo, hi) if lo != hi else lo,
+            correction=correction_from_args(args) if level not in (None, "off") else None,
+            **common,
         )
-    return LossSpec(name="pg", group_size=K, clip_eps=(lo, hi),
-                    loss_agg_mode=getattr(args.actor, "loss_agg_mode", "seq-mean-token-mean"))
+    adv = _get(args, "algo.advantage")
+    correction = tuple(getattr(adv, k, d) for k, d in (("is_correction_level", "off"), ("is_correction_mode", "clip"),
+                                                        ("is_correction_gating", "ratio"),
+                                                        ("is_correction_threshold", (0.5, 5.0))))
+    return LossSpec(name="pg", clip_eps=(lo, hi), loss_agg_mode=getattr(args.actor, "loss_agg_mode", "seq-mean-token-mean"),
+                    dual_clip=_get(args, "actor.dual_clip"), policy_loss_type=_get(args, "actor.policy_loss_type", "ppo"),
+                    is_correction=correction, **common)
 
 
 def _seed_of(args) -> int:
@@ -165,6 +229,9 @@ def megatron_config_from_args(args):
         recompute=bool(getattr(args.actor, "gradient_checkpointing_enable", False)),
         sequence_parallel=bool(getattr(m, "sequence_parallel", False)),
         timeout_minutes=int(getattr(m, "timeout_minutes", 60)),
+        lr_scheduler=getattr(args.actor, "lr_scheduler", "constant"),
+        lr_warmup_ratio=float(getattr(args.actor, "lr_warmup_ratio", 0.0)),
+        min_lr_ratio=float(getattr(args.actor, "min_lr_ratio", 0.1)),
     )
 
 
@@ -175,12 +242,6 @@ def refuse_unsupported(args) -> None:
             "--train.colocate_all is not supported with --backend megatron: syncing weights into vLLM engines on "
             "the actor's own GPUs needs a CUDA-IPC path (NCCL rejects two ranks on one GPU); give the engines "
             "GPUs of their own"
-        )
-    level = getattr(getattr(getattr(args, "algo", None), "advantage", None), "is_correction_level", "off")
-    if level not in (None, "off"):
-        raise ValueError(
-            f"--algo.advantage.is_correction_level {level}: importance-sampling correction of the rollout/train "
-            "mismatch is not implemented by --backend megatron (it would be ignored); use 'off' or the DeepSpeed backend"
         )
 
 
@@ -203,6 +264,7 @@ class MegatronPolicyActor:
         self.vllm_engines = vllm_engines
         self.max_steps = max_steps
         cfg = megatron_config_from_args(args)
+        cfg.scheduler_steps = max_steps  # the DeepSpeed actor's scheduler_steps (OpenRLHF's max_steps)
         set_local_device(int(os.environ.get("LOCAL_RANK", "0")))
         if not dist.is_initialized():
             init_default_group(timedelta(minutes=cfg.timeout_minutes))
@@ -229,8 +291,9 @@ class MegatronPolicyActor:
 
     # --------------------------------------------------------------------- experience side
     def forward(self, sequences, action_mask=None, attention_mask=None, packed_seq_lens=None, mm_train_inputs_list=None):
-        if packed_seq_lens is not None:
-            raise ValueError("--backend megatron does not support --ds.packing_samples")
+        if packed_seq_lens is not None:  # OpenRLHF 0.11.2 never passes them; the actor packs (THD) itself
+            raise ValueError("the Megatron actor packs each micro-batch itself (THD, --ds.packing_samples is "
+                             "native): pass padded sequences, not packed_seq_lens")
         if mm_train_inputs_list and any(m is not None for item in mm_train_inputs_list
                                         for m in (item if isinstance(item, list) else [item])):
             raise ValueError("--backend megatron does not support image inputs (vision-language models): "
@@ -242,36 +305,115 @@ class MegatronPolicyActor:
             "attention_mask": attention_mask.cpu(),
             "action_mask": action_mask.cpu(),
         }
-        return self.actor.log_probs(batch).cpu()
+        plan = None
+        if _get(self.args, "train.dynamic_batch_enable", False):  # the chunk's forwards follow the token budget
+            from openrlhf_lpo.openrlhf import layout
+
+            lengths = batch["attention_mask"].sum(1).tolist()
+            plan = layout.forward_chunks([list(range(len(lengths)))], lengths=lengths,
+                                         budget=int(self.args.train.max_tokens_per_gpu))[0]
+        return self.actor.log_probs(batch, micro_batches=plan).cpu()
 
     def append(self, experience):
         self.buffer.append(experience)
 
     # --------------------------------------------------------------------- training
+    def _micro_plan(self, sub, spec: LossSpec, whole_groups_fixed: bool):
+        """Micro-batches of one window (row indices of ``sub``, groups K consecutive for LPO) and whether
+        each holds whole groups. Token budgets: the group-aware planner, counts agreed over DP."""
+        import torch.distributed as dist
+
+        from openrlhf_lpo.megatron.device import group_device
+        from openrlhf_lpo.openrlhf import layout
+
+        n = sub["sequences"].shape[0]
+        self._local_micro_count = None
+        if not _get(self.args, "train.dynamic_batch_enable", False):
+            return self.actor.fixed_micro_batches(n), whole_groups_fixed
+        K = spec.group_size if spec.name.startswith("listwise") else 1
+        lengths = sub["attention_mask"].sum(1).tolist()
+        groups = [list(range(g * K, (g + 1) * K)) for g in range(n // K)]
+        whole, per_sample = layout.budget_micro_count(groups, lengths, int(self.args.train.max_tokens_per_gpu))
+        group = self.actor.ps.get_data_parallel_group()
+        dev = group_device(group)
+        flag = torch.tensor([0.0 if (whole is None or K == 1) else 1.0], dtype=torch.float64, device=dev)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        all_whole = bool(flag.item() > 0)
+        count = torch.tensor([float(whole if all_whole else per_sample)], dtype=torch.float64, device=dev)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+        n_micro = min(int(count.item()), len(groups) if all_whole else n)
+        self._local_micro_count = whole if all_whole else per_sample  # before agreement (tests read it)
+        return layout.budget_micro_batches(groups, lengths, n_micro, all_whole), all_whole or K == 1
+
     def fit(self, kl_ctl: float = 0):
+        from openrlhf_lpo import listwise
+
         args = self.args
         import torch.distributed as dist
 
         dp = self.actor.ps.get_data_parallel_world_size()
+        dp_group = self.actor.ps.get_data_parallel_group()
         batch = merge_experiences(self.buffer)
         self.buffer = []
-        spec = loss_spec_from_args(args, self.actor.cfg.micro_batch_size)
-        if spec.name.startswith("listwise") and "target" not in batch:
+        mbs = self.actor.cfg.micro_batch_size
+        spec = loss_spec_from_args(args, mbs, kl_ctl)
+        lpo = spec.name.startswith("listwise")
+        if lpo and "target" not in batch:
             raise ValueError("estimator lpo: experiences carry no info['lpo_target'] (use the LPO experience maker)")
+        K = spec.group_size
         window = args.train.batch_size // dp
-        gids = batch.get("lpo_gid") if spec.name.startswith("listwise") else None
+        gids = batch.get("lpo_gid") if lpo else None
+        force_two_pass = bool(_get(args, "lpo.force_two_pass", False))
         status: Dict[str, float] = {}
+        modes = {"one_pass": 0, "shortcut": 0, "pre_pass": 0, "pointwise": 0}
+        self.last_plan: List[dict] = []  # per optimizer step: where c came from, its samples, micro-batch sizes
         n = 0
-        for _ in range(args.train.max_epochs):
-            for idx in plan_windows(batch["sequences"].shape[0], window, spec.group_size, gids, self.generator):
+        N = batch["sequences"].shape[0]
+        for epoch in range(args.train.max_epochs):
+            num_windows = None if lpo else agree_windows(N, window, dp_group)
+            windows = plan_windows(N, window, K, gids, self.generator, num_windows)
+            if lpo:  # equal by construction (the LPO experience maker deals groups evenly): check, never hang
+                t = torch.tensor([len(windows), -len(windows)], dtype=torch.float64,
+                                 device=_group_device(dp_group))
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=dp_group)
+                if int(t[0]) != -int(t[1]):
+                    raise RuntimeError(f"data-parallel replicas hold different numbers of optimizer windows "
+                                       f"({-int(t[1])} vs {int(t[0])}); the LPO experience maker deals groups in "
+                                       "equal counts")
+            for w, idx in enumerate(windows):
                 sub = {k: v[idx] for k, v in batch.items() if k != "lpo_gid"}
-                m = self.actor.train_step(sub, spec)
+                micro, whole = self._micro_plan(sub, spec, mbs % K == 0)
+                step_spec, coefficients, mode = spec, None, "pg"
+                if lpo:
+                    if spec.projection == "pointwise":
+                        mode = "pointwise"
+                        coefficients = -sub["target"].double()
+                    elif whole and not force_two_pass:
+                        mode = "one_pass"
+                    elif epoch == 0 and w == 0 and not force_two_pass:
+                        mode = "shortcut"  # s = s_t at the parameters that produced the old log-probs
+                        prev = sub.get("prev_log_ratio", torch.zeros(len(idx), dtype=torch.float64)).double()
+                        coefficients = listwise.projection_coefficients(
+                            listwise.to_groups(prev, K), listwise.to_groups(sub["target"].double(), K),
+                            spec.divergence, spec.projection).reshape(-1)
+                    else:
+                        mode = "pre_pass"
+                    modes[mode] += 1
+                    step_spec = replace(spec, name="listwise" if mode == "one_pass" else "listwise_surrogate")
+                m = self.actor.train_step(sub, step_spec, micro_batches=micro, coefficients=coefficients)
+                self.last_plan.append({"mode": mode, "samples": idx.tolist(), "micro": [len(i) for i in micro],
+                                       "micro_tokens": [int(sub["attention_mask"][i].sum()) for i in micro],
+                                       "local_micro_count": getattr(self, "_local_micro_count", None),
+                                       "grad_norm": m["grad_norm"], "lr": m["lr"]})
                 for k, v in m.items():
                     status[k] = status.get(k, 0.0) + v
                 n += 1
-        status = {STATUS_KEYS.get(k, k): v / max(n, 1) for k, v in status.items()}
-        status["actor_lr"] = self.actor.cfg.lr
+        last_lr = self.actor.lr_schedule.lr
+        status = {STATUS_KEYS.get(k, k): v / max(n, 1) for k, v in status.items() if k not in ("lr", "next_lr")}
+        status["actor_lr"] = last_lr  # as DeepSpeed's: the scheduler's learning rate after the last step
         status["optimizer_steps"] = float(n)
+        if lpo:
+            status.update({f"lpo/{k}_windows": float(v) for k, v in modes.items()})
         if getattr(getattr(args, "lpo", None), "end_kl", False):
             status.update(self._listwise_end_metrics(batch))
         dist.barrier()
@@ -288,10 +430,14 @@ class MegatronPolicyActor:
             raise ValueError("--lpo.end_kl: experiences carry no info['lpo_target'] / info['lpo_gid'] "
                              "(the LPO experience maker writes them)")
         args = self.args
+        from openrlhf_lpo.megatron.losses import listwise_log_ratio
+
         lp = self.actor.log_probs({k: batch[k] for k in ("sequences", "attention_mask", "action_mask")})
-        s_end = listwise.sequence_log_ratio(lp.double().cpu(), batch["old_log_probs"].double(), batch["action_mask"],
-                                            tuple(args.actor.eps_clip_low_high))
-        # s_t: the start-of-update policy against the behaviour policy (0 on-policy), as in w*
+        spec = loss_spec_from_args(args, self.actor.cfg.micro_batch_size)
+        spec = replace(spec, clip_eps=tuple(args.actor.eps_clip_low_high)) if spec.name != "pg" else \
+            LossSpec(clip_eps=tuple(args.actor.eps_clip_low_high))
+        # s at the end against the behaviour policy (+ s_t, placement B), s_t as in w* (0 on-policy)
+        s_end = listwise_log_ratio(lp.double().cpu(), batch, spec)
         s_start = batch.get("prev_log_ratio", torch.zeros_like(s_end)).double()
         group = self.actor.ps.get_data_parallel_group()
         return listwise_update_metrics(batch["lpo_gid"].long(), s_start, s_end, batch["target"].double(),
@@ -407,20 +553,30 @@ class MegatronPolicyActor:
 from openrlhf.trainer.ray.launcher import RayActorGroup as _RayActorGroup  # noqa: E402
 
 
+from openrlhf_lpo.megatron.ray_wait import await_all_refs  # noqa: E402
+
+
 class MegatronActorGroup(_RayActorGroup):
     """The policy ``RayActorGroup`` of a Megatron run (``duplicate_actors = tp*pp``).
 
     Every rank of a model replica runs each batched call (the forward is collective), but only
     the replica's first rank's results are returned: OpenRLHF's experience maker de-duplicates
     with the DeepSpeed factor (``ring_attn_size * ds.tensor_parallel_size``), which is 1 here.
-    Calls on one actor run in submission order, so later calls (``fit``) still see every
-    ``append``. The instance is re-classed in the driver and pickled by reference, so the PPO
-    trainer actor (another process) uses these methods too.
+    Each returned ref resolves only when every rank of its replica has finished, and fails as soon
+    as any of them fails (cluster review F8: an OOM on TP rank 3 is an error in seconds, not the
+    NCCL timeout while the trainer waits on rank 0). ``async_run_method`` (``fit``, ...) stays stock:
+    it returns every rank's ref and ``ray.get`` of a list raises at the first failure (tested). Calls on one actor run in submission order, so
+    later calls (``fit``) still see every ``append``. The instance is re-classed in the driver and
+    pickled by reference, so the PPO trainer actor (another process) uses these methods too.
     """
 
     def async_run_method_batch(self, method_name, **kwargs):
         refs = super().async_run_method_batch(method_name=method_name, **kwargs)
-        return refs[:: self.duplicate_actors]
+        mp = self.duplicate_actors
+        out = []
+        for start in range(0, len(refs), mp):
+            out += await_all_refs(refs[start:start + mp], [0])
+        return out
 
 
 def plain_class():

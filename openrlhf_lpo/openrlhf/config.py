@@ -21,13 +21,14 @@ PAIRED_TEMPERATURE = {"group_norm": "std", "dr_grpo": "one", "maxrl": "mean", "r
 
 
 def dp_size(args) -> int:
-    """Effective data-parallel size of the actor (what OpenRLHF chunks experiences by)."""
-    return (
-        args.actor.num_nodes
-        * args.actor.num_gpus_per_node
-        // max(args.ds.ring_attn_size, 1)
-        // max(args.ds.tensor_parallel_size, 1)
-    )
+    """Effective data-parallel size of the actor (what OpenRLHF chunks experiences by): the actor
+    GPUs divided by what one model replica spans, ``--megatron.tp x --megatron.pp`` with
+    ``--backend megatron``, DeepSpeed's ring-attention and tensor-parallel sizes otherwise."""
+    world = args.actor.num_nodes * args.actor.num_gpus_per_node
+    if getattr(args, "backend", "deepspeed") == "megatron":
+        m = args.megatron
+        return world // max(int(m.tp) * int(m.pp), 1)
+    return world // max(args.ds.ring_attn_size, 1) // max(args.ds.tensor_parallel_size, 1)
 
 
 def listwise_metrics_enabled(args) -> bool:

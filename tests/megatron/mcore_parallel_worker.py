@@ -75,7 +75,8 @@ def layer_input_rows(actor, batch):
     finally:
         h.remove()
     mbs = min(actor.cfg.micro_batch_size, batch["sequences"].shape[0])
-    packed = actor._micro_batches({k: v for k, v in batch.items() if k in ("sequences", "attention_mask", "action_mask")}, mbs)
+    packed = actor._micro_batches({k: v for k, v in batch.items() if k in ("sequences", "attention_mask", "action_mask")},
+                                  actor.fixed_micro_batches(batch["sequences"].shape[0], mbs))
     return rows, [p["packed"].num_tokens for p in packed], [sum(p["packed"].seq_lens) for p in packed]
 
 
@@ -120,9 +121,10 @@ def check_layouts():
             three = {k: v[:3] for k, v in batch.items()}
             old_mbs, actor.cfg.micro_batch_size = actor.cfg.micro_batch_size, 1
             rec["three_vs_hf"] = W.masked_maxdiff(actor.log_probs(three), ref_lp[:3], mask[:3])
-            rec["three_micro_batches"] = len(actor._micro_batches(three, 1))
+            rec["three_micro_batches"] = len(actor._micro_batches(three, actor.fixed_micro_batches(3, 1)))
             actor.cfg.micro_batch_size = old_mbs
-            rec["train_micro_batches"] = len(actor._micro_batches(W.dp_slice(full, actor), old_mbs))
+            train = W.dp_slice(full, actor)
+            rec["train_micro_batches"] = len(actor._micro_batches(train, actor.fixed_micro_batches(train["sequences"].shape[0], old_mbs)))
         if actor.cfg.sequence_parallel:
             rec["layer_rows"], rec["packed_tokens"], rec["real_tokens"] = layer_input_rows(actor, batch)
         log("  log-probs, export done")

@@ -810,6 +810,526 @@ def check_nodes():
     results["checks"]["nodes"] = rec
 
 
+
+# ----------------------------------------------------------------------------- issue 23 / 21 (training options)
+
+
+def hf_logp_entropy(model, batch):
+    """[B,A] response-token log-probs and entropies (float64), each sequence run unpadded."""
+    seq, am, act = batch["sequences"], batch["attention_mask"], batch["action_mask"]
+    Aw = act.shape[1]
+    Sw = seq.shape[1]
+    lps, ents = [], []
+    for b in range(seq.shape[0]):
+        first = int(am[b].int().argmax())
+        toks = seq[b][am[b].bool()]
+        logits = model(toks.unsqueeze(0)).logits[0].to(torch.float64)
+        logp = torch.log_softmax(logits, -1)
+        ent_all = -(logp.exp() * logp).sum(-1)
+        lp_row = torch.zeros(Aw, dtype=torch.float64)
+        ent_row = torch.zeros(Aw, dtype=torch.float64)
+        for a in range(Aw):
+            c = Sw - Aw + a  # the column whose token action a scores
+            pos = c - 1 - first  # the logit predicting it, inside the unpadded sequence
+            if act[b, a] and am[b, c] and pos >= 0:
+                lp_row[a] = logp[pos, toks[pos + 1]]
+                ent_row[a] = ent_all[pos]
+        lps.append(lp_row)
+        ents.append(ent_row)
+    return torch.stack(lps), torch.stack(ents)
+
+
+def _kl_estimate(r, estimator):
+    """Schulman's k1/k2/k3 of r = log pi - log pi_ref, written from the blog post (k3 bounded as upstream)."""
+    if estimator == "k1":
+        v = r
+    elif estimator == "k2":
+        v = r ** 2 / 2
+    else:
+        rr = r.clamp(min=-10)
+        v = torch.exp(-rr) - 1 + rr
+    return v.clamp(-10, 10)
+
+
+def reference_windows(hf, batch, extra, spec, windows, lr=LR, clip=CLIP):
+    """Window by window in float64 from the HF weights: each window's loss at the current parameters
+    (autograd), clip_grad_norm_, one AdamW step (state kept across windows). Loss: forward KL of
+    w* = extra["target"] against softmax(s), s = mean over kept tokens of clip(log pi - old) + delta
+    (LPO), or the PPO-clip token surrogate (pg); plus kl_coef x the token-mean KL estimator to
+    extra["base_log_probs"] and minus entropy_coef x the token-mean entropy, both over the window.
+    Returns (grad norms, final state dict)."""
+    ref = copy.deepcopy(hf).double().train()
+    opt = torch.optim.AdamW(ref.parameters(), lr=lr, betas=(0.9, 0.95), eps=EPS, weight_decay=0.0)
+    norms = []
+    lo, hi = spec.clip_eps if isinstance(spec.clip_eps, tuple) else (spec.clip_eps, spec.clip_eps)
+    for idx in windows:
+        idx = torch.as_tensor(idx)
+        sub = {k: v[idx] for k, v in batch.items()}
+        ex = {k: v[idx] for k, v in extra.items()}
+        logp, ent = hf_logp_entropy(ref, sub)
+        mask = sub["action_mask"].double()
+        old = ex["old_log_probs"].double()
+        if spec.name == "pg":
+            ratio = torch.exp(logp - old)
+            adv = ex["advantages"].double().unsqueeze(-1)
+            surr = -torch.minimum(ratio * adv, ratio.clamp(1 - lo, 1 + hi) * adv)
+            loss = ((surr * mask).sum(-1) / mask.sum(-1)).mean()
+        else:
+            keep = ex.get("keep", mask).double()
+            r = (logp - old).clamp(math.log(1 - lo), math.log(1 + hi))
+            s = (r * keep).sum(-1) / keep.sum(-1).clamp(min=1) + ex.get("delta", torch.zeros(len(idx))).double()
+            w = ex["target"].double().view(-1, K)
+            log_p = torch.log_softmax(s.view(-1, K), -1)
+            loss = (w * (w.log() - log_p)).sum(-1).mean()
+        T = mask.sum()
+        if spec.kl_coef:
+            kl = _kl_estimate(logp - ex["base_log_probs"].double(), spec.kl_estimator)
+            loss = loss + spec.kl_coef * (kl * mask).sum() / T
+        if spec.entropy_coef:
+            loss = loss - spec.entropy_coef * (ent * mask).sum() / T
+        opt.zero_grad()
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)))
+        opt.step()
+    return norms, {k: v.detach() for k, v in ref.state_dict().items()}
+
+
+def check_kl_entropy():
+    """--algo.kl.use_loss (k1/k2/k3 against reference log-probs) and --actor.entropy_coef on Megatron:
+    token means over the optimizer window, as the DeepSpeed trainer normalises them; grad norm and
+    updated weights vs the float64 reference in TP1 (DP4), TP2 (DP2), PP2 (DP2), listwise and PG (the loss
+    path's terms are shared by the surrogate). The reference without the terms differs (they matter)."""
+    cfg, hf, hf_sd, batch, rewards, ref_lp, old = reference_inputs()
+    g = torch.Generator().manual_seed(11)
+    base = (ref_lp + 0.3 * torch.randn(ref_lp.shape, generator=g, dtype=torch.float64)).float() * batch["action_mask"]
+    target = listwise.gibbs_target(rewards, listwise.group_temperature(rewards, "std")).reshape(-1).float()
+    adv = listwise.pg_advantages(rewards, "grpo").reshape(-1).float()
+    extra = {"old_log_probs": old, "target": target, "advantages": adv, "base_log_probs": base}
+    rec = {}
+    cases = [  # tp, pp, loss, estimator, kl coef, entropy coef, micro-batch size
+        (1, 1, "listwise", "k3", 0.5, 0.05, 2),
+        (2, 1, "listwise", "k1", 0.5, 0.05, 2),
+        (1, 2, "pg", "k2", 0.3, 0.02, 2),
+    ]
+    for tp, pp, name, est, kl, ent, mbs in cases:
+        spec = LossSpec(name=name, group_size=K, clip_eps=0.2, kl_coef=kl, kl_estimator=est, entropy_coef=ent)
+        ref_norms, ref_sd = reference_windows(hf, batch, extra, spec, [list(range(G * K))])
+        plain_norm = reference_windows(hf, batch, extra, LossSpec(name=name, group_size=K, clip_eps=0.2),
+                                       [list(range(G * K))])[0][0]
+        actor = MegatronActor(cfg, MegatronActorConfig(tp=tp, pp=pp, micro_batch_size=mbs, lr=LR, adam_eps=EPS,
+                                                       clip_grad=CLIP), hf_weights=hf_sd)
+        m = actor.train_step(dp_slice({**batch, **extra}, actor), spec)
+        rec[f"tp{tp}pp{pp}/{name}/{est}"] = {
+            "grad_norm": m["grad_norm"], "grad_norm_ref": ref_norms[0], "grad_norm_without_terms": plain_norm,
+            "weights_vs_ref": state_maxdiff(dict(actor.export_hf_weights()), ref_sd, True), "kl": m.get("kl")}
+        del actor
+    results["checks"]["kl_entropy"] = rec
+
+
+def check_lr_schedule():
+    """--actor.lr_scheduler cosine_with_min_lr --actor.lr_warmup_ratio 0.03 (OpenRLHF's defaults) over
+    40 steps: the learning rate of every optimizer step (what the Megatron optimizer's groups hold when
+    it steps), the weights unchanged by step 0 (warmup starts at 0), and a resume after step 3 in a
+    fresh actor continuing the sequence (TP2 x DP2)."""
+    cfg, hf, hf_sd, batch, rewards, ref_lp, old = reference_inputs()
+    target = listwise.gibbs_target(rewards, listwise.group_temperature(rewards, "std")).reshape(-1).float()
+    data = dict(batch, old_log_probs=old, target=target)
+    spec = LossSpec(name="listwise", group_size=K)
+    mk = lambda: MegatronActor(cfg, MegatronActorConfig(  # noqa: E731
+        tp=2, micro_batch_size=2, lr=LR, adam_eps=EPS, clip_grad=CLIP, lr_scheduler="cosine_with_min_lr",
+        lr_warmup_ratio=0.03, min_lr_ratio=0.1, scheduler_steps=40), hf_weights=hf_sd)
+    actor = mk()
+    seen = []
+    orig_step = type(actor.optimizer).step
+
+    def recording_step(opt, *a, **k):
+        seen.append(sorted({round(g["lr"], 15) for g in opt.param_groups}))
+        return orig_step(opt, *a, **k)
+
+    type(actor.optimizer).step = recording_step
+    rec = {}
+    try:
+        lrs = []
+        for i in range(6):
+            m = actor.train_step(dp_slice(data, actor), spec)
+            lrs.append(m["lr"])
+            if i == 0:
+                rec["step0_moved"] = max(float((v - hf_sd[k]).abs().max()) for k, v in actor.export_hf_weights())
+            if i == 2:
+                actor.save_checkpoint(os.path.join(OUT, "lr_ckpt"))
+        rec["lrs"] = lrs
+        rec["optimizer_group_lrs"] = seen[:]
+        rec["actor_lr_after"] = actor.lr_schedule.lr
+        fresh = mk()
+        fresh.load_checkpoint(os.path.join(OUT, "lr_ckpt"))
+        rec["resumed_lrs"] = [fresh.train_step(dp_slice(data, fresh), spec)["lr"] for _ in range(3)]
+        del fresh
+    finally:
+        type(actor.optimizer).step = orig_step
+    del actor
+    results["checks"]["lr_schedule"] = rec
+
+
+def _policy_args(**over):
+    """The Ray policy actor's namespace (the flags fit() reads), overridable per check."""
+    args = NS(
+        megatron=NS(tp=2, pp=1, vpp=1, params_dtype="fp32", distributed_optimizer=False),
+        actor=NS(adam=NS(lr=LR, betas=(0.9, 0.95), eps=EPS, weight_decay=0.0), max_norm=CLIP, eps_clip=0.2,
+                 eps_clip_low_high=(0.2, 0.2), gradient_checkpointing_enable=False, entropy_coef=0.0,
+                 loss_agg_mode="seq-mean-token-mean", dual_clip=None, policy_loss_type="ppo"),
+        train=NS(micro_batch_size=1, batch_size=8, max_epochs=1, dynamic_batch_enable=False, max_tokens_per_gpu=0),
+        rollout=NS(temperature=1.0, n_samples_per_prompt=K),
+        algo=NS(advantage=NS(estimator="lpo", is_correction_level="off", is_correction_mode="clip",
+                             is_correction_gating="ratio", is_correction_threshold=(0.5, 5.0)),
+                kl=NS(use_loss=False, init_coef=0.0, estimator="k1", unbiased_gradient=False)),
+        lpo=NS(divergence="fwd", projection="listwise", force_two_pass=False, end_kl=False),
+        ckpt=NS(path=os.path.join(OUT, "pa_ckpt"), load_enable=False, save_hf=False,
+                output_dir=os.path.join(OUT, "pa_final"), max_num=3, max_mem=float("inf")),
+        vllm=NS(sync_backend="gloo", sync_with_ray=False, enable_prefix_caching=False), seed=42,
+    )
+    for dotted, v in over.items():
+        node = args
+        parts = dotted.split("__")
+        for part in parts[:-1]:
+            node = getattr(node, part)
+        setattr(node, parts[-1], v)
+    return args
+
+
+def _policy_actor(model_dir, **over):
+    from openrlhf_lpo.megatron.ray_actor import plain_class
+
+    cls = plain_class()
+    pa = cls.__new__(cls)
+    pa.init_model_from_pretrained(NS(args=_policy_args(**over)), model_dir, max_steps=8, vllm_engines=None)
+    return pa
+
+
+def _tiny_dir():
+    from openrlhf_lpo.tiny import build_tiny_model
+
+    model_dir = os.path.join(OUT, "tiny_train")
+    if RANK == 0 and not os.path.exists(os.path.join(model_dir, "config.json")):
+        build_tiny_model(model_dir, arch="qwen3", seed=0, hidden_size=64, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=16, intermediate_size=128)
+    dist.barrier()
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    return model_dir, hf
+
+
+def _lpo_batch(n_groups, seed, vocab=64, plen=(2, 6), rlen=(1, 8)):
+    """n_groups x K sequences in OpenRLHF's layout (left-padded prompts, right-padded responses; the
+    action mask covers only the response), varied lengths, group g = rows g*K .. g*K+K-1."""
+    g = torch.Generator().manual_seed(seed)
+    Pw, Aw = plen[1], rlen[1]
+    B = n_groups * K
+    seq = torch.zeros(B, Pw + Aw, dtype=torch.long)
+    am = torch.zeros_like(seq)
+    act = torch.zeros(B, Aw, dtype=torch.bool)
+    for gi in range(n_groups):
+        p = int(torch.randint(plen[0], plen[1] + 1, (1,), generator=g))
+        prompt = torch.randint(3, vocab, (p,), generator=g)
+        for k in range(K):
+            b = gi * K + k
+            r = int(torch.randint(rlen[0], rlen[1] + 1, (1,), generator=g))
+            seq[b, Pw - p:Pw] = prompt
+            seq[b, Pw:Pw + r] = torch.randint(3, vocab, (r,), generator=g)
+            am[b, Pw - p:Pw + r] = 1
+            act[b, :r] = True
+    rewards = torch.rand(n_groups, K, generator=g).round(decimals=1)
+    rewards[0] = torch.tensor([1.0, 0.0])
+    return {"sequences": seq, "attention_mask": am, "action_mask": act}, rewards
+
+
+def _append(pa, batch, rows, info, behaviour=None, advantages=None, per=2):
+    """This replica's rows as OpenRLHF experiences of ``per`` samples, old log-probs from the actor."""
+    if advantages is not None and advantages.dim() == 1:  # OpenRLHF's advantages are per token
+        advantages = advantages.unsqueeze(1) * batch["action_mask"]
+    for j in range(0, len(rows), per):
+        idx = torch.as_tensor(rows[j:j + per])
+        exp = NS(sequences=batch["sequences"][idx], attention_mask=batch["attention_mask"][idx],
+                 action_mask=batch["action_mask"][idx], advantages=None if advantages is None else advantages[idx],
+                 info={k: v[idx] for k, v in info.items()})
+        exp.action_log_probs = pa.forward(exp.sequences, exp.action_mask, exp.attention_mask)
+        if behaviour is not None:
+            exp.rollout_log_probs = behaviour[idx]
+        pa.append(exp)
+
+
+def _gids_to_rows(gids):
+    return [g * K + k for g in gids for k in range(K)]
+
+
+def check_offpolicy_fit():
+    """The listwise off-policy target through the Ray policy actor's fit (TP2 x DP2, micro-batch 1 < K,
+    2 windows x 2 epochs): --algo.advantage.is_correction_level token in clip and mask modes, s_t = delta
+    from the behaviour log-probs (rollout_log_probs) as the DeepSpeed trainer maps it; every step's grad
+    norm and the final weights equal the window-by-window float64 reference. The first window takes c
+    from s_t (no pre-pass): forwards are counted (shortcut, then pre-pass, pre-pass, pre-pass)."""
+    import numpy as np
+
+    from openrlhf_lpo.openrlhf.offpolicy import BehaviourCorrection, behaviour_log_ratio
+
+    model_dir, hf = _tiny_dir()
+    hf_sd = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    n_groups = 4
+    batch, rewards = _lpo_batch(n_groups, seed=21)
+    mask = batch["action_mask"]
+    rec = {}
+    for mode in ("clip", "mask"):
+        pa = _policy_actor(model_dir, algo__advantage__is_correction_level="token",
+                           algo__advantage__is_correction_mode=mode, algo__advantage__is_correction_threshold=(0.8, 1.25),
+                           train__batch_size=4, train__max_epochs=2, ckpt__path=os.path.join(OUT, f"off_{mode}"))
+        dp, r = pa.actor.ps.get_data_parallel_world_size(), pa.actor.ps.get_data_parallel_rank()
+        with torch.no_grad():
+            old_full = pa.actor.log_probs(batch).cpu().float()
+        g = torch.Generator().manual_seed(5)
+        behaviour = (old_full + 0.2 * torch.randn(old_full.shape, generator=g)) * mask  # an older policy
+        corr = BehaviourCorrection(mode, 0.8, 1.25)
+        delta = behaviour_log_ratio(old_full, behaviour, mask, corr)
+        tau = listwise.group_temperature(rewards, "std")
+        target = listwise.gibbs_target(rewards.double(), tau.double(), prev_log_ratio=delta.view(-1, K)).reshape(-1)
+        gid = torch.arange(n_groups).repeat_interleave(K)
+        info = {"lpo_target": target, "lpo_gid": gid, "lpo_prev_log_ratio": delta}
+        mine = _gids_to_rows(range(r * n_groups // dp, (r + 1) * n_groups // dp))
+        _append(pa, batch, mine, info, behaviour=behaviour)
+        before = pa.actor.forwards
+        st = pa.fit()
+        forwards = pa.actor.forwards - before
+        plan = pa.last_plan
+        # the global groups of each step: this replica's window + the other replica's
+        mine_g = [sorted({int(gid[torch.as_tensor(mine)[i]]) for i in p["samples"]}) for p in plan]
+        allg = [None] * dist.get_world_size()
+        dist.all_gather_object(allg, mine_g)
+        windows = [sorted(set().union(*(a[w] for a in allg))) for w in range(len(plan))]
+        # the independent reference: its own delta, keep mask and target (numpy float64)
+        ell = old_full.double().numpy() - behaviour.double().numpy()
+        m_np = mask.numpy()
+        lo_b, hi_b = math.log(0.8), math.log(1.25)
+        if mode == "clip":
+            keep = m_np.astype(bool)
+            d_ref = (np.clip(ell, lo_b, hi_b) * keep).sum(1) / np.maximum(keep.sum(1), 1)
+        else:
+            keep = m_np.astype(bool) & (ell >= lo_b) & (ell <= hi_b)
+            d_ref = (ell * keep).sum(1) / np.maximum(keep.sum(1), 1)
+        rw = rewards.double().numpy()
+        w_ref = []
+        for gi in range(n_groups):
+            rr = rw[gi]
+            logits = (rr - rr.mean()) / rr.std(ddof=1) + d_ref[gi * K:(gi + 1) * K] if rr.max() > rr.min() \
+                else d_ref[gi * K:(gi + 1) * K]
+            e = np.exp(logits - logits.max())
+            w_ref.append(e / e.sum())
+        extra = {"old_log_probs": old_full, "target": torch.tensor(np.concatenate(w_ref)),
+                 "delta": torch.tensor(d_ref), "keep": torch.tensor(keep)}
+        spec = LossSpec(name="listwise", group_size=K, clip_eps=0.2)
+        ref_norms, ref_sd = reference_windows(hf, batch, extra, spec, [_gids_to_rows(w) for w in windows])
+        final = dict(pa.actor.export_hf_weights())
+        rec[mode] = {"modes": [p["mode"] for p in plan], "grad_norms": [p["grad_norm"] for p in plan],
+                     "grad_norms_ref": ref_norms, "weights_vs_ref": state_maxdiff(final, ref_sd, hf.config.tie_word_embeddings),
+                     "weights_moved": max(float((final[k] - hf_sd[k]).abs().max()) for k in final),
+                     "forwards": forwards, "micro": [p["micro"] for p in plan],
+                     "delta_abs_max": float(delta.abs().max()),
+                     "delta_vs_ref": float((delta - torch.tensor(d_ref)).abs().max()),
+                     "shortcut_windows": st["lpo/shortcut_windows"], "pre_pass_windows": st["lpo/pre_pass_windows"]}
+        del pa
+    results["checks"]["offpolicy_fit"] = rec
+
+
+def check_dynamic_batching():
+    """--train.dynamic_batch_enable --train.max_tokens_per_gpu through fit: token-budget micro-batches of
+    unequal token counts, counts agreed over the replicas, in TP2 x PP2 (4 ranks, 1 replica) and PP2 x DP2
+    (2 replicas holding different token totals); LPO one-pass (every group fits), LPO with groups over the
+    budget (first window from s_t), and GRPO; one window each, grad norm and weights vs the float64
+    reference."""
+    model_dir, hf = _tiny_dir()
+    n_groups = 4
+    batch, rewards = _lpo_batch(n_groups, seed=33, plen=(2, 9), rlen=(1, 10))
+    lengths = batch["attention_mask"].sum(1)
+    tau = listwise.group_temperature(rewards, "std")
+    target = listwise.gibbs_target(rewards.double(), tau.double()).reshape(-1)
+    gid = torch.arange(n_groups).repeat_interleave(K)
+    adv = listwise.pg_advantages(rewards, "grpo").reshape(-1).float()
+    rec = {"lengths": lengths.tolist()}
+    group_max = int(max(lengths.view(-1, K).sum(1)))
+    for layout, tp, pp in (("tp2pp2", 2, 2), ("pp2dp2", 1, 2)):
+        for name, est, budget in (("lpo_whole", "lpo", group_max + 4), ("lpo_split", "lpo", int(lengths.max()) + 2),
+                                  ("grpo", "group_norm", int(lengths.max()) + 6)):
+            pa = _policy_actor(model_dir, megatron__tp=tp, megatron__pp=pp, algo__advantage__estimator=est,
+                               train__dynamic_batch_enable=True, train__max_tokens_per_gpu=budget,
+                               train__batch_size=n_groups * K, train__micro_batch_size=1,
+                               ckpt__path=os.path.join(OUT, f"dyn_{layout}_{name}"))
+            dp, r = pa.actor.ps.get_data_parallel_world_size(), pa.actor.ps.get_data_parallel_rank()
+            with torch.no_grad():
+                old_full = pa.actor.log_probs(batch).cpu().float()
+            # replica 1 gets the two longest groups: unequal token totals across replicas
+            order = sorted(range(n_groups), key=lambda gi: int(lengths.view(-1, K)[gi].sum()))
+            mine_groups = order[r * n_groups // dp:(r + 1) * n_groups // dp]
+            mine = _gids_to_rows(mine_groups)
+            info = {"lpo_target": target, "lpo_gid": gid, "lpo_prev_log_ratio": torch.zeros(n_groups * K, dtype=torch.float64)}
+            _append(pa, batch, mine, info, advantages=adv if est != "lpo" else None)
+            pa.fit()
+            plan = pa.last_plan
+            spec = LossSpec(name="listwise" if est == "lpo" else "pg", group_size=K, clip_eps=0.2)
+            extra = {"old_log_probs": old_full, "target": target, "advantages": adv}
+            ref_norms, ref_sd = reference_windows(hf, batch, extra, spec, [list(range(n_groups * K))])
+            final = dict(pa.actor.export_hf_weights())
+            counts = [None] * dist.get_world_size()
+            dist.all_gather_object(counts, [p["micro"] for p in plan])
+            rec[f"{layout}/{name}"] = {"budget": budget, "modes": [p["mode"] for p in plan],
+                                       "micro": [p["micro"] for p in plan],
+                                       "micro_tokens": [p["micro_tokens"] for p in plan],
+                                       "counts_all_ranks": [[len(m) for m in c] for c in counts],
+                                       "local_count": plan[0]["local_micro_count"],
+                                       "grad_norm": plan[0]["grad_norm"], "grad_norm_ref": ref_norms[0],
+                                       "weights_vs_ref": state_maxdiff(final, ref_sd, hf.config.tie_word_embeddings)}
+            del pa
+    results["checks"]["dynamic_batching"] = rec
+
+
+def check_pg_partial_batch():
+    """Cluster review F1 (520 vs 512 samples at a window of 512), scaled down: GRPO on a partial batch dealt
+    66 vs 64 samples to two replicas (--train.batch_size 128: window 64 per replica). Before, replica 0 ran 2 optimizer steps and
+    replica 1 one, and replica 0's second step waited in the DP all-reduce until the timeout. Now both
+    run the same number of steps (TP2 x DP2); every rank finishes."""
+    model_dir, hf = _tiny_dir()
+    t = time.time()
+    pa = _policy_actor(model_dir, algo__advantage__estimator="group_norm", train__batch_size=128,
+                       train__micro_batch_size=8, ckpt__path=os.path.join(OUT, "pg_partial"))
+    dp, r = pa.actor.ps.get_data_parallel_world_size(), pa.actor.ps.get_data_parallel_rank()
+    n = 66 if r == 0 else 64
+    g = torch.Generator().manual_seed(r)
+    seq = torch.randint(3, 64, (n, 6), generator=g)
+    am = torch.ones_like(seq)
+    act = torch.ones(n, 3, dtype=torch.bool)
+    adv = torch.randn(n, generator=g)
+    exp = NS(sequences=seq, attention_mask=am, action_mask=act, advantages=adv.unsqueeze(1) * act, info={})
+    exp.action_log_probs = pa.forward(seq, act, am)
+    pa.append(exp)
+    st = pa.fit()
+    results["checks"]["pg_partial_batch"] = {
+        "samples": n, "optimizer_steps": st["optimizer_steps"], "windows": [len(p["samples"]) for p in pa.last_plan],
+        "grad_norms": [p["grad_norm"] for p in pa.last_plan], "seconds": time.time() - t}
+    del pa
+
+
+class _SyncCounter(torch.overrides.TorchFunctionMode):
+    """Counts calls that make the host wait for the device (.item(), .tolist(), bool/int/float of a
+    tensor, nonzero, boolean-mask indexing) whose caller is this project's code (openrlhf_lpo/), not
+    megatron's or torch's own."""
+
+    SYNCS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__,
+             torch.Tensor.__float__, torch.Tensor.nonzero, torch.nonzero, torch.Tensor.masked_select,
+             torch.masked_select}
+
+    def __init__(self):
+        super().__init__()
+        self.hits = []
+        self.root = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                 "openrlhf_lpo")
+
+    def _ours(self):
+        f = sys._getframe(2)
+        while f is not None:
+            name = f.f_code.co_filename
+            if "/torch/" not in name and name != __file__:
+                return name.startswith(self.root), f"{os.path.basename(name)}:{f.f_lineno}"
+            f = f.f_back
+        return False, ""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        sync = func in self.SYNCS
+        if func is torch.Tensor.__getitem__ and len(args) > 1:
+            idx = args[1] if isinstance(args[1], tuple) else (args[1],)
+            sync = any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in idx)
+        if sync:
+            ours, where = self._ours()
+            if ours:
+                self.hits.append(where)
+        return func(*args, **kwargs)
+
+
+def check_syncs_and_rows():
+    """Cluster review F11, counted: host syncs made by this project's code inside megatron's schedule
+    (the loss path) during a training step with 1 and with 4 micro-batches (listwise + KL + entropy, PG
+    with IS correction): none. The CE / entropy inputs hold the response rows only (OpenRLHF's action
+    mask spans prompt + response, 0 on the prompt). The rope-fusion switch follows the layer spec."""
+    from megatron.core import pipeline_parallel, tensor_parallel
+
+    from openrlhf_lpo.megatron import actor as actor_mod
+
+    model_dir, hf = _tiny_dir()
+    hf_sd = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    cfg = hf.config
+    # OpenRLHF 0.11.2 layout: action_mask is [B, S-1] and 0 over the prompt
+    batch, rewards = _lpo_batch(4, seed=44)
+    S = batch["sequences"].shape[1]
+    act = torch.zeros(batch["sequences"].shape[0], S - 1, dtype=torch.bool)
+    act[:, -batch["action_mask"].shape[1]:] = batch["action_mask"]
+    batch = dict(batch, action_mask=act)
+    rec = {"response_tokens": int(act.sum()),
+           "predictable_tokens": int(sum(int(a.sum()) - 1 for a in batch["attention_mask"]))}
+    ce_rows = []
+    orig_ce = tensor_parallel.vocab_parallel_cross_entropy
+
+    def counting_ce(logits, target, *a, **k):
+        ce_rows.append(int(logits.shape[0]))
+        return orig_ce(logits, target, *a, **k)
+
+    orig_fb = pipeline_parallel.get_forward_backward_func
+    counter = _SyncCounter()
+
+    def counted_fb():
+        fb = orig_fb()
+
+        def run(*a, **k):
+            with counter:
+                return fb(*a, **k)
+
+        return run
+
+    tensor_parallel.vocab_parallel_cross_entropy = counting_ce
+    pipeline_parallel.get_forward_backward_func = counted_fb
+    try:
+        actor = MegatronActor(cfg, MegatronActorConfig(tp=2, micro_batch_size=4, lr=LR, adam_eps=EPS, clip_grad=CLIP),
+                              hf_weights=hf_sd)
+        rec["apply_rope_fusion"] = actor.tconfig.apply_rope_fusion
+        ce_rows.clear()
+        lp = actor.log_probs(batch).cpu()
+        rec["logp_ce_rows"] = sum(ce_rows)  # every rank of the replica scores the whole batch
+        rec["logp_zero_outside_mask"] = float((lp * (~act)).abs().max())
+        ce_rows.clear()
+        target = listwise.gibbs_target(rewards, listwise.group_temperature(rewards, "std")).reshape(-1).float()
+        adv = listwise.pg_advantages(rewards, "grpo").reshape(-1).float()
+        data = dict(batch, old_log_probs=lp + 0.01, target=target, base_log_probs=lp - 0.02, advantages=adv,
+                    rollout_log_probs=lp + 0.03)
+        local = dp_slice(data, actor)
+        n_local = local["sequences"].shape[0]
+        for name, spec in (
+            ("listwise_kl_entropy", LossSpec(name="listwise", group_size=K, kl_coef=0.1, kl_estimator="k3",
+                                             entropy_coef=0.01)),
+            ("pg_is_correction", LossSpec(name="pg", group_size=K, clip_eps=(0.2, 0.2),
+                                          is_correction=("token", "clip", "ratio", (0.5, 5.0)))),
+        ):
+            for n_micro in (1, n_local // K * 2 if name.startswith("pg") else n_local // K):
+                per = n_local // n_micro
+                micro = [list(range(i, i + per)) for i in range(0, n_local, per)]
+                counter.hits.clear()
+                ce_rows.clear()
+                actor.train_step(local, spec, micro_batches=micro)
+                rec[f"{name}/micro{n_micro}"] = {"syncs": list(counter.hits), "ce_rows": sum(ce_rows),
+                                                 "local_response_tokens": int(local["action_mask"].sum())}
+        del actor
+    finally:
+        tensor_parallel.vocab_parallel_cross_entropy = orig_ce
+        pipeline_parallel.get_forward_backward_func = orig_fb
+    rec["te_overrides"] = actor_mod.config_overrides(True)
+    results["checks"]["syncs_and_rows"] = rec
+
+
 class _CollectiveRecorder:
     """Wraps torch.distributed collectives: every tensor must be on its group's device."""
 
@@ -874,8 +1394,19 @@ def main():
         check_reshard()
         check_nodes()
         check_policy_actor()
+        check_kl_entropy()
+        check_lr_schedule()
+        check_offpolicy_fit()
+        check_dynamic_batching()
+        check_pg_partial_batch()
+        check_syncs_and_rows()
         results["collectives"] = {"calls": RECORDER.calls, "mismatches": RECORDER.mismatches[:10]}
         results["groups"] = process_group_census()
+    elif which.startswith("only:"):  # development: MCORE_WORKER_SUITE=only:check_a,check_b
+        for name in which[5:].split(","):
+            t = time.time()
+            globals()[name]()
+            results.setdefault("check_seconds", {})[name] = round(time.time() - t, 1)
     results["seconds"] = time.time() - T0
 
 

@@ -51,12 +51,11 @@ def test_stock_flags_reach_the_megatron_config(tiny_dir):
         (["--megatron.pp", "3"], "world size 4"),
         (["--megatron.tp", "4"], "num_key_value_heads=2"),
         (["--megatron.pp", "4"], "num_hidden_layers=2"),
-        (["--actor.entropy_coef", "0.01"], "--actor.entropy_coef"),
         (["--train.colocate_all"], "--train.colocate_all is not supported with --backend megatron"),
-        (["--algo.advantage.is_correction_level", "token"], "is_correction_level token"),
         (["--megatron.tp", "4", "--actor.num_gpus_per_node", "2", "--actor.num_nodes", "2"],
          "must divide --actor.num_gpus_per_node 2"),
-        (["--actor.lr_scheduler", "cosine_with_min_lr"], "--actor.lr_scheduler constant"),
+        (["--actor.lr_scheduler", "reduce_lr_on_plateau"], "--actor.lr_scheduler reduce_lr_on_plateau: OpenRLHF's"),
+        (["--actor.lr_scheduler", "warmup_stable_decay"], "the DeepSpeed backend fails on it too"),
         (["--megatron.timeout_minutes", "0"], "--megatron.timeout_minutes must be >= 1"),
     ],
 )
@@ -73,16 +72,16 @@ def test_bad_megatron_layouts_exit_2(tiny_dir, capsys, extra, needle):
 @pytest.mark.parametrize(
     "extra,needle",
     [
-        (["--ds.packing_samples"], "--ds.packing_samples is not supported with --backend megatron"),
-        (["--train.dynamic_batch_enable"], "--train.dynamic_batch_enable is not supported with --backend megatron"),
-        (["--ds.ring_attn_size", "2"], "--ds.ring_attn_size > 1 is not supported with --backend megatron"),
-        (["--ds.tensor_parallel_size", "2"], "--ds.tensor_parallel_size > 1 (use --megatron.tp) is not supported"),
-        (["--ds.enable_sleep"], "--ds.enable_sleep is not supported with --backend megatron"),
-        (["--train.enable_ema"], "--train.enable_ema is not supported with --backend megatron"),
-        (["--ds.lora.rank", "8"], "--ds.lora.rank is not supported with --backend megatron"),
-        (["--algo.kl.use_loss"], "--algo.kl.use_loss is not supported with --backend megatron"),
-        (["--actor.aux_loss_coef", "0.1"], "--actor.aux_loss_coef is not supported with --backend megatron"),
-        (["--actor.lr_warmup_ratio", "0.1"], "--actor.lr_warmup_ratio 0.1 (the Megatron actor keeps"),
+        (["--ds.ring_attn_size", "2"], "--ds.ring_attn_size > 1 is not supported with --backend megatron: ring"),
+        (["--ds.tensor_parallel_size", "2"], "--ds.tensor_parallel_size > 1 is not supported with --backend "
+                                             "megatron: DeepSpeed tensor parallelism; use --megatron.tp"),
+        (["--ds.enable_sleep"], "--ds.enable_sleep is not supported with --backend megatron: offloading"),
+        (["--train.enable_ema"], "--train.enable_ema is not supported with --backend megatron: the Megatron actor "
+                                 "keeps no EMA copy"),
+        (["--ds.lora.rank", "8"], "--ds.lora.rank is not supported with --backend megatron: the Megatron actor "
+                                  "trains full weights"),
+        (["--actor.aux_loss_coef", "0.1"], "--actor.aux_loss_coef is not supported with --backend megatron: the "
+                                           "mixture-of-experts"),
         (["--megatron.vpp", "2"], "--megatron.vpp 2 needs --megatron.pp > 1"),
         (["--train.batch_size", "6"], "--train.batch_size 6 must be divisible by the Megatron data-parallel size 4"),
         (["--train.batch_size", "6", "--megatron.tp", "2", "--actor.num_gpus_per_node", "8"],
@@ -128,14 +127,7 @@ def test_unsupported_or_unreadable_models_are_refused(tmp_path, capsys):
     assert _parse(_argv(str(gpt2))).backend == "deepspeed"
 
 
-@pytest.mark.parametrize(
-    "train,algo,needle",
-    [
-        ({"colocate_all": True}, {"is_correction_level": "off"}, "--train.colocate_all is not supported"),
-        ({"colocate_all": False}, {"is_correction_level": "token"}, "--algo.advantage.is_correction_level token"),
-    ],
-)
-def test_the_ray_actor_refuses_again_at_start_up(train, algo, needle):
+def test_the_ray_actor_refuses_again_at_start_up():
     """The refusals hold for a namespace that skipped the CLI (checked again before any process group)."""
     from types import SimpleNamespace as NS
 
@@ -143,12 +135,33 @@ def test_the_ray_actor_refuses_again_at_start_up(train, algo, needle):
 
     from openrlhf_lpo.megatron.ray_actor import MegatronPolicyActor
 
-    args = NS(train=NS(**train), algo=NS(advantage=NS(**algo)))
+    args = NS(train=NS(colocate_all=True), algo=NS(advantage=NS(is_correction_level="token")))
     actor = MegatronPolicyActor()
     before = dist.is_initialized()
-    with pytest.raises(ValueError, match=re.escape(needle)):
+    with pytest.raises(ValueError, match=re.escape("--train.colocate_all is not supported")):
         actor.init_model_from_pretrained(NS(args=args), "unused")
     assert dist.is_initialized() == before and not hasattr(actor, "actor")  # refused before any set-up
+
+
+@pytest.mark.parametrize("extra", [
+    [],  # OpenRLHF's defaults: --actor.lr_scheduler cosine_with_min_lr, --actor.lr_warmup_ratio 0.03
+    ["--algo.kl.use_loss", "--algo.kl.init_coef", "0.01", "--algo.kl.estimator", "k3", "--actor.entropy_coef", "0.01"],
+    ["--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", "4096", "--ds.packing_samples"],
+    ["--train.async_enable", "--train.partial_rollout_enable", "--algo.advantage.is_correction_level", "token",
+     "--algo.advantage.is_correction_mode", "clip", "--algo.advantage.is_correction_threshold", "0.5", "5.0",
+     "--vllm.enable_prefix_caching"],
+])
+def test_deepspeed_recipes_options_parse_on_megatron(tiny_dir, extra):
+    """What a DeepSpeed user's recipe passes (the default learning-rate schedule, KL loss, entropy bonus,
+    token budgets with packing, async + partial rollout + IS correction) is accepted with --backend megatron."""
+    argv = [a for a in _argv(tiny_dir, "--backend", "megatron", "--vllm.num_engines", "1", *extra)]
+    if not extra:  # drop the harness's constant schedule: the stock default must parse
+        i = argv.index("--actor.lr_scheduler")
+        del argv[i:i + 4]
+    a = _parse(argv)
+    assert a.backend == "megatron"
+    if not extra:
+        assert (a.actor.lr_scheduler, a.actor.lr_warmup_ratio) == ("cosine_with_min_lr", 0.03)
 
 
 def test_the_ray_actor_refuses_packed_sequences():
@@ -156,7 +169,7 @@ def test_the_ray_actor_refuses_packed_sequences():
 
     from openrlhf_lpo.megatron.ray_actor import MegatronPolicyActor
 
-    with pytest.raises(ValueError, match="--backend megatron does not support --ds.packing_samples"):
+    with pytest.raises(ValueError, match="packs each micro-batch itself .* not packed_seq_lens"):
         MegatronPolicyActor().forward(torch.ones(1, 4, dtype=torch.long), torch.ones(1, 2, dtype=torch.bool),
                                       torch.ones(1, 4, dtype=torch.long), packed_seq_lens=[4])
 
@@ -207,12 +220,18 @@ def test_megatron_group_returns_one_result_per_replica(monkeypatch):
 
         return NS(execute_batch=NS(remote=remote))
 
+    from openrlhf_lpo.megatron import ray_actor
+
     monkeypatch.setattr(launcher.ray, "put", lambda x: x)
+    waited = []
+    monkeypatch.setattr(ray_actor, "await_all_refs",  # the real one is a Ray task (tests/megatron/test_megatron_ray_failures.py)
+                        lambda refs, picked: waited.append(list(refs)) or [refs[i] for i in picked])
     g = MegatronActorGroup.__new__(MegatronActorGroup)
     g._actor_handlers = [handle(i) for i in range(4)]
     g.duplicate_actors = 2
     refs = g.async_run_method_batch("forward", x=[10, 11, 12, 13])
     assert refs == [(0, [10, 11]), (2, [12, 13])]
+    assert [[r[0] for r in w] for w in waited] == [[0, 1], [2, 3]]  # each replica's result waits on both its ranks
     assert sorted(c[0] for c in calls) == [0, 1, 2, 3]  # every rank of each replica ran
     assert calls[1] == (1, "forward", [10, 11]) and calls[3] == (3, "forward", [12, 13])
 

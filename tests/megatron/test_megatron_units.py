@@ -293,3 +293,30 @@ def test_lpo_train_checks_the_placement_before_any_actor(monkeypatch, capsys):
     assert "placement on the Ray cluster fits: node 0: Megatron actor TP group x2" in capsys.readouterr().err
     with pytest.raises(SystemExit, match=r"needs 16 GPUs .* nodes have \[8\] GPUs"):
         flags.check_cluster(_args(tp=4, gpn=8, engines=4, vtp=2))
+
+
+def test_partial_rollout_pause_resets_the_prefix_cache_before_the_weight_sync():
+    """Cluster review F13 against the installed code: with --train.partial_rollout_enable OpenRLHF wraps the
+    weight broadcast in pause_generation / resume_generation; its pause is vLLM's ``mode="keep"`` with the
+    default ``clear_cache=True``, and vLLM 0.29 completes that pause only after ``_finish_pause`` ->
+    ``_reset_caches(reset_running_requests=True)``: the running requests are preempted (their KV dropped,
+    recomputed at resume under the new weights) and the prefix cache is reset before any weight arrives.
+    The Megatron actor's own reset after the sync (``--vllm.enable_prefix_caching``) then finds no block in
+    use. OpenRLHF's engine method discards vLLM's boolean, so this contract is what guards the
+    combination: if upstream ever pauses with ``clear_cache=False`` or stops preempting, this fails."""
+    import inspect
+
+    from openrlhf.trainer import ppo_trainer_async
+    from openrlhf.trainer.ray import vllm_engine
+    from vllm.v1.engine import core
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    src = inspect.getsource(ppo_trainer_async.TrainingActor.broadcast_to_vllm)
+    assert src.index('"pause_generation"') < src.index("super().broadcast_to_vllm()") < src.index('"resume_generation"')
+    assert 'self.llm.pause_generation(mode="keep")' in inspect.getsource(vllm_engine.RolloutRayActor.pause_generation)
+    assert inspect.signature(AsyncLLM.pause_generation).parameters["clear_cache"].default is True
+    assert "engine._finish_pause(clear_cache)" in inspect.getsource(core.EngineCoreProc.pause_scheduler)
+    assert "self._reset_caches()" in inspect.getsource(core.EngineCore._finish_pause)
+    assert inspect.signature(core.EngineCore._reset_caches).parameters["reset_running_requests"].default is True
+    sched = inspect.getsource(__import__("vllm.v1.core.sched.scheduler", fromlist=["Scheduler"]).Scheduler.reset_prefix_cache)
+    assert "if reset_running_requests:" in sched and "self._preempt_request(" in sched

@@ -189,6 +189,24 @@ def make_rollout_samples(G, K, seed=0, vocab=(4, 90), pad_id=0):
     return samples
 
 
+def benchmark_inputs(root, G, K, resp_len, hidden, layers, seed=0):
+    """The benchmarks' tiny Qwen3 (hidden ``hidden``, ``layers`` layers) and G x K rollout samples with
+    responses of ~``resp_len`` tokens (uniform in [0.5, 1.5) x resp_len): (model_dir, samples)."""
+    model_dir = build_tiny_model(os.path.join(root, "tiny"), hidden_size=hidden, num_layers=layers, num_heads=4,
+                                 num_kv_heads=2, head_dim=hidden // 4, intermediate_size=3 * hidden)
+    gen = torch.Generator().manual_seed(seed)
+    samples = make_rollout_samples(G, K, seed=seed)
+    for s in samples:
+        plen = int(s.action_mask.shape[1] - s.action_mask.sum() + 1)
+        rlen = max(1, int(resp_len * (0.5 + torch.rand(1, generator=gen).item())))
+        seq = torch.cat([s.sequences[0, :plen], torch.randint(4, 90, (rlen,), generator=gen)])
+        mask = torch.zeros(seq.numel() - 1, dtype=torch.long)
+        mask[plen - 1:] = 1
+        s.sequences, s.attention_mask, s.action_mask = seq[None], torch.ones(1, seq.numel(), dtype=torch.long), mask[None]
+        s.response_length, s.total_length = torch.tensor([rlen]), torch.tensor([float(seq.numel())])
+    return model_dir, samples
+
+
 def check_matrix_row(row, rel_tol):
     """One exactness case: a non-trivial reference, every step within ``rel_tol`` of it, the expected
     source of c per window (two windows x two epochs; more with replayed groups), and P really moved
