@@ -488,7 +488,7 @@ def _dispatch(args) -> int:
     from .generate import JobsFailed
 
     if args.command == "_generate-one":
-        from .generate import generate_one_from_spec
+        from .launch import generate_one_from_spec
 
         generate_one_from_spec(args.spec)
         return 0
@@ -500,7 +500,7 @@ def _dispatch(args) -> int:
         return 0
     failed = None
     if args.command in ("generate", "run"):
-        from .generate import generate
+        from .launch import generate
 
         opts = _gen_options(args, announce=True)
         opts.sampling()  # validates temperature / top-p

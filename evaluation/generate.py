@@ -439,25 +439,6 @@ def check_options(opts: GenOptions) -> None:
                          "--no-per-request-seed (or run one engine per checkpoint without --dp / --shard)")
 
 
-def generate(ckpts: list[str], opts: GenOptions) -> GenReport:
-    """Generate for every checkpoint; vLLM (or ``isolate="always"``) gets one process per checkpoint, and
-    ``opts.dp > 1`` one engine process per device set (:mod:`evaluation.dp`).
-
-    Returns what happened; raises :class:`JobsFailed` after the other jobs finished if any failed.
-    """
-    check_options(opts)
-    if opts.dp > 1:
-        from .dp import generate_dp
-
-        report = generate_dp(ckpts, opts)
-    else:
-        report = generate_report(ckpts, opts)
-    if report.failed:
-        raise JobsFailed(f"{len(report.failed)} failed (the other jobs finished; rerun to resume):\n  "
-                         + "\n  ".join(report.failed))
-    return report
-
-
 def generate_report(ckpts: list[str], opts: GenOptions) -> GenReport:
     """:func:`generate` in this process (its shard of every job), failures in the report instead of raised."""
     checkpoints, bad = resolve_checkpoints(ckpts)
@@ -485,26 +466,6 @@ def _generate_in_subprocess(ck: Checkpoint, opts: GenOptions) -> GenReport:
         if result.exists():
             return GenReport(**json.loads(result.read_text()))
     return GenReport(failed=[f"{ck.source}: the generation process exited with code {rc} (its log is above)"])
-
-
-def generate_one_from_spec(spec_path: str) -> None:
-    """The internal ``_generate-one`` command: one checkpoint (``ckpt``) or, for a ``--dp`` engine
-    process, every checkpoint (``ckpts``) with its shard; writes the :class:`GenReport` to ``result``."""
-    with open(spec_path) as f:
-        spec = json.load(f)
-    opts = options_from_dict(spec["opts"])
-    register_custom_benchmarks(opts.data)
-    if "ckpts" in spec:
-        from .dp import worker_banner
-
-        worker_banner(opts)
-        try:
-            report = generate_report(spec["ckpts"], opts)
-        except ValueError as e:
-            report = GenReport(failed=[f"{', '.join(spec['ckpts'])}: {e}"])
-    else:
-        report = generate_checkpoint(Checkpoint(**spec["ckpt"]), opts)
-    Path(spec["result"]).write_text(json.dumps(dataclasses.asdict(report)))
 
 
 def options_from_dict(d: dict[str, Any]) -> GenOptions:

@@ -7,7 +7,8 @@ import pytest
 
 from evaluation.budget import parse_budgets
 from evaluation.cli import main
-from evaluation.generate import GenOptions, generate
+from evaluation.generate import GenOptions
+from evaluation.launch import generate
 from evaluation.report import report
 from evaluation.score import score
 

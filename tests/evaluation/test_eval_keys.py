@@ -11,7 +11,8 @@ import shutil
 import pytest
 
 from evaluation.checkpoints import checkpoint_id
-from evaluation.generate import GEN_FILE, GenOptions, generate
+from evaluation.generate import GEN_FILE, GenOptions
+from evaluation.launch import generate
 from evaluation.score import score
 
 SETTINGS = {"temperature": 0.9, "top_p": 0.5, "top_k": 5, "max_tokens": 7, "n": {"*": 3}, "seed": 1}

@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from evaluation.engines import ENGINES, Completion, register_engine
-from evaluation.generate import GEN_FILE, PARTIAL_SUFFIX, GenOptions, generate, recover_partial
+from evaluation.generate import GEN_FILE, PARTIAL_SUFFIX, GenOptions, recover_partial
+from evaluation.launch import generate
 from evaluation.report import report
 from evaluation.score import score
 

@@ -14,7 +14,8 @@ import pytest
 from evaluation.checkpoints import local_checkpoint, resolve_checkpoints, run_and_label
 from evaluation.cli import main
 from evaluation.engines import ENGINES, Completion, register_engine
-from evaluation.generate import GEN_FILE, GenOptions, JobsFailed, generate, plan_jobs
+from evaluation.generate import GEN_FILE, GenOptions, JobsFailed, plan_jobs
+from evaluation.launch import generate
 from evaluation.locks import JobBusy, JobLock
 from evaluation.report import collect, report
 from evaluation.score import score

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from evaluation.engines import HFEngine
-from evaluation.generate import GEN_FILE, GenOptions, generate, sample_seed
+from evaluation.generate import GEN_FILE, GenOptions, sample_seed
+from evaluation.launch import generate
 from evaluation.score import find_jobs, score
 from evaluation.shards import SHARD_DIR, Shard
 

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from evaluation.cli import main
-from evaluation.generate import GenOptions, generate
+from evaluation.generate import GenOptions
+from evaluation.launch import generate
 from evaluation.score import compute_metrics, score
 from evaluation.stats import bootstrap_means, combined_stderr, mean_stderr, paired_bootstrap
 
