@@ -371,13 +371,14 @@ def check_policy_actor():
             engine.hf.float()
         w = target.double().view(G, K)
 
-        def ref_kl(lp):
-            """Mean KL(w*||softmax(s)) with s from HF log-probs ``lp`` (clip band of eps 0.2)."""
-            s_ref = ((lp - old_full).clamp(math.log(0.8), math.log(1.2)) * mask).sum(1) / mask.sum(1)
+        def ref_kl(lp, delta=0.0):
+            """Mean KL(w*||softmax(s)) with s from HF log-probs ``lp`` (clip band of eps 0.2), plus ``delta``:
+            s_t rides in s as in the DeepSpeed trainer (offpolicy.py placement B)."""
+            s_ref = ((lp - old_full).clamp(math.log(0.8), math.log(1.2)) * mask).sum(1) / mask.sum(1) + delta
             p = torch.softmax(s_ref.view(G, K), 1)
             return float(torch.where(w > 0, w * (w.log() - p.log()), torch.zeros_like(w)).sum(1).mean())
 
-        rec["end_kl"] = [st1["lpo/kl_end"], ref_kl(new_lp)]
+        rec["end_kl"] = [st1["lpo/kl_end"], ref_kl(new_lp, prev)]
         logp_t = torch.log_softmax(prev.view(G, K), 1)
         rec["start_kl"] = [st1["lpo/kl_start"], float(torch.where(w > 0, w * (w.log() - logp_t), 0 * w).sum(1).mean())]
         rec["end_groups"] = st1["lpo/groups"]

@@ -72,7 +72,7 @@ def test_bad_megatron_layouts_exit_2(tiny_dir, capsys, extra, needle):
 @pytest.mark.parametrize(
     "extra,needle",
     [
-        (["--ds.ring_attn_size", "2"], "--ds.ring_attn_size > 1 is not supported with --backend megatron: ring"),
+        (["--ds.ring_attn_size", "2"], "--ds.ring_attn_size > 1 is not supported with --backend megatron: context parallelism"),
         (["--ds.tensor_parallel_size", "2"], "--ds.tensor_parallel_size > 1 is not supported with --backend "
                                              "megatron: DeepSpeed tensor parallelism; use --megatron.tp"),
         (["--ds.enable_sleep"], "--ds.enable_sleep is not supported with --backend megatron: offloading"),
