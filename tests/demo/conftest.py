@@ -36,18 +36,3 @@ def micro_tiny_model(tmp_path_factory):
 
     return str(build_tiny_model(tmp_path_factory.mktemp("m") / "micro", seed=3, hidden_size=32, num_layers=1,
                                 num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64))
-
-
-def inprocess_runs(model, methods, k, seeds, **cfg):
-    """{(method, k, seed): rows} of ``run_inprocess`` runs (RLConfig fields in ``cfg``)."""
-    from openrlhf_lpo.demo.loop import RLConfig, run_inprocess
-    from openrlhf_lpo.demo.methods import METHODS
-
-    out = {}
-    for seed in seeds:
-        for m in methods:
-            rows = []
-            run_inprocess(METHODS[m], RLConfig(k=k, seed=seed, threads=1, **cfg), model, on_row=rows.append,
-                          progress=False)
-            out[(m, k, seed)] = rows
-    return out

@@ -110,3 +110,18 @@ def check_paired_rollouts(rows_by_method: Dict[str, List[Dict]]) -> None:
         assert r["upstream"]["rollout_fingerprint"] == pytest.approx(ref["upstream"]["rollout_fingerprint"],
                                                                      abs=1e-6), name
         assert r["reward"] == ref["reward"], name
+
+
+def inprocess_runs(model, methods, k, seeds, **cfg):
+    """{(method, k, seed): rows} of ``run_inprocess`` runs (RLConfig fields in ``cfg``)."""
+    from openrlhf_lpo.demo.loop import RLConfig, run_inprocess
+    from openrlhf_lpo.demo.methods import METHODS
+
+    out = {}
+    for seed in seeds:
+        for m in methods:
+            rows = []
+            run_inprocess(METHODS[m], RLConfig(k=k, seed=seed, threads=1, **cfg), model, on_row=rows.append,
+                          progress=False)
+            out[(m, k, seed)] = rows
+    return out

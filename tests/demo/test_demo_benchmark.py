@@ -24,7 +24,7 @@ def _bench():
 
 @pytest.fixture(scope="module")
 def runs(micro_tiny_model):
-    from conftest import inprocess_runs
+    from demo_checks import inprocess_runs  # a helper module: "conftest" is ambiguous in a full run
 
     return inprocess_runs(micro_tiny_model, ("lpo-fwd", "grpo"), 2, (0, 1), task="pairsum", prompts_per_step=4,
                           steps=2, eval_every=2, eval_prompts=6, eval_samples=4)

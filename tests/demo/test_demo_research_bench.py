@@ -38,7 +38,7 @@ def test_research_grid_and_contrasts():
 
 @pytest.fixture(scope="module")
 def runs(micro_tiny_model):
-    from conftest import inprocess_runs
+    from demo_checks import inprocess_runs  # a helper module: "conftest" is ambiguous in a full run
 
     return inprocess_runs(micro_tiny_model, METHODS_RUN, K, (0, 1), task="tripsum", prompts_per_step=2, steps=2,
                           eval_every=1, eval_prompts=4, eval_samples=4, mini_batches=2)

@@ -34,7 +34,7 @@ from openrlhf_lpo.cpu import enable_cpu_mode
 enable_cpu_mode()
 at = tc.import_trainer()
 # the bug this check must catch: later windows' coefficients from s_t instead of a fresh pre-pass
-at.LPOActorTrainer._log_ratios = lambda self, items, idx, prev: torch.zeros(len(idx), dtype=torch.float64)
+at.LPOActorTrainer._log_ratios = lambda self, items, batches, prev, extra=0: torch.zeros(sum(map(len, batches)), dtype=torch.float64)
 """
 
 
