@@ -149,7 +149,11 @@ class SeededRollouts:
 
     def init_checkpoint_states(self):
         states = super().init_checkpoint_states()
-        self.samples_generator.prompts_dispatched = int(states.get("total_consumed_prompts", 0))
+        if not getattr(self, "_prompt_position_restored", False):
+            # once, at the start of fit: a later reader of the states (the research extensions' restore,
+            # after the first rollout) must not rewind the position to the checkpoint's
+            self.samples_generator.prompts_dispatched = int(states.get("total_consumed_prompts", 0))
+            self._prompt_position_restored = True
         return states
 
 

@@ -128,10 +128,10 @@ def test_a_resumed_run_keeps_the_switch_the_buffer_and_the_weights(research_runs
     assert names == ["global_step2.pt", "global_step4.pt"]
 
 
-@pytest.mark.xfail(strict=True, reason="known bug since the merge with per-request rollout seeds: the resumed "
-                   "run's step 3 equals run A's, but its step-4 rollouts differ (reward 0.159 vs 0.231), so the "
-                   "final weights differ (8.9e-3, moved 2.5e-2); the plain resume e2e stays bit-identical")
 def test_a_resumed_run_with_replay_ends_at_the_same_weights(research_runs):
+    """The resumed run ends at the uninterrupted run's weights. It failed (8.9e-3) while the research
+    restore, which reads the checkpoint states after the first rollout, rewound the per-request seeds'
+    prompt position (request_seeds.py)."""
     wa, wb = load_weights(research_runs["out_a"] / "final"), load_weights(research_runs["out_b"] / "final")
     init = load_weights(research_runs["model"])
     moved, diff = max_weight_diff(wa, init), max_weight_diff(wa, wb)
