@@ -18,27 +18,19 @@ def _room(module: str):
     return parts[1] if len(parts) > 1 else "listwise"  # `from openrlhf_lpo import listwise`
 
 
-def _imports(path: Path):
+def _imports(path: Path, resolve: bool = False):
+    """Modules ``path`` imports; ``resolve``: ``from package import module`` as ``package.module``."""
     tree = ast.parse(path.read_text())
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             yield from (a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            if node.module == "openrlhf_lpo":
-                yield from (f"openrlhf_lpo.{a.name}" for a in node.names)
-            else:
-                yield node.module
-
-
-def _modules_imported(path: Path):
-    """Like :func:`_imports`, with ``from package import module`` resolved to ``package.module``."""
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            yield from (a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             for a in node.names:
                 sub = f"{node.module}.{a.name}"
-                yield sub if (REPO / (sub.replace(".", "/") + ".py")).exists() else node.module
+                if node.module == "openrlhf_lpo" or (resolve and (REPO / (sub.replace(".", "/") + ".py")).exists()):
+                    yield sub
+                else:
+                    yield node.module
 
 
 def room_graph():
@@ -87,7 +79,7 @@ def test_rooms_import_one_way():
     # the Megatron backend shares only the DeepSpeed extension's backend-free helpers (dp_size, the
     # group-aware micro-batch planner, the off-policy correction), which import nothing else of ours
     shared = {"openrlhf_lpo.openrlhf.config", "openrlhf_lpo.openrlhf.layout", "openrlhf_lpo.openrlhf.offpolicy"}
-    used = {n for p in REPO.glob("openrlhf_lpo/megatron/*.py") for n in _modules_imported(p) if _room(n) == "openrlhf"}
+    used = {n for p in REPO.glob("openrlhf_lpo/megatron/*.py") for n in _imports(p, resolve=True) if _room(n) == "openrlhf"}
     assert used <= shared, used - shared
     for mod in shared:
         ours = {n for n in _imports(REPO / (mod.replace(".", "/") + ".py")) if _room(n) not in (None, "listwise")}
