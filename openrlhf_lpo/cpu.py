@@ -89,7 +89,8 @@ def cluster_gpus(address: str) -> float:
 
 
 def decide_cpu_mode(mode: str = "auto", address: Optional[str] = None, local_gpu: Optional[bool] = None):
-    """``(on, reason)`` for ``--cpu.mode``: ``on``/``off`` as given; ``auto`` is on only when this
+    """``(on, reason)`` for ``--cpu.mode``: ``on``/``off`` as given (``LPO_CPU_MODE=1``/``0`` in the
+    environment act as ``on``/``off`` under ``auto``); ``auto`` is on only when this
     driver sees no GPU AND it does not join a Ray cluster with GPUs. A driver on a head or login
     node without GPUs (KubeRay, Slurm) that joins a GPU cluster through ``RAY_ADDRESS`` runs the
     real GPU pipeline."""
@@ -97,8 +98,10 @@ def decide_cpu_mode(mode: str = "auto", address: Optional[str] = None, local_gpu
         return True, "--cpu.mode on"
     if mode not in ("auto", "off"):
         raise ValueError(f"--cpu.mode {mode!r}: use auto, on or off")
-    if mode == "off" or os.environ.get("LPO_CPU_MODE", "1") == "0":
+    if mode == "off" or os.environ.get("LPO_CPU_MODE", "") == "0":
         return False, "--cpu.mode off" if mode == "off" else "LPO_CPU_MODE=0"
+    if os.environ.get("LPO_CPU_MODE", "") == "1":  # the environment's --cpu.mode on (a CPU cluster to join)
+        return True, "LPO_CPU_MODE=1"
     if local_gpu if local_gpu is not None else gpu_available():
         return False, "this driver sees a GPU"
     if address:
@@ -250,6 +253,7 @@ def _patch_megatron_core(module) -> None:
 
 
 PATCHES: Dict[str, Callable] = {
+    "torch": lambda module: _patch_torch(),
     "megatron.core": _patch_megatron_core,
     "openrlhf.utils.utils": _patch_dtype_helper,
     "openrlhf.utils.deepspeed.deepspeed": _patch_deepspeed_strategy,
@@ -303,14 +307,15 @@ def _install_import_hook() -> None:
             patch(sys.modules[name])
 
 
-def enable_cpu_mode() -> bool:
-    """Apply the CPU mode in this process if no GPU is present; idempotent. Returns whether active."""
-    if not cpu_mode_wanted():
+def enable_cpu_mode(decided: bool = False) -> bool:
+    """Apply the CPU mode in this process if no GPU is present (``decided``: the caller knows it is on, as in
+    a worker of a CPU-mode Ray job; then torch is not imported to ask, and is patched when something imports
+    it); idempotent. Returns whether active."""
+    if not decided and not cpu_mode_wanted():
         return False
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_TARGET_DEVICE", _DEVICE)
-    _patch_torch()
     # OpenRLHF computes log-probs with flash-attn's triton cross-entropy when it imports; that
     # kernel needs a GPU. A None entry makes the import fail, so upstream uses its torch fallback.
     sys.modules.setdefault("flash_attn.ops.triton.cross_entropy", None)
@@ -320,27 +325,29 @@ def enable_cpu_mode() -> bool:
 
 def worker_setup() -> None:
     """Ray ``worker_process_setup_hook``: the CPU mode (and line progress, openrlhf_lpo.progress) in
-    every worker process."""
+    every worker process. The runtime env that names this hook exists only in CPU mode (it also sets
+    ``LPO_CPU_MODE=1``), so the worker does not import torch to ask: a worker Ray starts and never uses
+    stays light, and torch is patched when an actor's code imports it."""
     from openrlhf_lpo.progress import install
 
     install()
-    enable_cpu_mode()
+    enable_cpu_mode(decided=os.environ.get("LPO_CPU_MODE") == "1")
 
 
 # ----------------------------------------------------------------------------- Ray
 
 
 def ray_runtime_env(extra_env: Optional[Dict[str, str]] = None) -> dict:
-    """Runtime env that applies the CPU mode in every Ray worker and carries the stock env vars."""
+    """Runtime env that applies the CPU mode in every Ray worker and carries the driver's settings: the
+    stock env vars, ``OMP_NUM_THREADS``, ``PYTHONPATH`` and every ``LPO_*`` variable (the CPU mode's knobs, the
+    code reward's ``LPO_CODE_*``, a reward file's own), so workers of a cluster the run joins (``RAY_ADDRESS``)
+    see them as workers of a cluster it starts do."""
     env = {
         "TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM", "false"),
         "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": os.environ.get("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", "1"),
-        "LPO_CPU_MODE": "1",
     }
-    for key in ("LPO_CPU_ENGINE", "LPO_CPU_TRUST_REMOTE_CODE", "LPO_CPU_OPTIMIZER", "LPO_CPU_DTYPE", "LPO_CPU_ENGINE_DTYPE", "LPO_CPU_PARITY_TOL", "LPO_CPU_PARITY_LOG", "LPO_CPU_THREADS", "OMP_NUM_THREADS",
-                "PYTHONPATH"):
-        if key in os.environ:
-            env[key] = os.environ[key]
+    env.update({k: v for k, v in os.environ.items() if k.startswith("LPO_") or k in ("OMP_NUM_THREADS", "PYTHONPATH")})
+    env["LPO_CPU_MODE"] = "1"
     env.update(extra_env or {})
     return {"worker_process_setup_hook": "openrlhf_lpo.cpu.worker_setup", "env_vars": env}
 
@@ -365,7 +372,18 @@ def init_ray(num_cpus: Optional[int] = None, num_gpus: Optional[int] = None, **k
         return ctx
     num_cpus = num_cpus if num_cpus is not None else int(os.environ.get("LPO_CPU_NUM_CPUS", "16"))
     num_gpus = num_gpus if num_gpus is not None else int(os.environ.get("LPO_CPU_NUM_GPUS", "16"))
-    return ray.init(num_cpus=num_cpus, num_gpus=num_gpus, runtime_env=ray_runtime_env(), **kwargs)
+    for attempt in range(START_ATTEMPTS):
+        try:
+            return ray.init(num_cpus=num_cpus, num_gpus=num_gpus, runtime_env=ray_runtime_env(), **kwargs)
+        except Exception as e:  # noqa: BLE001 - only Ray's own start-up timeout is retried
+            if "timed out during startup" not in str(e) or attempt == START_ATTEMPTS - 1:
+                raise
+            ray.shutdown()
+            print(f"[openrlhf_lpo.cpu] the local Ray cluster timed out starting (a busy machine: Ray waits 30 s "
+                  f"for its raylet); starting it again ({attempt + 2}/{START_ATTEMPTS})", file=sys.stderr, flush=True)
+
+
+START_ATTEMPTS = 3  # local Ray start-ups tried before giving up (Ray's raylet wait is a fixed 30 s)
 
 
 def adjust_args(args) -> List[str]:

@@ -41,6 +41,7 @@ DEFAULT_WINDOW = 256
 DEFAULT_STOP_FRAC = 0.5
 LEDGER_NAME = "openrlhf_lpo_reward_errors"
 _MAX_CAUSE = 300  # characters of an exception message kept per cause
+_NOTE_TIMEOUT_S = 30.0  # a reward process waits this long for the ledger to record an error
 
 
 class RewardErrorsPersist(RuntimeError):
@@ -177,6 +178,11 @@ def note_error(task: str, cause: str) -> None:
     handle = _ledger_handle()
     if handle is not None:
         try:
-            handle.note.remote(task, cause)
+            import ray
+
+            # recorded before this reward returns, so the trainer's stop message, written after it has seen
+            # the reward, finds it (two callers' calls are not ordered: a ledger actor still starting on a
+            # busy cluster could otherwise answer the trainer's question first)
+            ray.get(handle.note.remote(task, cause), timeout=_NOTE_TIMEOUT_S)
         except Exception:  # noqa: BLE001  (the ledger is gone: the sample is still counted by the trainer)
             _REPORT["handle"] = None

@@ -9,7 +9,8 @@ needed: the replay buffer is filled here, as ``PolicyModelActor.fit`` would find
 The update: K = 4 responses per prompt, micro-batches of K/2 samples (every micro-batch splits its
 groups), two optimizer windows per rollout batch and two epochs, so the four windows take their
 coefficients c from the shortcut (s = s_t), then three pre-passes at updated parameters; fp32 and
-bf16 (the recipes' dtype) parameters, each stage and dtype a fresh engine. DeepSpeed runs SGD (its torch-optimizer path, no momentum, no clipping, constant LR), so each
+bf16 (the recipes' dtype) parameters, each stage and dtype a fresh engine (bf16 with a wide token clip,
+``BF16_CLIP``: at the recipes' clip, bf16 rounding decides which tokens at the clip edge keep a gradient). DeepSpeed runs SGD (its torch-optimizer path, no momentum, no clipping, constant LR), so each
 window's gradient is (theta_before - theta_after) / lr of DeepSpeed's fp32 master weights
 (``deepspeed.utils.safe_get_full_fp32_param``, ZeRO-3 partitions gathered).
 
@@ -211,10 +212,18 @@ def master_weights(engine) -> Dict[str, object]:
     return out
 
 
-def parse_check_args(model_dir: str, zero: int, world: int, train_batch: int):
+# bf16 runs clip the token log-ratios at [log 0.01, log 10] instead of OpenRLHF's [log 0.8, log 1.2]: at
+# lr 0.5 many tokens sit at the clip edge, where bf16 rounding decides whether a token is clipped (gradient 0)
+# or kept, so a window's gradient jumps (measured on an AMD Zen 5 CPU: relative error 1.0 at ZeRO-3, 0.03 at
+# ZeRO-2, against 8e-6 in fp32). fp32 runs keep the recipes' clip, which the reference applies exactly.
+BF16_CLIP = ("0.99", "9.0")
+
+
+def parse_check_args(model_dir: str, zero: int, world: int, train_batch: int, dtype: str = "fp32"):
     from openrlhf_lpo.cli.train_ppo_ray import build_parser_and_parse
 
-    return build_parser_and_parse([
+    clip = ["--actor.eps_clip_low_high", *BF16_CLIP] if dtype == "bf16" else []
+    return build_parser_and_parse(clip + [
         "--actor.model_name_or_path", model_dir, "--actor.num_nodes", "1", "--actor.num_gpus_per_node", str(world),
         "--rollout.n_samples_per_prompt", str(K), "--rollout.batch_size", str(GROUPS_PER_RANK * world),
         "--rollout.micro_batch_size", str(K), "--train.batch_size", str(train_batch),
@@ -246,7 +255,7 @@ def run_rank(model_dir: str, zero: int, dtype: str = "fp32") -> Optional[dict]:
     torch.set_float32_matmul_precision("highest")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     n = GROUPS_PER_RANK * world * K
-    args = parse_check_args(model_dir, zero, world, train_batch=n // 2)  # two windows per epoch
+    args = parse_check_args(model_dir, zero, world, train_batch=n // 2, dtype=dtype)  # two windows per epoch
     fp32 = dtype == "fp32"
     strategy = _strategy_class(DeepspeedStrategy, Actor, fp32)(
         seed=args.train.seed, max_norm=0.0, micro_train_batch_size=args.train.micro_batch_size,

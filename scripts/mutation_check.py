@@ -37,7 +37,6 @@ EXACTNESS = [
     "tests/openrlhf/test_lpo_gradient_exactness.py::test_every_step_gradient_equals_window_reference_dp1",
 ]
 INTERNALS = "tests/openrlhf/test_lpo_trainer_internals.py"
-RESUME_E2E = "tests/pipeline/test_e2e_cpu_pipeline.py::test_resume_trains_the_remaining_steps_to_the_same_weights"
 DP2_E2E = "tests/pipeline/test_e2e_layouts.py::test_two_ranks_update_like_one"
 
 
@@ -100,8 +99,9 @@ MUTATIONS = [
         "openrlhf_lpo/openrlhf/actor_trainer.py",
         "return int(steps) if isinstance(steps, int) else self._ppo_calls",
         "return self._ppo_calls",
+        # not test_e2e_cpu_pipeline.py's resume e2e: after its resume each rank orders 2 windows per step,
+        # and the two keys happen to give the same order (docs/testing.md)
         [f"{INTERNALS}::test_window_shuffle_follows_the_engines_step_count"],
-        [RESUME_E2E],
     ),
     Mutation(
         "refusal-removed-ring-attn",

@@ -30,8 +30,10 @@ import json
 import os
 import shlex
 import sys
+import threading
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import List, Optional
 
@@ -77,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "run only the others")
     p.add_argument("--pipeline-args", help="extra lpo-train flags for every pipeline job, appended last, e.g. "
                    "\"--actor.num_gpus_per_node 2 --train.micro_batch_size 2\" (data-parallel ranks, layouts)")
+    p.add_argument("--jobs", type=int, default=2,
+                   help="pipeline methods run side by side (default 2: their start-ups overlap; 1 = one after "
+                        "the other)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
 
@@ -96,6 +101,8 @@ def resolve(args: argparse.Namespace):
     wu_over = {k: v for k, v in dict(max_steps=args.warmup_max_steps,
                                      target_accuracy=args.warmup_target).items() if v is not None}
     wu = dataclasses.replace(wu, **wu_over)
+    if args.jobs < 1:
+        raise ValueError(f"--jobs must be >= 1 (methods run side by side); got {args.jobs}")
     rl.validate()
     rl.heldout().validate()
     wu.validate()
@@ -164,17 +171,18 @@ def run_demo(argv: Optional[List[str]] = None) -> int:
              + ", ".join(f"{k.replace('heldout_', '')} {v:.3f}" for k, v in start_eval.items()))
 
     status = {}
-    for method in methods:
-        if method.name in previous:
-            status[method.name] = dict(previous[method.name])
+    lock = threading.Lock()
+
+    def record(name: str, entry: dict) -> None:
+        with lock:
+            status[name] = entry
             atomic_write_json(run_dir / "status.json", status)
-            _log(f"{method.name}: kept from the earlier run (--resume)")
-            continue
-        status[method.name] = {"state": "running", "backend": backend}
-        atomic_write_json(run_dir / "status.json", status)
+
+    def run_method(method) -> None:
         metrics_path = run_dir / "metrics" / f"{method.name}.jsonl"
         writer = MetricsWriter(metrics_path)
         tm = time.time()
+        record(method.name, {"state": "running", "backend": backend})
         try:
             if backend == "inprocess":
                 from openrlhf_lpo.demo.loop import run_inprocess
@@ -189,20 +197,40 @@ def run_demo(argv: Optional[List[str]] = None) -> int:
                 writer.close()
                 info.update(_evaluate_pipeline_run(run_dir / "pipeline" / method.name, rl, info["steps"],
                                                    metrics_path, progress))
-            status[method.name] = {"state": "done", "backend": backend, "wall_s": time.time() - tm, **info}
-        except KeyboardInterrupt:
-            status[method.name] = {"state": "interrupted", "backend": backend, "wall_s": time.time() - tm}
-            atomic_write_json(run_dir / "status.json", status)
-            writer.close()
-            _finish(run_dir, status, args, wu, rl, backend, warm, warm_s, t_start)
-            raise
+            record(method.name, {"state": "done", "backend": backend, "wall_s": time.time() - tm, **info})
         except Exception as e:  # keep what finished; report which component failed
-            status[method.name] = {"state": "failed", "backend": backend, "wall_s": time.time() - tm,
-                                   "error": f"{type(e).__name__}: {e}"}
+            record(method.name, {"state": "failed", "backend": backend, "wall_s": time.time() - tm,
+                                 "error": f"{type(e).__name__}: {e}"})
             _log(f"{method.name} failed: {type(e).__name__}: {e}")
         finally:
             writer.close()
-        atomic_write_json(run_dir / "status.json", status)
+
+    todo = []
+    for method in methods:
+        if method.name in previous:
+            record(method.name, dict(previous[method.name]))
+            _log(f"{method.name}: kept from the earlier run (--resume)")
+        else:
+            todo.append(method)
+    # pipeline jobs side by side (--jobs): their start-up (imports, Ray, actors) overlaps; the in-process
+    # loop runs one method at a time
+    jobs = 1 if backend == "inprocess" else max(1, min(args.jobs, len(todo)))
+    pool = ThreadPoolExecutor(max_workers=jobs)
+    futures = [pool.submit(run_method, m) for m in todo]
+    try:
+        for f in futures:
+            f.result()
+    except KeyboardInterrupt:
+        from openrlhf_lpo.demo.pipeline import stop_all
+
+        stop_all()
+        for m in todo:
+            if status.get(m.name, {}).get("state") in (None, "running"):
+                record(m.name, {"state": "interrupted", "backend": backend})
+        pool.shutdown(wait=False, cancel_futures=True)
+        _finish(run_dir, status, args, wu, rl, backend, warm, warm_s, t_start)
+        raise
+    pool.shutdown()
     ok = _finish(run_dir, status, args, wu, rl, backend, warm, warm_s, t_start)
     return 0 if ok else 1
 

@@ -206,6 +206,7 @@ def run_pipeline(method: Method, cfg: RLConfig, model_path: str, out_dir: Path,
         proc = subprocess.Popen([sys.executable, "-m", "openrlhf_lpo.cli.train_ppo_ray", *argv],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                 start_new_session=True, bufsize=1)
+        LIVE.add(proc)
         try:
             for line in proc.stdout:
                 log.write(line)
@@ -229,6 +230,7 @@ def run_pipeline(method: Method, cfg: RLConfig, model_path: str, out_dir: Path,
             _kill_session(proc)
             raise
         finally:
+            LIVE.discard(proc)
             if bar is not None:
                 bar.close()
     if returncode != 0:
@@ -281,6 +283,15 @@ def evaluate_checkpoints(out_dir: Path, cfg: RLConfig, steps_done: int,
         if bar is not None:
             bar.close()
     return out
+
+
+LIVE: set = set()  # the lpo-train processes running now (jobs of the demo may run side by side)
+
+
+def stop_all() -> None:
+    """Stop every running lpo-train job and what it started (Ctrl-C in the demo's main thread)."""
+    for proc in list(LIVE):
+        _kill_session(proc)
 
 
 def _kill_session(proc: subprocess.Popen) -> None:

@@ -20,6 +20,8 @@ import tempfile
 from types import SimpleNamespace
 from typing import Dict, List, Optional, Sequence
 
+from openrlhf_lpo.engines.responses import vllm_params  # noqa: F401  (re-exported to cpu_vlm)
+
 BACKENDS: Dict[str, type] = {}
 
 
@@ -326,14 +328,12 @@ class VLLMBackend:
 
     def generate_many(self, requests: Sequence) -> list:
         """vLLM's per-request ``SamplingParams.seed`` carries each request's seed."""
-        import copy
-
         from vllm.inputs import TokensPrompt
 
         prompts, params = [], []
         for ids, sp, seed, *_ in requests:
             prompts.append(TokensPrompt(prompt_token_ids=list(ids)))
-            sp = copy.copy(sp)
+            sp = vllm_params(sp)
             sp.seed = int(seed)
             params.append(sp)
         return self.llm.generate(prompts, params, use_tqdm=False)

@@ -9,7 +9,8 @@ a handful of Ray methods; :class:`CPURolloutEngine` implements the same ones:
   requests that arrive together are generated as one batch (``generate_many`` over
   ``(ids, sampling_params, seed[, multi_modal_data])`` tuples; each request has its own seed,
   :func:`request_seed`; images go to the ``-vlm`` backends of :mod:`openrlhf_lpo.engines.cpu_vlm`);
-* ``generate_responses(...)`` (K samples of one prompt through the executor, as upstream),
+* ``generate_responses(...)`` (K samples of one prompt through the executor, as upstream, with one
+  sampling setting per sample when given a list: :mod:`openrlhf_lpo.engines.responses`),
   ``get_num_unfinished_requests``, and no-op ``sleep / wake_up / pause_generation /
   resume_generation / reset_prefix_cache / init_process_group``;
 * for the CPU weight sync (:func:`openrlhf_lpo.cpu.cpu_broadcast_to_engines`):
@@ -40,6 +41,7 @@ from openrlhf_lpo.engines import cpu_vlm  # noqa: F401  (registers the -vlm back
 from openrlhf_lpo.engines.backends import (BACKENDS, HFBackend, VLLMBackend, media_key,  # noqa: F401 (re-exported)
                                            register_backend, request_seed)
 from openrlhf_lpo.engines.cpu_vlm import vlm_backend_name
+from openrlhf_lpo.engines.responses import PerSampleResponses
 
 
 def _load_agent_executor(path: str):
@@ -58,7 +60,7 @@ def _load_agent_executor(path: str):
     return cls()
 
 
-class CPURolloutEngine:
+class CPURolloutEngine(PerSampleResponses):
     """Ray actor with OpenRLHF's rollout-engine methods (see module docstring)."""
 
     def __init__(
@@ -145,23 +147,6 @@ class CPURolloutEngine:
                 if not future.done():
                     future.set_result(result)
 
-    async def generate_responses(
-        self, prompt, label, sampling_params, max_length, hf_tokenizer, num_samples=1, images=None
-    ):
-        tasks = [
-            self.executor.execute(
-                prompt=prompt,
-                label=label,
-                sampling_params=sampling_params,
-                max_length=max_length,
-                hf_tokenizer=hf_tokenizer,
-                llm_engine=self,
-                images=images,
-            )
-            for _ in range(num_samples)
-        ]
-        return await asyncio.gather(*tasks)
-
     def get_num_unfinished_requests(self) -> int:
         return self._unfinished
 
@@ -176,7 +161,10 @@ class CPURolloutEngine:
         return self.backend.log_probs_of(list(token_ids), float(temperature))
 
     def backend_info(self) -> dict:
-        return {"backend": self.backend_name, "num_weight_updates": self.num_weight_updates}
+        import sys
+
+        return {"backend": self.backend_name, "num_weight_updates": self.num_weight_updates,
+                "calls": self.num_calls, "tokenizers": self.num_tokenizers, "vllm_imported": "vllm" in sys.modules}
 
     # no-op parts of the upstream interface (nothing to offload or to group on a CPU)
     async def init_process_group(self, *args, **kwargs):

@@ -32,7 +32,7 @@ import sys
 from typing import Dict, List, Optional, Sequence
 
 from openrlhf_lpo.engines.backends import (BACKENDS, HFBackend, VLLMBackend, _engine_dtype, _param, _stop_ids,
-                                             register_backend, remote_code_hint, trust_remote_code)
+                                             register_backend, remote_code_hint, trust_remote_code, vllm_params)
 
 __all__ = ["is_vlm_model_path", "vlm_backend_name", "HFVLMBackend", "VLLMVLMBackend", "patch_vllm_for_images",
            "vision_token_ids_of", "is_language_param"]
@@ -317,9 +317,7 @@ class VLLMVLMBackend(VLLMBackend):
 
     def _masked(self, sp, seed: int):
         """A copy of ``sp`` with the vision tokens masked and the request's own seed."""
-        from copy import deepcopy
-
-        sp = deepcopy(sp)
+        sp = vllm_params(sp)
         bias = dict(getattr(sp, "logit_bias", None) or {})
         bias.update({i: -1e9 for i in self.suppress})
         sp.logit_bias = bias

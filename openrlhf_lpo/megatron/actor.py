@@ -60,6 +60,7 @@ from openrlhf_lpo.megatron.layout import validate_layout
 from openrlhf_lpo.megatron.losses import LossSpec, get_policy_loss
 from openrlhf_lpo.megatron.model import attention_span, build_gpt_model, transformer_config_from_hf
 from openrlhf_lpo.megatron.packing import PackedMicroBatch, pack_micro_batch, pad_to_tokens
+from openrlhf_lpo.megatron.schedule import LRSchedule, restore_schedule, with_schedule
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _NO_LOSS_STATS: dict = {}  # what a schedule-padding micro-batch reports (dropped from the results)
@@ -218,7 +219,6 @@ class MegatronActor:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         from openrlhf_lpo.megatron.model import te_available
-        from openrlhf_lpo.megatron.schedule import LRSchedule
 
         self.hf_config = hf_config
         self.cfg = cfg
@@ -594,7 +594,7 @@ class MegatronActor:
         The learning-rate schedule's state rides in ``client_state`` (``_lr_schedule``)."""
         from openrlhf_lpo.megatron import checkpoint
 
-        state = dict(client_state or {}, _lr_schedule=self.lr_schedule.state_dict())
+        state = with_schedule(client_state, self.lr_schedule)
         return checkpoint.save(self, root, tag or f"global_step{self.step}", state, max_num, max_mem_gb)
 
     def load_checkpoint(self, root: str, tag: Optional[str] = None) -> dict:
@@ -602,11 +602,7 @@ class MegatronActor:
         schedule included); returns client_state."""
         from openrlhf_lpo.megatron import checkpoint
 
-        state = checkpoint.load(self, root, tag)
-        sched = state.pop("_lr_schedule", None)
-        if sched is not None:
-            self.lr_schedule.load_state_dict(sched)
-        return state
+        return restore_schedule(checkpoint.load(self, root, tag), self.lr_schedule)
 
     # ------------------------------------------------------------------------------ weights
     def export_hf_weights(self, dtype: Optional[torch.dtype] = None) -> Iterator[Tuple[str, torch.Tensor]]:

@@ -85,3 +85,21 @@ def check_lr_scheduler(name: str, warmup_ratio: float, min_lr_ratio: float) -> N
             f"num_warmup_steps and num_training_steps only) cannot run it ({type(e).__name__}: {e}); the DeepSpeed "
             "backend fails on it too. Use cosine_with_min_lr (the default), linear, cosine, constant, ..."
         ) from None
+
+
+SCHEDULE_KEY = "_lr_schedule"  # where a checkpoint's client_state holds the learning-rate schedule
+
+
+def with_schedule(client_state, schedule: LRSchedule) -> dict:
+    """``client_state`` plus ``schedule``'s state: what a Megatron checkpoint stores."""
+    return dict(client_state or {}, **{SCHEDULE_KEY: schedule.state_dict()})
+
+
+def restore_schedule(client_state: dict, schedule: LRSchedule) -> dict:
+    """Restore ``schedule`` from a loaded checkpoint's client_state (a checkpoint without one leaves it at
+    step 0); returns the rest of the client_state."""
+    state = dict(client_state)
+    saved = state.pop(SCHEDULE_KEY, None)
+    if saved is not None:
+        schedule.load_state_dict(saved)
+    return state

@@ -47,6 +47,9 @@ PATCH_POINTS: List[PatchPoint] = [
     PatchPoint("samples-generator", "openrlhf.trainer.ppo_trainer", "SamplesGenerator", "scoped-swap",
                "PPOTrainer.__init__ builds it (as GenerateSamplesActor.__init__ does from ppo_trainer_async); "
                "SeededSamplesGenerator gives every sample its own seed (request_seeds.py)"),
+    PatchPoint("rollout-actor-class", "openrlhf.trainer.ray.vllm_engine", "RolloutRayActor", "swap",
+               "create_vllm_engines looks it up at call time; SeededRolloutRayActor adds per-sample settings to "
+               "generate_responses (openrlhf/seeded_vllm.py); the CPU mode's engine class is left in place"),
     PatchPoint("dispatch-prompts", "openrlhf.trainer.ppo_utils.samples_generator",
                "SamplesGenerator._dispatch_prompts_to_vllm", "contract",
                "one SamplingParams (with a seed field) per dispatch, then per prompt in order "
@@ -137,10 +140,15 @@ def apply_patches(lpo: bool = True):
     else:
         actor, trainer = rc.RemoteRuntimePolicyActor, rc.RemoteRuntimePPOTrainer
         trainer_async = rc.RemoteRuntimePPOTrainerAsync
+    from openrlhf.trainer.ray import vllm_engine
+
+    from openrlhf_lpo.openrlhf.request_seeds import seeded_rollout_actor
+
     replacements = {
         ("openrlhf.trainer.ray.ppo_actor", "PolicyModelActor"): actor,
         ("openrlhf.trainer.ppo_trainer", "PPOTrainer"): trainer,
         ("openrlhf.trainer.ppo_trainer_async", "PPOTrainerAsync"): trainer_async,
+        ("openrlhf.trainer.ray.vllm_engine", "RolloutRayActor"): seeded_rollout_actor(vllm_engine.RolloutRayActor),
     }
     assert {(p.module, p.attribute) for p in PATCH_POINTS if p.kind == "swap"} == set(replacements)
     saved = []
@@ -261,6 +269,14 @@ def check_contracts() -> None:
         raise RuntimeError("patch point train-step: BasePPOTrainer.train_step(rollout_samples, global_step) changed")
     from openrlhf.trainer.ppo_utils import samples_generator as sg
 
+    from openrlhf.trainer.ray import vllm_engine
+
+    rollout = getattr(vllm_engine.RolloutRayActor, "__ray_actor_class__", None)
+    if rollout is not None:  # (the CPU mode's engine class stands there in CPU mode)
+        if _params(rollout.generate_responses) != ["self", "prompt", "label", "sampling_params", "max_length",
+                                                   "hf_tokenizer", "num_samples", "images"] or \
+                "self.executor.execute(" not in inspect.getsource(rollout.generate_responses):
+            raise RuntimeError("patch point rollout-actor-class: RolloutRayActor.generate_responses changed")
     dispatch_src = inspect.getsource(sg.SamplesGenerator._dispatch_prompts_to_vllm)
     for needle in ("self.vllm_engines[", ".generate_responses.remote(", "sampling_params=sampling_params",
                    "num_samples=n_samples", "SamplingParams("):

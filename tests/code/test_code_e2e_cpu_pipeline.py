@@ -18,10 +18,13 @@ import time
 import pytest
 
 from code_helpers import REPO, wait_no_sandbox_processes
+from shared_ray import shared_ray_env
 from openrlhf_lpo.data.code import code_label
 from openrlhf_lpo.data.loaders import write_jsonl
 from openrlhf_lpo.rewards.code import grade_code
 from openrlhf_lpo.tensorboard_rows import scalars as tb_scalars
+
+pytestmark = pytest.mark.e2e  # an lpo-train run with sandboxed code rewards
 
 PROMPTS = ["Read n, print 2*n.\n", "Double the number n.\n"]
 RIGHT = "```python\nprint(2*int(input()))\n```"
@@ -93,6 +96,7 @@ def e2e(tmp_path_factory):
     env.update(OMP_NUM_THREADS="1", RAY_DEDUP_LOGS="0", TOKENIZERS_PARALLELISM="false",
                LPO_CODE_SANDBOX="bwrap", LPO_CODE_REWARD="fraction", LPO_CODE_TIMEOUT_S="2", LPO_CODE_WORKERS="2")
     env.pop("RAY_ADDRESS", None)
+    env.update(shared_ray_env())
     t0 = time.time()
     log_path = root / "run.log"
     with open(log_path, "w") as f:

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "divergences" / "my_divergences.py"
 DOC = REPO / "docs" / "divergences.md"
@@ -48,6 +50,7 @@ def test_the_example_checks_itself():
     assert float(rows["chi2_vs_alpha2"]) < 1e-12
 
 
+@pytest.mark.e2e
 def test_the_plugin_works_in_lpo_explain_and_lpo_train():
     proc = _run("-m", "openrlhf_lpo.explain", "--rewards", "1", "0", "0", "1", "--divergence", "renyi:0.5",
                 "--log-ratio", "0.1", "0", "-0.1", "0")

@@ -69,8 +69,10 @@ def test_rooms_import_one_way():
     # the extension may call down into the evaluation package (training-time eval), never the reverse
     # reward_errors.py (shared by the reward file and the trainer) and hf_exports.py (shared by the DeepSpeed
     # and Megatron actors) are leaves: they import nothing of ours; schedule.py (divergence schedules) is
-    # pure Python on top of listwise, like metrics
-    assert edges["openrlhf"] <= {"listwise", "metrics", "schedule", "evaluation", "reward_errors", "hf_exports"}, \
+    # pure Python on top of listwise, like metrics; the rollout engines' per-sample settings
+    # (engines/responses.py) are what vLLM's actor gets too (openrlhf/seeded_vllm.py)
+    assert edges["openrlhf"] <= {"listwise", "metrics", "schedule", "evaluation", "reward_errors", "hf_exports",
+                                 "engines"}, \
         edges["openrlhf"]
     assert not edges.get("reward_errors") and not edges.get("hf_exports")
     assert edges.get("schedule", set()) <= {"listwise"}, edges.get("schedule")

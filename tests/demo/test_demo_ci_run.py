@@ -15,6 +15,8 @@ import pytest
 from demo_checks import (check_heldout, check_informative, check_layout, check_paired_rollouts, check_pipeline_rows,
                          check_same_start, check_warmup, load_rows)
 
+pytestmark = pytest.mark.e2e  # the demo through lpo-train (two pipeline runs)
+
 
 @pytest.mark.timeout(1900)
 def test_ci_preset_end_to_end(demo_ci_run):

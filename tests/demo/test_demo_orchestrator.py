@@ -108,7 +108,7 @@ def test_failed_method_keeps_finished_ones(tmp_path, monkeypatch, capsys):
 def test_bad_flags_exit_with_message(tmp_path, capsys):
     for argv, msg in ([["--k", "1"], "--k"], [["--methods", "ppo"], "--methods"], [["--preset", "gpu"], "--preset"],
                       [["--task", "chess"], "--task"], [["--eval-samples", "0"], "--eval-samples"],
-                      [["--eval-every", "-1"], "--eval-every"]):
+                      [["--eval-every", "-1"], "--eval-every"], [["--jobs", "0"], "--jobs"]):
         with pytest.raises(SystemExit) as e:
             cli.run_demo(argv + ["--run-dir", str(tmp_path / "r")])
         assert e.value.code == 2
@@ -137,7 +137,7 @@ def test_ray_start_failure_is_retried_once_and_resume_keeps_finished(tmp_path, m
     monkeypatch.setattr(pipeline, "run_pipeline", fake_run)
     argv = ["--preset", "ci", "--run-dir", str(tmp_path / "run"), "--no-progress", "--eval-every", "0", "--steps", "2"]
     assert cli.run_demo(argv) == 1
-    assert calls == ["lpo-fwd", "lpo-fwd", "grpo"]
+    assert sorted(calls) == ["grpo", "lpo-fwd", "lpo-fwd"]  # the two jobs run side by side (--jobs 2)
     status = json.loads((tmp_path / "run" / "status.json").read_text())
     assert status["lpo-fwd"]["state"] == "done" and status["grpo"]["state"] == "failed"
 
@@ -156,8 +156,42 @@ def test_ray_start_failure_is_retried_once_and_resume_keeps_finished(tmp_path, m
     assert {n: s["state"] for n, s in status.items()} == {"lpo-fwd": "done", "grpo": "done"}
 
     calls.clear()  # other settings: nothing is resumed
-    assert cli.run_demo(argv[:-1] + ["3", "--resume"]) == 0
-    assert calls == ["lpo-fwd", "grpo"]
+    assert cli.run_demo(argv[:-1] + ["3", "--resume", "--jobs", "1"]) == 0
+    assert calls == ["lpo-fwd", "grpo"]  # one after the other, in --methods order
+
+
+def test_pipeline_jobs_run_side_by_side_and_one_at_a_time_with_jobs_1(tmp_path, monkeypatch):
+    """--jobs 2 (the default) starts both methods' lpo-train jobs at once, --jobs 1 one after the other;
+    each method's metrics go to its own file either way."""
+    import threading
+    import time
+
+    monkeypatch.setattr("openrlhf_lpo.demo.warmup.ensure_warmup",
+                        lambda cfg, progress=True, force=False: {"path": "/nowhere", "cached": True, "steps": 3,
+                                                                 "sampled_accuracy": 0.5, "greedy_accuracy": 0.5})
+    lock, live = threading.Lock(), {"now": 0, "max": 0}
+
+    def fake_run(method, cfg, model_path, out_dir, on_row=None, progress=True):
+        with lock:
+            live["now"] += 1
+            live["max"] = max(live["max"], live["now"])
+        time.sleep(0.5)
+        for s in range(1, cfg.steps + 1):
+            on_row({"method": method.name, "step": s, "reward": 0.25 * s if method.name == "grpo" else 0.5})
+        with lock:
+            live["now"] -= 1
+        return {"steps": cfg.steps}
+
+    monkeypatch.setattr(pipeline, "run_pipeline", fake_run)
+    for jobs, most in (("2", 2), ("1", 1)):
+        live["max"] = 0
+        run = tmp_path / f"run{jobs}"
+        assert cli.run_demo(["--preset", "ci", "--run-dir", str(run), "--no-progress", "--eval-every", "0",
+                             "--steps", "2", "--jobs", jobs]) == 0
+        assert live["max"] == most
+        rewards = {m: [json.loads(x)["reward"] for x in (run / "metrics" / f"{m}.jsonl").read_text().splitlines()]
+                   for m in ("lpo-fwd", "grpo")}
+        assert rewards == {"lpo-fwd": [0.5, 0.5], "grpo": [0.25, 0.5]}
 
 
 def test_wants_preset():

@@ -17,6 +17,7 @@ def _lpo_eval() -> list[str]:
     return [str(exe)] if exe.exists() else [sys.executable, "-m", "evaluation"]
 
 
+@pytest.mark.e2e
 def test_lpo_eval_run_writes_samples_metrics_table_and_plots(tmp_path, tiny_ckpt, bench_dir):
     out = tmp_path / "runs"
     cmd = _lpo_eval() + [

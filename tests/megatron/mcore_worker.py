@@ -896,7 +896,9 @@ def reference_windows(hf, batch, extra, spec, windows, lr=LR, clip=CLIP):
 
 
 def check_kl_entropy():
-    """--algo.kl.use_loss (k1/k2/k3 against reference log-probs) and --actor.entropy_coef on Megatron:
+    """--algo.kl.use_loss (k1/k2/k3 against reference log-probs) and --actor.entropy_coef on Megatron, the
+    actor's loss settings parsed from the flags (``--algo.kl.estimator``, ``--algo.kl.init_coef``,
+    ``--actor.entropy_coef``) as the Ray actor builds them:
     token means over the optimizer window, as the DeepSpeed trainer normalises them; grad norm and
     updated weights vs the float64 reference in TP1 (DP4), TP2 (DP2), PP2 (DP2), listwise and PG (the loss
     path's terms are shared by the surrogate). The reference without the terms differs (they matter)."""
@@ -912,15 +914,35 @@ def check_kl_entropy():
         (2, 1, "listwise", "k1", 0.5, 0.05, 2),
         (1, 2, "pg", "k2", 0.3, 0.02, 2),
     ]
+    from openrlhf_lpo.cli.train_ppo_ray import build_parser_and_parse
+    from openrlhf_lpo.megatron.ray_actor import loss_spec_from_args
+
+    model_dir = os.path.join(OUT, f"kl_flags_config_rank{RANK}")
+    cfg.save_pretrained(model_dir)  # what the flags' layout check reads
     for tp, pp, name, est, kl, ent, mbs in cases:
-        spec = LossSpec(name=name, group_size=K, clip_eps=0.2, kl_coef=kl, kl_estimator=est, entropy_coef=ent)
-        ref_norms, ref_sd = reference_windows(hf, batch, extra, spec, [list(range(G * K))])
+        # the reference names the estimator itself; the actor's loss settings come from the flags
+        # (lpo-train's parser and the Ray actor's loss_spec_from_args), so a flag that does not reach the
+        # Megatron loss (an estimator dropped or replaced on the way) shows as a gradient mismatch
+        ref_spec = LossSpec(name=name, group_size=K, clip_eps=0.2, kl_coef=kl, kl_estimator=est, entropy_coef=ent)
+        spec = loss_spec_from_args(build_parser_and_parse([
+            "--actor.model_name_or_path", model_dir, "--reward.remote_url", "http://127.0.0.1:1/reward",
+            "--backend", "megatron", "--megatron.tp", str(tp), "--megatron.pp", str(pp),
+            "--actor.num_gpus_per_node", str(WORLD), "--rollout.n_samples_per_prompt", str(K),
+            "--rollout.batch_size", str(G), "--train.batch_size", str(G * K), "--train.micro_batch_size", str(mbs),
+            "--algo.advantage.estimator", "lpo" if name == "listwise" else "group_norm", "--actor.eps_clip", "0.2",
+            "--actor.loss_agg_mode", "seq-mean-token-mean",  # the reference's PG aggregation (stock: token-mean)
+            "--algo.kl.use_loss", "--algo.kl.init_coef", str(kl), "--algo.kl.estimator", est,
+            "--actor.entropy_coef", str(ent), "--actor.lr_scheduler", "constant", "--actor.lr_warmup_ratio", "0"]),
+            mbs, kl_ctl=kl)
+        assert spec.name == name, (spec.name, name)
+        ref_norms, ref_sd = reference_windows(hf, batch, extra, ref_spec, [list(range(G * K))])
         plain_norm = reference_windows(hf, batch, extra, LossSpec(name=name, group_size=K, clip_eps=0.2),
                                        [list(range(G * K))])[0][0]
         actor = MegatronActor(cfg, MegatronActorConfig(tp=tp, pp=pp, micro_batch_size=mbs, lr=LR, adam_eps=EPS,
                                                        clip_grad=CLIP), hf_weights=hf_sd)
         m = actor.train_step(dp_slice({**batch, **extra}, actor), spec)
         rec[f"tp{tp}pp{pp}/{name}/{est}"] = {
+            "flags": {"kl_estimator": spec.kl_estimator, "kl_coef": spec.kl_coef, "entropy_coef": spec.entropy_coef},
             "grad_norm": m["grad_norm"], "grad_norm_ref": ref_norms[0], "grad_norm_without_terms": plain_norm,
             "weights_vs_ref": state_maxdiff(dict(actor.export_hf_weights()), ref_sd, True), "kl": m.get("kl")}
         del actor
@@ -1403,6 +1425,10 @@ def main():
         check_syncs_and_rows()
         results["collectives"] = {"calls": RECORDER.calls, "mismatches": RECORDER.mismatches[:10]}
         results["groups"] = process_group_census()
+        results["ok"] = True
+        write_record(results)  # the layout checks stand even if the parallel ones below fail or hang
+        if os.environ.get("MCORE_WORKER_PARALLEL", "1") == "1":
+            run_parallel_checks()
     elif which.startswith("only:"):  # development: MCORE_WORKER_SUITE=only:check_a,check_b
         for name in which[5:].split(","):
             t = time.time()
@@ -1427,6 +1453,31 @@ def process_group_census() -> dict:
             "gloo_loop_threads": threads}
 
 
+def run_parallel_checks():
+    """The sequence-parallel and virtual-pipeline checks (mcore_parallel_worker.py) in this world, after the
+    layouts: one world start for both. Their results go to ``results["parallel"]`` ({ok, error, checks}); a
+    failure there is reported there and ends this rank (the others would wait in a collective)."""
+    sys.modules.setdefault("mcore_worker", sys.modules[__name__])  # the parallel module imports this one
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import mcore_parallel_worker as PW
+
+    part = results["parallel"] = {"ok": False, "checks": PW.results["checks"]}
+    try:
+        PW.main()
+        part["ok"] = True
+    except Exception:
+        part["error"] = traceback.format_exc()
+        write_record(results)
+        os._exit(1)
+
+
+def write_record(record):
+    tmp = os.path.join(OUT, f"rank{RANK}.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(record, f, indent=1)
+    os.replace(tmp, os.path.join(OUT, f"rank{RANK}.json"))
+
+
 def run_and_report(entry, record):
     """Run ``entry()``; write ``record`` (with ok / error) to OUT/rank{RANK}.json; leave the world."""
     try:
@@ -1435,10 +1486,7 @@ def run_and_report(entry, record):
     except Exception:
         record["ok"] = False
         record["error"] = traceback.format_exc()
-    tmp = os.path.join(OUT, f"rank{RANK}.json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(record, f, indent=1)
-    os.replace(tmp, os.path.join(OUT, f"rank{RANK}.json"))
+    write_record(record)
     if record["ok"]:
         dist.barrier()
         dist.destroy_process_group()

@@ -10,6 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.e2e  # a Megatron actor in a gloo world of its own
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 

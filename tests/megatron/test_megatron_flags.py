@@ -45,6 +45,21 @@ def test_stock_flags_reach_the_megatron_config(tiny_dir):
     assert loss_spec_from_args(a, 2).clip_eps == (0.2, 0.28)
 
 
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_the_kl_flags_reach_the_megatron_loss(tiny_dir, estimator):
+    """--algo.kl.estimator / --algo.kl.use_loss / --algo.kl.init_coef as the Ray actor hands them to the loss
+    (its loss_spec_from_args, with the KL controller's value); without --algo.kl.use_loss no KL term."""
+    from openrlhf_lpo.megatron.ray_actor import loss_spec_from_args
+
+    for est in ("lpo", "group_norm"):
+        a = _parse(_argv(tiny_dir, "--backend", "megatron", "--algo.advantage.estimator", est, "--algo.kl.use_loss",
+                         "--algo.kl.init_coef", "0.05", "--algo.kl.estimator", estimator))
+        spec = loss_spec_from_args(a, 2, kl_ctl=0.05)
+        assert (spec.kl_estimator, spec.kl_coef) == (estimator, 0.05), (est, spec)
+    off = _parse(_argv(tiny_dir, "--backend", "megatron", "--algo.kl.estimator", estimator))
+    assert loss_spec_from_args(off, 2, kl_ctl=0.05).kl_coef == 0.0
+
+
 @pytest.mark.parametrize(
     "extra,needle",
     [

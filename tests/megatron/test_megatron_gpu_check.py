@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.e2e  # gpu_check.sh --cpu: every device check on the CPU
+
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -9,6 +9,8 @@ Llama / Mistral, per-rank weight reads, TP groups within nodes, collectives on t
 
 import pytest
 
+pytestmark = pytest.mark.e2e  # the shared 4-rank Megatron gloo world
+
 LAYOUTS_Q3 = [
     "tp1pp1", "tp2pp1", "tp1pp2", "tp2pp2", "tp1pp2_distopt", "tp2pp1_distopt",
 ]

@@ -1,7 +1,7 @@
 """Sequence parallelism, virtual pipeline stages, the context-parallel and MoE refusals, and the
 32B / 70B recipes (cluster, dry run, memory table).
 
-The gloo world (4 ranks, ``mcore_parallel_worker.py``) checks against independent references: HF in
+The shared gloo world (4 ranks; ``mcore_parallel_worker.py``'s checks after the layouts) checks against independent references: HF in
 float64 per unpadded sequence (log-probs), plain-torch float64 autograd (gradients, through an
 SGD-like Adam step), SP off and VPP 1 (the same quantities in the plain layouts).
 """
@@ -15,7 +15,6 @@ import pytest
 
 from openrlhf_lpo.tiny import build_tiny_model
 
-from .conftest import launch_world
 from .test_megatron_flags import _argv as flag_argv
 from .test_megatron_flags import _parse
 
@@ -28,11 +27,13 @@ MODEL_CONFIGS = REPO / "examples" / "model_configs"
 
 
 @pytest.fixture(scope="module")
-def parallel_world(tmp_path_factory):
-    res = launch_world(tmp_path_factory.mktemp("mcore_parallel"), worker="mcore_parallel_worker.py")
-    for r in res:
-        assert r["ok"], f"rank {r['rank']} failed:\n{r.get('error')}"
-    return [r["checks"] for r in res]
+def parallel_world(mcore_world):
+    """The parallel checks' part of the shared world (they run after its layout checks)."""
+    parts = [r.get("parallel") or {"ok": False, "error": "the world ended before the parallel checks"}
+             for r in mcore_world]
+    for r, part in zip(mcore_world, parts):
+        assert part["ok"], f"rank {r['rank']} failed:\n{part.get('error')}"
+    return [part["checks"] for part in parts]
 
 
 LAYOUTS = ("tp2", "tp2_sp", "tp2pp2_sp_recompute", "pp2_vpp2", "tp2pp2_vpp2_sp")
@@ -233,6 +234,7 @@ def math_data(tmp_path_factory):
     return str(p)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("script", sorted(RECIPES))
 def test_large_recipe_dry_run_with_the_real_config_and_its_cluster(script, math_data, tmp_path):
     """``MODEL=<dir with the real config.json> LPO_DRY_RUN=1 bash <script>`` prints the plan (every

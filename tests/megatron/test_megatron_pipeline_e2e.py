@@ -18,6 +18,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipeline"))
 from e2e_common import tb_scalars, tb_steps  # noqa: E402
+from shared_ray import shared_ray_env  # noqa: E402
+
+pytestmark = pytest.mark.e2e  # lpo-train --backend megatron runs
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -40,7 +43,8 @@ def e2e(tmp_path_factory):
                              head_dim=16, intermediate_size=128)
     data = write_prompt_dataset(str(w / "data.jsonl"), get_task("addition"), 64, 0)
     env = dict(os.environ, OMP_NUM_THREADS="1", LPO_CPU_PARITY_LOG=str(w / "parity.jsonl"),
-               LPO_CPU_NUM_CPUS="8", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+               LPO_CPU_NUM_CPUS="8", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               **shared_ray_env())
     base = [
         "--actor.model_name_or_path", model, "--data.prompt_dataset", data, "--data.input_key", "prompt",
         "--data.label_key", "label", "--data.apply_chat_template", "--data.max_len", "128",

@@ -14,6 +14,8 @@ from datetime import timedelta
 
 import pytest
 
+pytestmark = pytest.mark.e2e  # a Ray cluster with a 2-rank Megatron group
+
 GLOO_TIMEOUT_S = 120  # also the rendezvous limit: a Ray actor can take a minute to start on a loaded 2-core host
 
 

@@ -35,6 +35,8 @@ def _rel(a, b):
 
 
 def test_kl_loss_and_entropy_bonus_match_the_float64_reference(mcore_world):
+    """The actor's settings parsed from ``--algo.kl.estimator / --algo.kl.init_coef / --actor.entropy_coef``
+    (mcore_worker.check_kl_entropy), the reference computing the named estimator itself."""
     for checks in _checks(mcore_world):
         rec = checks["kl_entropy"]
         assert set(rec) == {"tp1pp1/listwise/k3", "tp2pp1/listwise/k1", "tp1pp2/pg/k2"}
@@ -117,6 +119,33 @@ def test_every_scheduler_openrlhf_runs_gives_the_deepspeed_sequence(name):
     assert seq == pytest.approx(ds, rel=1e-12, abs=1e-20)
     if name != "constant":
         assert len(set(round(x, 18) for x in ds)) > 2  # a schedule that moves
+
+
+def test_a_resumed_lr_schedule_continues_the_deepspeed_sequence(tmp_path):
+    """What a Megatron checkpoint stores of the schedule and restores into a fresh actor's schedule
+    (``with_schedule`` / ``restore_schedule``, the calls of ``MegatronActor.save/load_checkpoint``), written
+    and read back as the checkpoint does (``torch.save``, ``load_client_state``): saved after step 3, the
+    resumed schedule gives steps 4-6 of OpenRLHF's DeepSpeed sequence, not step 1 again. A checkpoint of
+    another schedule is refused by name."""
+    from openrlhf_lpo.megatron.checkpoint import load_client_state
+    from openrlhf_lpo.megatron.schedule import LRSchedule, restore_schedule, with_schedule
+
+    ds = upstream_lr_sequence("cosine_with_min_lr", 0.1, 0.1, 20, 6)
+    make = lambda name="cosine_with_min_lr": LRSchedule(1e-3, name, 0.1, 0.1, total_steps=20)  # noqa: E731
+    run, path = make(), tmp_path / "client_state.pt"
+    for i in range(3):
+        run.step()
+    torch.save(with_schedule({"episode": 2}, run), path)
+    fresh = make()
+    rest = restore_schedule(load_client_state(str(path)), fresh)
+    assert rest == {"episode": 2}
+    resumed = []
+    for _ in range(3):
+        resumed.append(fresh.lr)
+        fresh.step()
+    assert resumed == pytest.approx(ds[3:6], rel=1e-12) and len(set(ds[:4])) == 4  # a moving part of the schedule
+    with pytest.raises(ValueError, match="'cosine_with_min_lr'.*--actor.lr_scheduler is 'linear'"):
+        restore_schedule(load_client_state(str(path)), make("linear"))
 
 
 def test_schedulers_openrlhf_cannot_run_are_refused_and_the_list_is_complete():

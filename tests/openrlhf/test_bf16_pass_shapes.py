@@ -5,7 +5,8 @@ training pass at --train.micro_batch_size 1), so they can differ by rounding. Th
 a real OpenRLHF Actor in bf16 (the recipes' dtype) and what it does to the listwise coefficients c.
 
 Measured here on CPU (oneDNN bf16 GEMMs); GPU kernels (cuBLAS split-K, flash-attn) round differently, so the
-GPU number is not this one: the statement in README / docs/lpo_flags.md uses the first-order bound below,
+GPU number is not this one. Some CPUs round both shapes alike (AMD Zen 5 with AVX512-BF16: the difference is
+exactly 0, and the shortcut exact); others differ by bf16 rounding, which the bound below must then hold: the statement in README / docs/lpo_flags.md uses the first-order bound below,
 |c(s) - c(0)|_inf <= 2 max_k P_k * max_k |s_k| (dc/ds = diag(P) - P P^T), with the measured |s| as input.
 """
 
@@ -58,7 +59,10 @@ def test_bf16_experience_pass_vs_training_pass_shapes(tmp_path):
     rel = dc / float(c_shortcut.abs().max())
     print(f"\n[bf16 shapes] max |d log p| {token_diff:.3g}, max |s| {float(s.abs().max()):.3g}, "
           f"max |dc| {dc:.3g} (first-order bound {bound:.3g}), relative to max |c| {rel:.3g}")
-    assert 0 < token_diff < 0.05  # bf16 rounding (a misaligned token would differ by whole nats)
+    assert token_diff < 0.05  # bf16 rounding at most (a misaligned token would differ by whole nats)
+    if token_diff == 0:  # kernels that round both shapes alike: s is exactly 0 and so is the change of c
+        assert float(s.abs().max()) == 0 and dc == 0
+        return
     assert 0 < float(s.abs().max()) < 0.02
     assert dc <= bound * 1.01 + 1e-12
     assert rel < 0.02  # the shortcut's c is within 2% of the c a fresh pass would give

@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from shared_ray import shared_ray_env
+
 REPO = Path(__file__).resolve().parents[2]
 TOY_REWARD = REPO / "tests" / "pipeline" / "toy_reward.py"
 RUN_TIMEOUT_S = int(os.environ.get("LPO_E2E_TIMEOUT", "900"))
@@ -43,12 +45,17 @@ def base_args(model: str, data: str, out: Path, *, dp: int = 1, k: int = 4, roll
     ]
 
 
-def run_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+def run_env(extra: Optional[Dict[str, str]] = None, shared_ray: bool = True) -> Dict[str, str]:
+    """The environment of an ``lpo-train`` launch: it joins this test process's Ray cluster
+    (tests/shared_ray.py), or with ``shared_ray=False`` starts its own, which then dies with the launch's
+    process group (a run killed like a node: its actors are not left to finish the step)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.update(OMP_NUM_THREADS="1", RAY_DEDUP_LOGS="0", TOKENIZERS_PARALLELISM="false")
     for key in ("RAY_ADDRESS", "LPO_CPU_MODE"):
         env.pop(key, None)
+    if shared_ray:
+        env.update(shared_ray_env())
     env.update(extra or {})
     return env
 
@@ -121,3 +128,27 @@ def max_weight_diff(a, b) -> float:
     common = a.keys() & b.keys()
     assert len(common) >= 0.9 * max(len(a), len(b)), (sorted(a.keys() ^ b.keys())[:5])
     return max(float((a[k].double() - b[k].double()).abs().max()) for k in common)
+
+
+# ----------------------------------------------------------------------------- recipe families, two episodes
+
+
+def family_flags(family: str, **env) -> List[str]:
+    """The flags a recipe family's config file adds (configs/families/<family>.sh), as the scripts get them."""
+    out = subprocess.run(["bash", "-c", f'NNODES=1 GPUS_PER_NODE=2 source configs/families/{family}.sh; '
+                                        'printf "%s\\n" "${FAMILY_ARGS[@]}"'],
+                         cwd=str(REPO), env=dict(os.environ, **env), capture_output=True, text=True, check=True)
+    return out.stdout.splitlines()
+
+
+def run_family(model: str, root: Path, name: str, *, dp: int, extra=(), estimator=("lpo", "--lpo.divergence", "fwd"),
+               env: Optional[Dict[str, str]] = None, micro: int = 2, train: int = 16) -> Dict:
+    """6 prompts in batches of 4, two episodes: steps of 4, 2, 4, 2 groups; an optimizer window holds
+    4 groups, so each episode's partial last batch (2 groups) is smaller than a window."""
+    data = write_prompts(root / "prompts6.jsonl", 6)
+    out = root / name
+    args = base_args(model, data, out, dp=dp, micro=micro, train=train, episodes=2, estimator=estimator, extra=extra)
+    rc, wall, log = run_cli(args, run_env(env), root / f"{name}.log")
+    assert rc == 0, f"{name} failed (rc={rc}); tail:\n{log[-6000:]}"
+    print(f"\n[e2e family] {name}: {wall:.0f}s")
+    return {"log": log, "tb": tb_scalars(out / "tb")}

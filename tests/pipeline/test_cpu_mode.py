@@ -117,3 +117,72 @@ def test_cpu_flag_group_registered():
     args = build_parser_and_parse(["--actor.model_name_or_path", "x", "--cpu.engine", "hf", "--reward.remote_url", "r.py",
                                    "--algo.advantage.estimator", "group_norm", "--rollout.n_samples_per_prompt", "2"])
     assert args.cpu.engine == "hf" and args.cpu.mode == "auto"
+
+
+WORKER = r"""
+import json, os, sys
+os.environ["LPO_CPU_MODE"] = "1"  # what the CPU mode's Ray runtime env sets in every worker
+from openrlhf_lpo import cpu
+cpu.worker_setup()
+out = {"torch_at_setup": "torch" in sys.modules}
+import torch
+out["device"] = str(torch.cuda.current_device())
+torch.cuda.synchronize()
+print(json.dumps(out))
+"""
+
+
+def test_a_ray_worker_applies_the_cpu_mode_without_importing_torch(repo_env):
+    """The worker hook of a CPU-mode Ray job: a worker Ray starts and never uses does not pay torch's import;
+    torch is patched as soon as an actor's code imports it."""
+    res = run_py(WORKER, repo_env)
+    assert res == {"torch_at_setup": False, "device": "cpu"}
+
+
+def test_the_runtime_env_carries_the_drivers_lpo_settings(monkeypatch):
+    """Workers of a cluster the run joins inherit nothing from the driver: every LPO_* variable (a code reward's
+    LPO_CODE_*, a reward file's own), OMP_NUM_THREADS and PYTHONPATH travel in the job's runtime env."""
+    from openrlhf_lpo import cpu
+
+    monkeypatch.setenv("LPO_CODE_SANDBOX", "bwrap")
+    monkeypatch.setenv("LPO_E2E_REWARD_LOG", "/tmp/x.jsonl")
+    monkeypatch.setenv("LPO_CPU_MODE", "0")
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    monkeypatch.setenv("NOT_OURS", "1")
+    env = cpu.ray_runtime_env({"EXTRA": "y"})
+    assert env["worker_process_setup_hook"] == "openrlhf_lpo.cpu.worker_setup"
+    got = env["env_vars"]
+    assert (got["LPO_CODE_SANDBOX"], got["LPO_E2E_REWARD_LOG"], got["OMP_NUM_THREADS"], got["EXTRA"]) == \
+        ("bwrap", "/tmp/x.jsonl", "3", "y")
+    assert got["LPO_CPU_MODE"] == "1" and "NOT_OURS" not in got  # the workers run the CPU mode, whatever the driver had
+
+
+def test_a_local_ray_start_that_times_out_is_tried_again(monkeypatch, capsys):
+    """On a busy 2-core machine Ray's raylet can miss its fixed 30 s registration wait ("The current node timed
+    out during startup"): the CPU mode starts the cluster again (3 attempts), other errors stop at once. The
+    timeout is injected (it cannot be provoked on demand); everything else is the real call."""
+    import pytest
+    import ray
+
+    from openrlhf_lpo import cpu
+
+    calls = []
+
+    def init(**kwargs):
+        calls.append(kwargs)
+        if sum(c != "shutdown" for c in calls) < 3:
+            raise Exception("The current node timed out during startup. This could happen because ...")
+        return "ctx"
+
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.append("shutdown"))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert cpu.init_ray(num_cpus=2, num_gpus=1) == "ctx"
+    assert [c if c == "shutdown" else (c["num_cpus"], c["num_gpus"]) for c in calls] == \
+        [(2, 1), "shutdown", (2, 1), "shutdown", (2, 1)]
+    assert "starting it again (3/3)" in capsys.readouterr().err
+    calls.clear()
+    monkeypatch.setattr(ray, "init", lambda **kw: (_ for _ in ()).throw(RuntimeError("port in use")))
+    with pytest.raises(RuntimeError, match="port in use"):
+        cpu.init_ray(num_cpus=2, num_gpus=1)

@@ -24,6 +24,9 @@ from openrlhf_lpo.cpu import decide_cpu_mode, init_ray
 on, reason = decide_cpu_mode("auto", os.environ["RAY_ADDRESS"], local_gpu=False)
 out = {"on": on, "reason": reason, "off_flag": decide_cpu_mode("off", os.environ["RAY_ADDRESS"])[0],
        "on_flag": decide_cpu_mode("on", os.environ["RAY_ADDRESS"])[0]}
+os.environ["LPO_CPU_MODE"] = "1"  # the environment's --cpu.mode on
+out["env_on"] = list(decide_cpu_mode("auto", os.environ["RAY_ADDRESS"], local_gpu=False))
+del os.environ["LPO_CPU_MODE"]
 if on:
     import ray
     ray.shutdown()
@@ -68,6 +71,7 @@ def test_gpu_less_driver_joining_a_gpu_cluster_keeps_cpu_mode_off(ray_head):
     res = _driver(ray_head(2))
     assert res["on"] is False and "has 2 GPUs" in res["reason"]
     assert res["off_flag"] is False and res["on_flag"] is True
+    assert res["env_on"] == [True, "LPO_CPU_MODE=1"]  # how a CPU cluster with logical GPU slots is joined
 
 
 def test_cluster_without_gpus_gets_cpu_mode_and_a_clear_error(ray_head):
@@ -121,6 +125,7 @@ print(json.dumps(results))
 """
 
 
+@pytest.mark.e2e
 def test_cpu_mode_off_leaves_the_run_on_the_gpu_path():
     """--cpu.mode off (or LPO_CPU_MODE=0) on a machine without a GPU: no CPU mode. decide_cpu_mode says
     off, the flag group's before_train returns None, nothing is patched (torch.cuda keeps raising on a

@@ -11,6 +11,10 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.e2e  # Ray, a DeepSpeed actor and two CPU engines
+
 PROBE = r"""
 import json, os, socket, sys
 model_dir, bad_dir, log_path = sys.argv[1:4]

@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.e2e  # Ray, a VLM actor and its CPU engines
+
 HERE = Path(__file__).resolve().parent
 
 

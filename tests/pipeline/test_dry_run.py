@@ -7,12 +7,14 @@ import base64
 import json
 import os
 import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
 SCRIPTS = REPO / "examples" / "scripts"
 ALL_SCRIPTS = sorted(p.name for p in SCRIPTS.glob("*.sh"))
 
@@ -47,14 +49,34 @@ def test_every_script_is_covered():
     assert set(RECIPES) | set(OTHERS) == set(ALL_SCRIPTS)
 
 
+HANDOFF = "train_math_qwen3_8b.sh"  # the recipe whose own dry run (bash -> python) is compared with its batched one
+
+
+def _script_args(script: str, env: dict, cwd: Path):
+    """The flags ``script`` hands to ``lpo-train`` (its ``LPO_PRINT_ARGS=1`` output: bash only)."""
+    out = subprocess.run(["bash", str(SCRIPTS / script)], env=dict(env, LPO_PRINT_ARGS="1"), capture_output=True,
+                         text=True, timeout=60, cwd=str(cwd))
+    assert out.returncode == 0, (script, out.stderr[-2000:])
+    return out.stdout.splitlines()
+
+
+def plan_lines(stdout: str):
+    """A dry run's printed plan and preflight details, without the preflight's timings and library log lines."""
+    return [line for line in stdout.splitlines()
+            if not line.startswith("[") and not line.startswith("preflight: ") and "Failed to load" not in line]
+
+
 @pytest.fixture(scope="module")
 def dry_runs(tmp_path_factory, megatron_layout_model):
+    """Every recipe's dry run: the flags its script hands to lpo-train, dry-run in one Python process
+    (tests/pipeline/dry_run_batch.py: the imports paid once, not once per recipe); beside it, run as a user
+    would (bash, then Python), the scripts that are not recipes and the HANDOFF recipe."""
     root = tmp_path_factory.mktemp("dry")
     base = {k: v for k, v in os.environ.items()
             if k not in ("MODEL", "DATA", "EXTRA_ARGS", "METHOD", "BACKEND", "MEGATRON_TP", "MEGATRON_PP", "NNODES",
                          "GPUS_PER_NODE", "VLLM_ENGINES", "VLLM_TP", "ACTOR_NODES", "ACTOR_GPUS", "LPO_PRINT_ARGS")}
     base.update(LPO_DRY_RUN="1", WORK=str(root / "work"), RAY_ADDRESS="")
-    jobs = {}
+    envs = {}
     image = "data:image/png;base64," + base64.b64encode(_png()).decode()
     for script, (rows, _, _) in RECIPES.items():
         vision = "geometry" in script  # the VLM recipe's rows carry one image each (the preflight checks them)
@@ -65,20 +87,42 @@ def dry_runs(tmp_path_factory, megatron_layout_model):
         env = dict(base, DATA=str(data))
         if "megatron" in script:  # the Megatron layout check reads the model's config: offline, a tiny one
             env["MODEL"] = megatron_layout_model
-        jobs[script] = env
-    for script in OTHERS:
-        jobs[script] = dict(base)
-    jobs["invalid"] = dict(jobs["train_math_qwen3_8b.sh"], EXTRA_ARGS="--train.batch_size 1000")
+        envs[script] = env
+    envs["invalid"] = dict(envs["train_math_qwen3_8b.sh"], EXTRA_ARGS="--train.batch_size 1000")
+    jobs = [{"name": name, "env": env, "argv": _script_args("train_math_qwen3_8b.sh" if name == "invalid" else name,
+                                                            env, root) + ["--dry-run"]}
+            for name, env in envs.items()]
+    (root / "jobs.json").write_text(json.dumps(jobs))
+    shell = {script: dict(base) for script in OTHERS}
+    shell[HANDOFF + " (bash)"] = envs[HANDOFF]
 
     def run(item):
         name, env = item
-        script = "train_math_qwen3_8b.sh" if name == "invalid" else name
-        out = subprocess.run(["bash", str(SCRIPTS / script)], env=env, capture_output=True, text=True, timeout=600,
-                             cwd=str(root))
-        return name, out
+        if name == "batch":
+            env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+            cmd = [sys.executable, str(HERE / "dry_run_batch.py"), str(root / "jobs.json"), str(root / "batch.json")]
+            out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=str(REPO))
+            assert out.returncode == 0, out.stderr[-3000:]
+            return name, json.loads((root / "batch.json").read_text())
+        script = name.split(" ")[0]
+        return name, subprocess.run(["bash", str(SCRIPTS / script)], env=env, capture_output=True, text=True,
+                                    timeout=600, cwd=str(root))
 
     with ThreadPoolExecutor(max_workers=2) as pool:
-        return dict(pool.map(run, jobs.items()))
+        done = dict(pool.map(run, [("batch", None), *shell.items()]))
+    results = {name: subprocess.CompletedProcess([name], r["returncode"], r["stdout"], r["stderr"])
+               for name, r in done.pop("batch").items()}
+    results.update(done)
+    return results
+
+
+def test_a_script_hands_its_recipe_to_lpo_train_as_the_batch_does(dry_runs):
+    """The batched dry runs are what the scripts run: the HANDOFF recipe's own dry run (bash, python.sh, then
+    ``python -m openrlhf_lpo.cli.train_ppo_ray ... --dry-run``) prints the same plan and preflight."""
+    own, batched = dry_runs[HANDOFF + " (bash)"], dry_runs[HANDOFF]
+    assert own.returncode == 0 == batched.returncode, own.stderr[-3000:]
+    assert "flags are valid; nothing was started" in own.stdout
+    assert plan_lines(own.stdout) == plan_lines(batched.stdout)
 
 
 @pytest.mark.parametrize("script", sorted(RECIPES))
@@ -116,6 +160,7 @@ def test_scripts_find_the_project_venv_or_say_what_to_do(tmp_path):
     assert out.returncode == 2 and "scripts/setup_env.sh" in out.stderr
 
 
+@pytest.mark.e2e
 def test_a_recipe_that_cannot_fit_stops_at_once(tiny_model_dir, tmp_path):
     """A real launch compares the GPUs its placement groups need with the Ray cluster before any actor
     starts: 2 actor GPUs + 1 engine on a cluster of 2 logical GPUs stops with the need per role."""

@@ -21,6 +21,8 @@ import torch
 from e2e_common import (load_weights, logged_steps, max_weight_diff, read_jsonl, run_cli, run_env, tb_scalars,
                         tb_steps)
 
+pytestmark = pytest.mark.e2e  # the demo run, then a killed and a resumed lpo-train
+
 
 def _retarget(argv, out):
     """The job's flags with its outputs moved under ``out``."""
@@ -39,7 +41,8 @@ def e2e(demo_ci_run):
     assert command[0] == "lpo-train"
     root = demo_ci_run["root"]
     args_b = _retarget(command[1:], root / "run_b")
-    rc_b1, wall_b1, log_b1 = run_cli(args_b, run_env(), root / "run_b1.log", stop_at_checkpoint="global_step2")
+    rc_b1, wall_b1, log_b1 = run_cli(args_b, run_env(shared_ray=False), root / "run_b1.log",
+                                  stop_at_checkpoint="global_step2")
     env_b2 = run_env({"LPO_CPU_PARITY_LOG": str(root / "parity_b2.jsonl")})
     rc_b2, wall_b2, log_b2 = run_cli(args_b + ["--ckpt.load_enable", "--logger.tensorboard_dir", str(root / "run_b" / "tb2")],
                                      env_b2, root / "run_b2.log")

@@ -23,6 +23,8 @@ import pytest
 from e2e_common import REPO, base_args, load_weights, max_weight_diff, read_jsonl, run_cli, run_env, tb_scalars, \
     tb_steps, write_prompts
 
+pytestmark = pytest.mark.e2e  # lpo-train runs with the research flags, and a resume
+
 STEPS = 4
 FLAGS = ["--lpo.divergence_schedule", "alpha:0.5@0,tv@1,rev", "--lpo.divergence_switch_entropy", "1000",
          "--lpo.divergence_switch_window", "2", "--lpo.temperature_scale", "0.5",

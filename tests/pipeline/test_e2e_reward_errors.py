@@ -17,6 +17,8 @@ import pytest
 
 from e2e_common import REPO, base_args, run_cli, run_env, tb_scalars, tb_steps
 
+pytestmark = pytest.mark.e2e  # lpo-train runs with failing rewards
+
 REWARD_FILE = REPO / "openrlhf_lpo" / "rewards" / "reward_func.py"
 GOOD = json.dumps({"task": "countdown", "nums": [1, 2], "target": 3})
 BAD = json.dumps({"task": "chess"})

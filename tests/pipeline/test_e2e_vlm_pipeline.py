@@ -22,8 +22,11 @@ import pytest
 import torch
 
 from e2e_common import tb_scalars, tb_steps
+from shared_ray import shared_ray_env
 from openrlhf_lpo.data.geometry import generate_geometry_problems
 from openrlhf_lpo.data.loaders import write_jsonl
+
+pytestmark = pytest.mark.e2e  # an lpo-train run of a vision-language model
 
 REPO = Path(__file__).resolve().parents[2]
 RUN_TIMEOUT_S = int(os.environ.get("LPO_E2E_TIMEOUT", "900"))
@@ -59,6 +62,7 @@ def vlm_e2e(tiny_vlm_dir, tmp_path_factory):
     env.update(OMP_NUM_THREADS="1", RAY_DEDUP_LOGS="0", TOKENIZERS_PARALLELISM="false",
                LPO_CPU_PARITY_LOG=str(root / "parity.jsonl"))
     env.pop("RAY_ADDRESS", None)
+    env.update(shared_ray_env())
     out = root / "run"
     t0 = time.time()
     with open(root / "run.log", "w") as f:

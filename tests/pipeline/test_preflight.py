@@ -244,6 +244,17 @@ def test_prompt_and_key_problems_name_the_rows(tmp_path, tiny_model_dir, capsys)
     refused(argv_for(tmp_path, lists, tiny_model_dir), capsys, f"{lists}:2: a JSON line must be an object")
 
 
+def test_lines_are_named_as_an_editor_counts_them_blank_lines_included(tmp_path, tiny_model_dir, capsys):
+    """Blank lines (which JSON-lines readers skip) still count: a broken line after them, and a bad row
+    after them, are named by their line number in the file."""
+    good = [json.dumps(r) for r in rows(3)]
+    broken = jsonl(tmp_path / "broken.jsonl", good[:2] + ["", "   ", "not json"] + good[2:])
+    refused(argv_for(tmp_path, broken, tiny_model_dir), capsys, f"{broken}:5: invalid JSON")
+    gappy = jsonl(tmp_path / "gappy.jsonl", good + ["", ""] + [json.dumps({"prompt": "", "label": "1"})] + good)
+    refused(argv_for(tmp_path, gappy, tiny_model_dir), capsys,
+            f"the prompt is empty (--data.input_key prompt): 1 row(s): {gappy}:6\n")
+
+
 def test_hub_datasets_are_left_to_the_run_in_a_dry_run(tmp_path, tiny_model_dir, capsys):
     code, out, err = lpo_train(argv_for(tmp_path, "someorg/some-dataset", tiny_model_dir), capsys)
     assert code == 0, err

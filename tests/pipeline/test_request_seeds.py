@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from openrlhf_lpo.openrlhf.request_seeds import prompt_seed, sample_seed
 
 PROBE = r"""
@@ -46,6 +48,8 @@ out = {}
 for n in (1, 2):
     gen = generator(SeededSamplesGenerator, n)
     out[f"seeded{n}"], out[f"seeded{n}_next"] = dispatch(gen), dispatch(gen)
+out["engine_info"] = [ray.get(e.backend_info.remote()) for e in two]
+for n in (1, 2):
     out[f"stock{n}"] = dispatch(generator(SamplesGenerator, n))
 resumed = generator(SeededSamplesGenerator, 2)
 resumed.prompts_dispatched = 4  # a resume restores total_consumed_prompts
@@ -54,19 +58,26 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.e2e
 def test_samples_depend_on_their_position_not_on_the_engine(tiny_model_dir, repo_env, tmp_path):
     from e2e_common import TOY_REWARD
 
     out = subprocess.run([sys.executable, "-c", PROBE, tiny_model_dir, str(TOY_REWARD)], env=repo_env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
-    r = json.loads(out.stdout.strip().splitlines()[-1])
+    r = json.loads([line for line in out.stdout.splitlines() if line.startswith("{")][-1])
     assert all(len(group) == 2 for group in r["seeded1"])  # one list of K per prompt, as the stock caller expects
     # one engine or two (the balancer sends prompts 1 and 3 to the second): the same samples
     assert r["seeded1"] == r["seeded2"] and r["seeded1_next"] == r["seeded2_next"]
     assert sum(len({tuple(s) for s in group}) > 1 for group in r["seeded1"]) >= 3  # K different seeds per prompt
     assert r["seeded1_next"] != r["seeded1"]  # the next batch of the same prompts: new positions, new samples
     assert r["resumed"] == r["seeded2_next"]  # restored position: the uninterrupted run's samples
+    # one call per prompt with its K settings (no per-sample call, no gathering task), plain settings: the HF
+    # engine never imports vLLM; an engine unpickles a generator's tokenizer once, however many calls arrive
+    # meanwhile (engine 0 served two generators)
+    info = r["engine_info"]
+    assert [i["calls"] for i in info] == [12, 4]  # 3 batches x 4 prompts on engine 0, 2 x 2 on engine 1
+    assert [i["vllm_imported"] for i in info] == [False, False] and [i["tokenizers"] for i in info] == [2, 1]
     # upstream (no seed in SamplingParams): the samples depend on the engine (seeded --train.seed + i) and on
     # what it generated before
     assert r["stock1"] != r["stock2"]
@@ -77,3 +88,46 @@ def test_seeds_are_a_fixed_function_of_run_seed_and_position():
     assert len(seeds) == 1002 and all(0 <= s < 2 ** 63 for s in seeds)
     assert prompt_seed(7, "train", 3) == prompt_seed(7, "train", 3)
     assert len({sample_seed(prompt_seed(7, "train", 0), k) for k in range(64)}) == 64
+
+
+def test_plain_settings_carry_the_dispatch_settings_without_vllm():
+    """The CPU engine's settings: the stock dispatch's SamplingParams round-trip through the plain form, which
+    unpickles in a process that has not imported vLLM; a setting that is not a builtin is refused, not dropped."""
+    import pickle
+
+    from vllm import SamplingParams
+
+    from openrlhf_lpo.engines.responses import PlainSamplingParams
+
+    sp = SamplingParams(temperature=0.7, top_p=0.9, top_k=-1, max_tokens=None, min_tokens=1,
+                        skip_special_tokens=False, logprobs=1, seed=12345)
+    plain = PlainSamplingParams.from_vllm(sp)
+    assert plain.to_vllm() == sp and plain.max_tokens is None and plain.stop == [] and plain.n == 1
+    probe = ("import pickle, sys; p = pickle.loads(sys.stdin.buffer.read()); "
+             "print('vllm' in sys.modules, p.temperature, p.seed, p.max_tokens, p.repetition_penalty)")
+    out = subprocess.run([sys.executable, "-c", probe], input=pickle.dumps(plain), capture_output=True, timeout=120)
+    assert out.stdout.decode().split() == ["False", "0.7", "12345", "None", "1.0"], out.stderr[-2000:]
+    from vllm.sampling_params import StructuredOutputsParams
+
+    with pytest.raises(ValueError, match="structured_outputs"):
+        PlainSamplingParams.from_vllm(SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+")))
+
+
+def test_vllm_engines_get_per_sample_settings_and_other_engines_stay():
+    """lpo-train's swap: vLLM's stock RolloutRayActor becomes a subclass whose generate_responses takes one
+    setting per sample (vLLM objects, not plain ones); any other engine class (the CPU mode's) stays; an engine
+    without the method is refused by name."""
+    from openrlhf.trainer.ray import vllm_engine
+
+    from openrlhf_lpo.engines.cpu_engine import CPURolloutActorClass
+    from openrlhf_lpo.engines.responses import PerSampleResponses
+    from openrlhf_lpo.openrlhf.request_seeds import engine_settings, seeded_rollout_actor
+
+    stock = vllm_engine.RolloutRayActor
+    seeded = seeded_rollout_actor(stock).__ray_actor_class__
+    assert issubclass(seeded, stock.__ray_actor_class__)
+    assert seeded.generate_responses is PerSampleResponses.generate_responses and seeded.PLAIN_PARAMS is False
+    cpu_class = CPURolloutActorClass()
+    assert seeded_rollout_actor(cpu_class) is cpu_class
+    with pytest.raises(RuntimeError, match="one sampling setting per prompt"):
+        engine_settings(object())

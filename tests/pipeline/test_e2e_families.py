@@ -1,0 +1,61 @@
+"""lpo-train end to end in OpenRLHF's async recipe (configs/families/async.sh: partial rollout, behaviour
+log-probs from the engine, LPO's listwise off-policy correction) and a GRPO run with the listwise metrics
+and OpenRLHF's ``--eval.*`` path, both over partial last batches and two episodes on one rank. The
+long-context hybrid recipe on two ranks: test_e2e_hybrid.py; GRPO's listwise metrics on two ranks: the
+demo's CI run (tests/demo/test_demo_ci_run.py, GRPO at dp 2 checks lpo/kl_end every step) and, against
+brute force with groups split across two gloo ranks,
+tests/openrlhf/test_listwise_metrics.py::test_pg_end_kl_with_groups_split_across_two_ranks.
+"""
+
+import pytest
+
+from e2e_common import family_flags, run_family, tb_steps
+
+pytestmark = pytest.mark.e2e  # two lpo-train runs (async LPO, GRPO with --eval.*)
+
+
+@pytest.fixture(scope="module")
+def families(tiny_model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    return {
+        # OpenRLHF's async recipe: partial rollout, behaviour log-probs from the engine, LPO's
+        # listwise off-policy correction (token clip)
+        "async": run_family(tiny_model_dir, root, "async", dp=1, extra=[
+            *family_flags("async"), "--eval.dataset", str(root / "prompts6.jsonl"), "--eval.steps", "2",
+            "--eval.n_samples_per_prompt", "2"]),
+        # a policy-gradient run with the listwise metrics and OpenRLHF's --eval.* path (every 2 steps)
+        # through our grader and the unbiased pass@k
+        "grpo_dp1": run_family(tiny_model_dir, root, "grpo_dp1", dp=1, estimator=("group_norm", "--lpo.end_kl"), extra=[
+            "--eval.dataset", str(root / "prompts6.jsonl"), "--eval.steps", "2", "--eval.n_samples_per_prompt", "2"]),
+    }
+
+
+def test_async_recipe_logs_the_behaviour_correction(families):
+    run = families["async"]
+    assert tb_steps(run["tb"]) == [1, 2, 3, 4]
+    tb = run["tb"]
+    assert [tb["train/lpo/groups"][s] for s in (1, 2, 3, 4)] == [4.0, 2.0, 4.0, 2.0]
+    for key in ("train/lpo/behaviour_abs_mean", "train/lpo/behaviour_abs_max", "train/lpo/behaviour_ess"):
+        assert sorted(tb[key]) == [1, 2, 3, 4], key
+    # later batches were sampled by an older policy than the one that starts their update: s_t != 0
+    assert max(tb["train/lpo/behaviour_abs_mean"].values()) > 1e-4
+    assert all(0.0 < v <= 1.0 for v in tb["train/lpo/behaviour_ess"].values())
+    # the async generator's --eval.* rounds go through evaluation.training_eval too (maj/worst are ours)
+    evals = {k for k in tb if k.startswith("eval/")}
+    assert any(k.endswith("_pass2") for k in evals) and any("_worst2" in k for k in evals), evals
+    print("\n[e2e family] async s_t: " + "; ".join(
+        f"step {s}: mean|s_t| {tb['train/lpo/behaviour_abs_mean'][s]:.3g}, max {tb['train/lpo/behaviour_abs_max'][s]:.3g}, "
+        f"ESS/K {tb['train/lpo/behaviour_ess'][s]:.3f}" for s in (1, 2, 3, 4)))
+
+
+def test_policy_gradient_run_logs_the_listwise_kl_over_partial_batches(families):
+    run = families["grpo_dp1"]
+    assert tb_steps(run["tb"]) == [1, 2, 3, 4]
+    tb = run["tb"]
+    assert [tb["train/lpo/groups"][s] for s in (1, 2, 3, 4)] == [4.0, 2.0, 4.0, 2.0]
+    assert all(tb["train/lpo/kl_end"][s] >= 0.0 for s in (1, 2, 3, 4))
+    # evaluation during training, graded by evaluation.training_eval
+    evals = {k for k in tb if k.startswith("eval/")}
+    assert any(k.endswith("_pass1") for k in evals) and any(k.endswith("_pass2") for k in evals), evals
+    assert any("_maj2" in k or "_worst2" in k for k in evals), evals  # not in OpenRLHF's own metrics
+    assert sorted(tb[next(k for k in evals if k.endswith("_pass1"))]) == [2, 4]
