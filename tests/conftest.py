@@ -38,7 +38,7 @@ def demo_ci_run(tmp_path_factory):
     env.update(shared_ray_env())  # both methods' lpo-train runs join this worker's Ray cluster
     proc = subprocess.run([sys.executable, "-m", "openrlhf_lpo.demo.cli", "--preset", "ci", "--run-dir", str(run),
                            "--no-progress", "--steps", str(DEMO_CI_STEPS), "--pipeline-args", DEMO_CI_PIPELINE_ARGS,
-                           "--jobs", "1"],
+                           "--jobs", "1"],  # one job after the other: the parity log is LPO's, then GRPO's
                           env=env, capture_output=True, text=True, timeout=1800, cwd=str(REPO))
     return {"root": root, "run": run, "proc": proc, "parity_log": root / "parity.jsonl", "steps": DEMO_CI_STEPS}
 

@@ -333,10 +333,14 @@ def test_killing_the_grading_process_kills_its_sandboxes(tmp_path, repo_env):
     try:
         assert proc.stdout.readline().strip() == "start"
         deadline = time.monotonic() + 60
-        while len(sandbox_processes()) < 4 and time.monotonic() < deadline:  # bwrap, init, runner, program(s)
+        while len(sandbox_processes()) < 3 and time.monotonic() < deadline:  # bwrap, init, runner
             time.sleep(0.05)
-        # the detached grandchild is not always visible by then (CI saw bwrap, its init and the runner only);
-        # a sandbox mid-run is what must die with the grading process
+        # then up to 2 s for the program and its detached grandchild (not always visible: CI saw bwrap, its
+        # init and the runner only). Not longer: the program's 30 s limit would end the sandbox before the
+        # kill, and a sandbox mid-run is what must die with the grading process
+        settle = time.monotonic() + 2
+        while len(sandbox_processes()) < 4 and time.monotonic() < settle:
+            time.sleep(0.05)
         assert len(sandbox_processes()) >= 3, "the sandbox did not start"
     finally:
         proc.kill()

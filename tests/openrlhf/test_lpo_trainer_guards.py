@@ -7,7 +7,7 @@ fails when the guard breaks:
 
 Below the mixin sits the first stage of the stock ``BasePPOTrainer.train_step``: the real
 ``LPOExperienceMaker.split_rollout_samples`` (the rest of the stock step needs the Ray actor groups; the
-partial batch trains end to end in tests/pipeline/test_e2e_layouts.py).
+partial batch trains end to end in tests/pipeline/test_e2e_hybrid.py and test_e2e_families.py).
 """
 
 import pytest
