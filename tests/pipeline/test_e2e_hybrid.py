@@ -26,9 +26,8 @@ def hybrid(tiny_model_dir, tmp_path_factory):
 
 
 def test_hybrid_recipe_with_dynamic_batching_trains_two_episodes(hybrid):
-    run = hybrid
-    assert tb_steps(run["tb"]) == [1, 2, 3, 4]
-    tb = run["tb"]
+    tb = hybrid["tb"]
+    assert tb_steps(tb) == [1, 2, 3, 4]
     assert [tb["train/lpo/groups"][s] for s in (1, 2, 3, 4)] == [4.0, 2.0, 4.0, 2.0]
     # groups of ~4 x 20 tokens exceed the 64-token budget: samples are the items; one window per
     # batch and two epochs: c from s_t in epoch 1, from a pre-pass in epoch 2
