@@ -555,6 +555,8 @@ class _RaySession:
 def _cpu_before_train(args):
     cpu_args = getattr(args, "cpu", None)
     on, reason = decide_cpu_mode(getattr(cpu_args, "mode", "auto"), ray_address())
+    if cpu_args is not None:
+        cpu_args.active = on  # read by later start-up checks (cli/gpu_build.py) without importing this module
     print(f"[openrlhf_lpo.cpu] CPU mode {'on' if on else 'off'}: {reason}", file=sys.stderr)
     if not on:
         return None

@@ -27,12 +27,19 @@ make pip download every wheel (~4 GB per Python version, minutes); the registry'
 attribute back (:class:`MetadataProxy`) and serves each ``.metadata`` from the registry (or, where
 a file has none, from the wheel itself).
 
+``--node`` checks this machine instead, as installed: can it load the C++/CUDA op of DeepSpeed's
+optimizer (``fused_adam``; ``cpu_adam`` with ``--adam-offload``; nothing with ``--backend megatron``)?
+Either deepspeed holds it pre-built for this torch, or the node can JIT-compile it: ninja, a C++
+compiler and the nvcc of torch's CUDA version under CUDA_HOME (``openrlhf_lpo/cli/gpu_build.py``, the
+check ``lpo-train`` runs on every GPU node at start).
+
 Usage:
     python scripts/check_gpu_install.py                       # resolve 3.10-3.12 and check
     python scripts/check_gpu_install.py --python 3.11 --out DIR   # also write one report per version
     python scripts/check_gpu_install.py --reports DIR         # check reports written before (offline)
-Exit status: 0 the pins agree; 1 a conflict or a failed resolution (named); 2 bad usage;
-3 the registry could not be reached (nothing was checked).
+    python scripts/check_gpu_install.py --node [--adam-offload] [--backend megatron]   # this node
+Exit status: 0 the pins agree (--node: the op loads); 1 a conflict or a failed resolution (named)
+(--node: what is missing, named); 2 bad usage; 3 the registry could not be reached (nothing was checked).
 """
 
 from __future__ import annotations
@@ -684,7 +691,10 @@ def install_commands(analyses: List[dict]) -> List[str]:
         f"linux_x86_64.whl>   # a prebuilt wheel for this torch/CUDA/Python ABI, if you have one; else:",
         f"MAX_JOBS=8 pip install flash-attn=={fa} --no-build-isolation   # source build: needs nvcc (CUDA "
         f"{cuda or '?'} toolkit) and tens of minutes",
-        f"pip install deepspeed=={v.get('deepspeed')}   # sdist, pure Python; its ops JIT-compile on first use",
+        "DS_BUILD_FUSED_ADAM=1 DS_BUILD_CPU_ADAM=1 TORCH_CUDA_ARCH_LIST=9.0 "
+        f"pip install deepspeed=={v.get('deepspeed')} --no-build-isolation --no-cache-dir --force-reinstall --no-deps"
+        "   # compiles DeepSpeed's Adam ops now, so no node compiles them at run"
+        f" time: run it on a GPU node with CUDA_HOME at a CUDA {cuda or '?'} toolkit (torch's); 9.0 = H100/H200",
         f"pip install openrlhf=={v.get('openrlhf')} --no-deps   # its other requirements come with the next line",
         "pip install -e '.[gpu,eval]'   # add ,megatron for --backend megatron",
     ]
@@ -713,6 +723,38 @@ def _log(message: str) -> None:
         sys.stdout.flush()
 
 
+def node_check(backend: str, adam_offload: bool) -> int:
+    """``--node``: print what this machine offers DeepSpeed's optimizer op and whether it can load it."""
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    from openrlhf_lpo.cli import gpu_build
+
+    op = gpu_build.needed_op(backend, adam_offload, critic=False)
+    f = gpu_build.gather_facts()
+    home, how = gpu_build.toolkit_home(f.env, f.which.get("nvcc"), f.usr_local_cuda)
+    release = gpu_build.nvcc_release(f.nvcc_text)
+    pre = [o for o in gpu_build.OPS if gpu_build.is_prebuilt(o, f)]
+    cxx = gpu_build.compiler_name(f.env)
+    print(f"host {f.host}, {f.nvidia_gpus} NVIDIA GPU(s): torch {f.torch_version} (CUDA {f.torch_cuda}), deepspeed "
+          f"{f.ds_version or 'not installed'} (ops compiled in for the GPU: {', '.join(pre) or 'none'})")
+    print(f"  CUDA_HOME: {home or 'none'}{f' (from {how})' if home else ''}; nvcc release "
+          f"{'%d.%d' % release if release else 'none'}; ninja: {f.which.get('ninja') or 'none'}; "
+          f"{cxx}: {f.which.get(cxx) or 'none'}")
+    flags = f"--backend {backend}" + (" --ds.adam_offload" if adam_offload else "")
+    if op is None:
+        print(f"[check_gpu_install] PASS: {flags} trains with no DeepSpeed op (megatron-core's optimizer)")
+        return 0
+    print(f"  {flags}: the optimizer loads {op} ({gpu_build.OPS[op]})")
+    problems = gpu_build.build_problems(op, f)
+    for line in problems:
+        print(f"  PROBLEM: {line}")
+    verdict = "FAIL" if problems else "PASS"
+    how_loaded = "pre-built" if op in pre else "JIT-compiled at the first deepspeed.initialize"
+    print(f"[check_gpu_install] {verdict}: {op} " + (f"cannot load here ({len(problems)} problem(s))" if problems
+                                                      else f"loads here ({how_loaded})"))
+    return 1 if problems else 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--python", default=",".join(PYTHONS), help="Python versions, comma-separated")
@@ -720,7 +762,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--index-url", default=DEFAULT_INDEX, help="a PEP 691 simple index (default PyPI)")
     p.add_argument("--out", default=None, help="write report-py<X>.json (the trimmed resolution) per version here")
     p.add_argument("--reports", default=None, help="check the report-py*.json in this folder instead (offline)")
+    p.add_argument("--node", action="store_true",
+                   help="check this machine instead: can it load DeepSpeed's optimizer op (pre-built or JIT)")
+    p.add_argument("--adam-offload", action="store_true", help="with --node: the run uses --ds.adam_offload")
+    p.add_argument("--backend", default="deepspeed", choices=("deepspeed", "megatron"),
+                   help="with --node: the run's --backend")
     a = p.parse_args(argv)
+    if a.node:
+        return node_check(a.backend, a.adam_offload)
     pythons = [x.strip() for x in a.python.split(",") if x.strip()]
     if not all(re.fullmatch(r"3\.\d+", x) for x in pythons):
         p.error(f"--python {a.python}: give versions like 3.10,3.11,3.12")

@@ -45,7 +45,7 @@ def demo_ci_run(tmp_path_factory):
 
 # Fixtures that start a pipeline, a Ray cluster or a multi-process world: a test that uses one is an
 # end-to-end test (left out of ``run_tests.sh --quick``).
-HEAVY_FIXTURES = ("demo_ci_run", "mcore_world", "parallel_world", "ray_head", "dry_runs")
+HEAVY_FIXTURES = ("demo_ci_run", "mcore_world", "parallel_world", "ray_head", "dry_runs", "multinode")
 
 # Under pytest-xdist (``run_tests.sh`` runs 2 workers) a module's tests run on one worker, so a module-scoped
 # fixture starts once; the modules that share a session-scoped heavy fixture are one unit (a session fixture
@@ -67,7 +67,8 @@ SHARED_DIRECTORIES = {"tests/code/": "tests/code"}
 FIRST = ("demo_ci_run", "tests/pipeline/test_e2e_layouts.py", "tests/pipeline/test_e2e_families.py",
          "tests/pipeline/test_e2e_hybrid.py", "mcore_world", "tests/megatron/test_megatron_pipeline_e2e.py",
          "tests/code", "tests/pipeline/test_e2e_research.py", "tests/pipeline/test_e2e_reward_errors.py",
-         "tests/pipeline/test_dry_run.py", "tests/megatron/test_megatron_gpu_check.py",
+         "tests/pipeline/test_dry_run.py", "tests/pipeline/test_placement_cluster.py",
+         "tests/megatron/test_megatron_gpu_check.py",
          "tests/pipeline/test_e2e_vlm_pipeline.py")
 
 

@@ -27,6 +27,25 @@ CLUSTER_ARGS=(
   --vllm.num_engines "$VLLM_ENGINES" --vllm.tensor_parallel_size "$VLLM_TP"
   --vllm.gpu_memory_utilization 0.85 --vllm.enable_prefix_caching
 )
+# PP > 1: OpenRLHF runs the old-log-prob forward as one call per chunk of --rollout.micro_batch_size samples,
+# and each call is one pipeline schedule of M = chunk / --train.micro_batch_size micro-batches at efficiency
+# M/(M+pp-1) (2/3 at PP2 and 2/5 at PP4 with the tasks' chunks of 2). Chunks of 4 x pp train micro-batches
+# keep it >= 80% (8/9 at PP2, 16/19 at PP4; lpo-train --dry-run prints it): derived from MEGATRON_PP unless
+# ROLLOUT_MICRO_BATCH_SIZE is set (a task's larger chunk is kept).
+_lpo_pp="${MEGATRON_PP:-1}"
+if [ -z "${ROLLOUT_MICRO_BATCH_SIZE:-}" ] && [ "$_lpo_pp" -gt 1 ]; then
+  _lpo_train_micro=1 _lpo_rollout_micro=1 _lpo_prev=""
+  for _lpo_arg in ${TASK_ARGS[@]+"${TASK_ARGS[@]}"}; do
+    case "$_lpo_prev" in
+      --train.micro_batch_size) _lpo_train_micro="$_lpo_arg" ;;
+      --rollout.micro_batch_size) _lpo_rollout_micro="$_lpo_arg" ;;
+    esac
+    _lpo_prev="$_lpo_arg"
+  done
+  ROLLOUT_MICRO_BATCH_SIZE=$((4 * _lpo_pp * _lpo_train_micro))
+  [ "$_lpo_rollout_micro" -le "$ROLLOUT_MICRO_BATCH_SIZE" ] || ROLLOUT_MICRO_BATCH_SIZE="$_lpo_rollout_micro"
+fi
+[ -z "${ROLLOUT_MICRO_BATCH_SIZE:-}" ] || CLUSTER_ARGS+=(--rollout.micro_batch_size "$ROLLOUT_MICRO_BATCH_SIZE")
 # MEGATRON_SP=1: sequence parallelism (TP > 1); MEGATRON_VPP=V: virtual pipeline stages (PP > 1)
 [ "${MEGATRON_SP:-0}" != "1" ] || CLUSTER_ARGS+=(--megatron.sequence_parallel)
 [ "${MEGATRON_VPP:-1}" = "1" ] || CLUSTER_ARGS+=(--megatron.vpp "$MEGATRON_VPP")

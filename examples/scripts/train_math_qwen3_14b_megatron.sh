@@ -6,7 +6,10 @@
 #   node B, 8 GPUs: 8 vLLM engines x TP1 (bf16, 29.6 GB of weights each, prefix caching)
 # Memory per actor GPU (Qwen3-14B, 14.8B params): bf16 weights 7.4 GB + fp32 grads 14.8 GB + fp32 main
 # params and Adam moments 22.2 GB (sharded over TP x DP) ~ 44 GB, plus ~5 GB for one 5k-token packed
-# micro-batch. See docs/megatron.md. TP groups stay inside node A (tp divides 8 GPUs per node).
+# micro-batch. Peaks (python -m openrlhf_lpo.megatron.memory examples/model_configs/qwen3-14b --tp 4
+# --dp 2): forward/backward 49.7 GB (CE / entropy temporaries 1.9 GB), optimizer step 51.7 GB (AdamW
+# foreach sqrt(v) 7.4 GB), peak 54.7 GB with a 3 GB allowance for the CUDA context and NCCL buffers.
+# See docs/megatron.md. TP groups stay inside node A (tp divides 8 GPUs per node).
 # lpo-train checks this placement against the running Ray cluster before any actor starts and stops
 # with a message naming the GPUs needed vs present. Alternative: MEGATRON_TP=8 (DP=1).
 # Layout rules: actor GPUs % (tp*pp) == 0; 8 KV heads % tp == 0; 40 layers % pp == 0; tp | GPUs per node.

@@ -52,6 +52,7 @@ class FlagGroup:
     validate: Optional[Callable[[argparse.Namespace], None]] = None
     before_train: Optional[Callable[[argparse.Namespace], Optional[ContextManager]]] = None
     estimators: Tuple[str, ...] = field(default_factory=tuple)
+    plan_lines: Optional[Callable[[argparse.Namespace], List[str]]] = None  # what --dry-run adds for the group
 
 
 FLAG_GROUPS: Dict[str, FlagGroup] = {}

@@ -166,6 +166,27 @@ def _batch_shape(args, groups: int) -> str:
             f"{windows * epochs} step(s); {passes}")
 
 
+def _placement_lines(args) -> List[str]:
+    """The actor's rank-to-node map as lpo-train will place it (openrlhf/placement.py)."""
+    from openrlhf_lpo.openrlhf.placement import planned_layout
+
+    if getattr(args, "backend", "deepspeed") == "megatron":
+        tp, pp = args.megatron.tp, args.megatron.pp
+    else:
+        tp, pp = args.ds.tensor_parallel_size * args.ds.ring_attn_size, 1
+    nodes, gpn = args.actor.num_nodes, args.actor.num_gpus_per_node
+    head = f"  actor ranks by node (node-major: each node's Ray bundles in rank order, {nodes} x {gpn} GPUs):"
+    return [head] + [f"    {line}" for line in planned_layout(nodes, gpn, tp, pp)]
+
+
+def _flag_group_plan_lines(args) -> List[str]:
+    """What the registered flag groups add to the plan (``FlagGroup.plan_lines``; e.g. the Megatron backend's
+    pipeline efficiency): a plugin imports the CLI, never the reverse."""
+    from openrlhf_lpo.cli.flags import FLAG_GROUPS
+
+    return [line for group in FLAG_GROUPS.values() if group.plan_lines for line in group.plan_lines(args)]
+
+
 def plan_lines(args, preflight=None) -> List[str]:
     """The plan; ``preflight`` (a ``cli.preflight.Preflight``, None for ``--preflight off``) adds the rows it
     read as upstream reads them (hub datasets included) and its summary."""
@@ -189,6 +210,7 @@ def _plan_lines(args, preflight) -> List[str]:
 
         lines[1:1] = research_plan_lines(args)
     lines += [f"  {role}: {g} ({note})" for role, g, note in gpu_roles(args)]
+    lines += _placement_lines(args)
     lines.append(f"rollout batch: {B} prompts x K={K} = {B * K} samples; train batch {args.train.batch_size} samples "
                  f"(micro {args.train.micro_batch_size}); data-parallel ranks {dp}")
     if est in LPO_ESTIMATORS:
@@ -196,6 +218,7 @@ def _plan_lines(args, preflight) -> List[str]:
             f"up to {args.rollout.max_tokens_per_gpu} tokens (dynamic batching)" if args.train.dynamic_batch_enable
             else f"{args.rollout.micro_batch_size} sample(s)"))
         lines.append(f"  full batch: {_batch_shape(args, B)}")
+    lines += _flag_group_plan_lines(args)  # Megatron with PP > 1: each pass's pipeline efficiency
     if preflight is not None and preflight.train_rows is not None:
         rows, note = preflight.train_rows, "read by the preflight"  # as upstream reads them
     else:

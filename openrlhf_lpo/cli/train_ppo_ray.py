@@ -249,7 +249,8 @@ def _reward_error_stop(exc: BaseException):
 
 
 def _check_cluster(args, plan) -> None:
-    """Join (or start) Ray as the stock ``train()`` would, then fail fast if the recipe cannot fit."""
+    """Join (or start) Ray as the stock ``train()`` would, then fail fast if the recipe cannot fit or a GPU
+    node cannot load DeepSpeed's optimizer op (``openrlhf_lpo.cli.gpu_build``)."""
     import os
 
     import ray
@@ -268,6 +269,9 @@ def _check_cluster(args, plan) -> None:
     except plan.ClusterTooSmall as e:
         print(f"lpo-train: {e}", file=sys.stderr)
         raise SystemExit(3) from None
+    from openrlhf_lpo.cli import gpu_build
+
+    gpu_build.check_run_or_exit(args)  # exit 3 naming what a node lacks; skipped in CPU mode
 
 
 if __name__ == "__main__":

@@ -36,10 +36,15 @@ with which others it was batched: the old-log-prob pass and the training pass se
   segment: the interleaved schedule sends fixed shapes).
 
 Host syncs: micro-batches are packed on the host before the schedule starts (their indices, counts and
-row positions go to the device in one go); inside the schedule nothing waits for the device (no
+row positions go to the device in one go); inside the schedule our code never waits for the device (no
 ``.item()``, no boolean indexing); the step's statistics stay on the device and are read once, after
-the optimizer step. With Transformer Engine, RoPE runs TE's fused THD kernel (``apply_rope_fusion``)
-instead of megatron's per-sequence ``.tolist()`` path.
+the optimizer step. What megatron itself still syncs (docs/megatron.md, "Host syncs"): with PP > 1 and
+VPP 1 (``variable_seq_lengths``) every p2p call of the schedule first exchanges the tensor's shape and
+then synchronizes the device and reads it (a device-wide synchronize and ``.tolist()`` in
+``_communicate_shapes``), and the batched p2p synchronizes again after the exchange (``batch_p2p_sync``);
+without Transformer Engine, megatron's unfused THD RoPE reads ``cu_seqlens`` on the host for q and k in
+every layer; the grad norm is read once per step. With TE, RoPE runs TE's fused THD kernel
+(``apply_rope_fusion``) instead.
 * :meth:`save_checkpoint` / :meth:`load_checkpoint` — :mod:`.checkpoint`: layout-free
   ``global_stepN`` directories (safetensors + JSON), resumable in another TP/PP layout.
 """
@@ -94,6 +99,7 @@ class MegatronActorConfig:
     min_lr_ratio: float = 0.1  # --actor.min_lr_ratio (cosine_with_min_lr / cosine_warmup_with_min_lr)
     scheduler_steps: Optional[int] = None  # optimizer steps of the run (OpenRLHF's max_steps)
     timeout_minutes: int = 60  # NCCL/gloo timeout of megatron's process groups (OpenRLHF: 60)
+    save_timeout_minutes: int = 360  # the waits around checkpoint / HF writes (checkpoint.save_barrier)
     extra: dict = field(default_factory=dict)
 
 
@@ -228,6 +234,10 @@ class MegatronActor:
             raise ValueError(f"micro_batch_size must be >= 1, got {cfg.micro_batch_size}")
         if cfg.sequence_parallel and cfg.tp < 2:
             raise ValueError("--megatron.sequence_parallel needs --megatron.tp > 1 (it splits the sequence over TP ranks)")
+        if cfg.use_te and not te_available():
+            raise ValueError("--megatron.te on: Transformer Engine is not importable here, or no accelerator is "
+                             "present; install the transformer-engine build docs/install.md names, or use "
+                             "--megatron.te off (megatron's local spec)")
         initialize_parallel(cfg.tp, cfg.pp, hf_config, cfg.vpp, cfg.timeout_minutes)
         _seed(cfg.seed)
         dtype = DTYPES[cfg.params_dtype]
@@ -328,11 +338,15 @@ class MegatronActor:
             mb["counts"] = {"responses": b, "tokens": int(act.sum()), "nonempty": int((act.sum(-1) > 0).sum())}
             mb["packed"] = pk
             out.append(mb)
+        real = sum(mb["packed"].num_tokens for mb in out)
         out += self._schedule_padding(len(out), batch["sequences"])
         if self.cfg.vpp > 1:  # fixed shapes for the interleaved schedule: one packed length per pass
             total = max(mb["packed"].num_tokens for mb in out)
             for mb in out:
                 mb["packed"] = pad_to_tokens(mb["packed"], total)
+            # tokens computed per real token (pipeline_plan.vpp_padding_factor): max/mean of the rows
+            self.vpp_padding = total * len(out) / real
+            self._warn_vpp_padding(len(out))
         dev = self.device
         for i, mb in enumerate(out):
             pk = mb["packed"]
@@ -341,6 +355,17 @@ class MegatronActor:
             pk.tokens, pk.position_ids, pk.cu_seqlens = _to(pk.tokens, dev), _to(pk.position_ids, dev), _to(pk.cu_seqlens, dev)
             out[i] = mb
         return out
+
+    def _warn_vpp_padding(self, rows: int) -> None:
+        """Once per process, on global rank 0: a VPP pass computing >= 1.5x its real tokens."""
+        from openrlhf_lpo.megatron.pipeline_plan import vpp_padding_warning
+
+        line = vpp_padding_warning(self.vpp_padding, rows)
+        if line and not getattr(self, "_vpp_warned", False) and (not dist.is_initialized() or dist.get_rank() == 0):
+            import sys
+
+            self._vpp_warned = True
+            print(f"[megatron] WARNING: {line}", file=sys.stderr, flush=True)
 
     def _schedule_padding(self, num: int, sequences: torch.Tensor) -> List[Dict]:
         """Loss-free micro-batches that bring the count to a multiple of PP for the interleaved
@@ -605,8 +630,10 @@ class MegatronActor:
         return restore_schedule(checkpoint.load(self, root, tag), self.lr_schedule)
 
     # ------------------------------------------------------------------------------ weights
-    def export_hf_weights(self, dtype: Optional[torch.dtype] = None) -> Iterator[Tuple[str, torch.Tensor]]:
-        return convert.export_hf_weights(self.model, self.hf_config, dtype)
+    def export_hf_weights(self, dtype: Optional[torch.dtype] = None,
+                          dst: Optional[int] = None) -> Iterator[Tuple[str, torch.Tensor]]:
+        """Every rank (``dst=None``) or global rank 0 alone (``dst=0``); see :func:`convert.export_hf_weights`."""
+        return convert.export_hf_weights(self.model, self.hf_config, dtype, dst=dst)
 
     def save_hf(self, out_dir: str, dtype: Optional[torch.dtype] = None):
         return convert.save_hf_checkpoint(self.model, self.hf_config, out_dir, dtype)

@@ -11,8 +11,12 @@ Directory ``root`` (OpenRLHF's ``ckpt.path/_actor``)::
 
 Tensors are stored **un-sharded** under megatron's global names (fused QKV group-interleaved,
 ``linear_fc1 = [gate; up]``, global layer indices) in fp32: the optimizer's main parameters and Adam
-moments, gathered over the data-parallel ranks of the distributed optimizer and over TP; the TP
-ranks of the first DP replica take turns writing them (tensor i by TP rank i % tp). Loading
+moments. The TP ranks of the first DP replica take turns writing them (tensor i by TP rank i % tp,
+the writer): the distributed optimizer's ranges are reduced to the first replica only and the TP shards
+gathered to the writer only, so one rank holds one full fp32 tensor at a time and the others none.
+The waits around the writes (all writers done, rank 0's rename and pruning, the HF export) are barriers
+on a gloo group of their own with ``--megatron.save_timeout_minutes`` (default 360), not on the
+training groups, whose NCCL watchdog (``--megatron.timeout_minutes``, 60) a slow filesystem could trip. Loading
 reads through :func:`convert.read_split` only the rows/columns a rank owns in the *current*
 layout, so a checkpoint written at TP2 resumes at TP1, PP2 at TP2, PP2 x VPP2 at VPP1, with or
 without the distributed optimizer (tests/megatron: TP2 -> TP1, PP2 -> TP2 and VPP2 -> VPP1 continue
@@ -31,6 +35,7 @@ import json
 import os
 import re
 import shutil
+from datetime import timedelta
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -162,28 +167,47 @@ def _ckpt_name(key: str, global_name: str) -> str:
 # ----------------------------------------------------------------------------- save
 
 
-def _gather_full(actor, st: _MainState, which: str, p: torch.nn.Parameter, rule) -> torch.Tensor:
-    """The full (DP- and TP-gathered) fp32 tensor of ``which`` ("param" or a state key) of ``p``."""
+def _gather_full(actor, st: _MainState, which: str, p: torch.nn.Parameter, rule, writer: int) -> Optional[torch.Tensor]:
+    """The full fp32 tensor of ``which`` ("param" or a state key) of ``p`` on TP rank ``writer`` of the first
+    DP replica; None on every other rank, which only sends its part (collective over the TP and DP groups)."""
     ps = actor.ps
-    if st.dp_group is not None:  # distributed optimizer: each DP rank holds a range of the flat param
+    if st.dp_group is not None:  # distributed optimizer: each DP rank owns a range of the flat param
         dev = group_device(st.dp_group)
         flat = torch.zeros(p.numel(), dtype=torch.float32, device=dev)
         if st.main is not None:
             src = st.main if which == "param" else st.state[which]
             flat[st.flat_range[0] : st.flat_range[1]] = src.detach().reshape(-1).to(dev, torch.float32)
-        dist.all_reduce(flat, group=st.dp_group)  # each element owned by exactly one DP rank
+        if dist.get_world_size(st.dp_group) > 1:  # the first replica sums the ranges (each owned once)
+            dist.reduce(flat, dst=dist.get_global_rank(st.dp_group, 0), group=st.dp_group)
+            if dist.get_rank(st.dp_group) != 0:
+                return None
         shard = flat.view(p.shape)
     else:
+        if ps.get_data_parallel_rank() != 0:  # the replicas hold the same state: the first one writes
+            return None
         src = st.main if which == "param" else st.state[which]
         shard = src.detach().to(torch.float32).view(p.shape)
-    tp = ps.get_tensor_model_parallel_world_size()
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     if tp > 1 and rule.split != convert.REP:
         group = ps.get_tensor_model_parallel_group()
         dev = group_device(group)
-        parts = [torch.empty(shard.shape, dtype=torch.float32, device=dev) for _ in range(tp)]
-        dist.all_gather(parts, shard.to(dev).contiguous(), group=group)
-        return convert._unshard(rule, parts)
-    return shard
+        parts = [torch.empty(shard.shape, dtype=torch.float32, device=dev) for _ in range(tp)] \
+            if tp_rank == writer else None
+        dist.gather(shard.to(dev).contiguous(), gather_list=parts, dst=dist.get_global_rank(group, writer), group=group)
+        return convert._unshard(rule, parts) if tp_rank == writer else None
+    return shard if tp_rank == writer else None
+
+
+_SAVE_GROUPS: Dict[Tuple[int, int], object] = {}
+
+
+def save_barrier(timeout_minutes: float) -> None:
+    """A barrier of the whole world on a gloo group with ``timeout_minutes`` (made on first use, collectively),
+    for the waits around checkpoint and HF writes: the training groups' watchdog never sees them."""
+    key = (dist.get_world_size(), int(timeout_minutes * 60))
+    if key not in _SAVE_GROUPS:
+        _SAVE_GROUPS[key] = dist.new_group(backend="gloo", timeout=timedelta(minutes=timeout_minutes))
+    dist.barrier(group=_SAVE_GROUPS[key])
 
 
 def _write_text(path: str, text: str) -> None:
@@ -204,6 +228,7 @@ def save(actor, root: str, tag: str, client_state: dict, max_num: Optional[int] 
         raise ValueError(f"checkpoint tag {tag!r} must look like global_step<N>")
     ps = actor.ps
     rank = dist.get_rank()
+    save_timeout = float(getattr(actor.cfg, "save_timeout_minutes", 360))
     final = os.path.join(root, tag)
     partial = final + ".partial"
     if rank == 0:
@@ -237,8 +262,8 @@ def save(actor, root: str, tag: str, client_state: dict, max_num: Optional[int] 
     for i, (_, g, p) in enumerate(params):
         rule = convert.rule_for(g, actor.hf_config, te)
         for key in keys:
-            full = _gather_full(actor, states[id(p)], key, p, rule)  # every TP rank holds the full tensor
-            if first_replica and i % tp == tp_rank:
+            full = _gather_full(actor, states[id(p)], key, p, rule, writer=i % tp)  # None on all but the writer
+            if full is not None:
                 buf[_ckpt_name(key, g)] = full.detach().to("cpu").contiguous()
                 size[0] += full.numel() * 4
                 if size[0] >= _MAX_FILE_BYTES:
@@ -247,7 +272,7 @@ def save(actor, root: str, tag: str, client_state: dict, max_num: Optional[int] 
         flush()
         with open(os.path.join(partial, f"{prefix}.json"), "w") as f:
             json.dump({"weight_map": weight_map}, f)
-    dist.barrier()
+    save_barrier(save_timeout)  # every writer done
     if rank == 0:
         meta = {
             "format": FORMAT,
@@ -278,7 +303,7 @@ def save(actor, root: str, tag: str, client_state: dict, max_num: Optional[int] 
             os.replace(partial, final)
         _write_text(os.path.join(root, "latest"), tag)
         prune(root, keep=tag, max_num=max_num, max_mem_gb=max_mem_gb)
-    dist.barrier()
+    save_barrier(save_timeout)  # rank 0 renamed and pruned
     return final
 
 

@@ -440,23 +440,10 @@ def load_hf_weights(model, source, cfg) -> int:
     return n
 
 
-def export_hf_weights(model, cfg, dtype: Optional[torch.dtype] = None) -> Iterator[Tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, full_tensor)`` for the whole model, one tensor at a time, on every rank
-    of the model-parallel group (collective: every TP and PP rank must iterate it fully).
-
-    Per tensor: cast to ``dtype`` (if given), all-gather over TP on the owning stage, broadcast
-    over PP from that stage, un-fuse QKV and gate/up. Peak extra memory: one full (fused) tensor.
-    """
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    tp_group = ps.get_tensor_model_parallel_group()
-    pp_group = ps.get_pipeline_model_parallel_group()
-    tp = ps.get_tensor_model_parallel_world_size()
-    pp = ps.get_pipeline_model_parallel_world_size()
-    pp_rank = ps.get_pipeline_model_parallel_rank()
-    te = uses_te_names(model)
-    mine: Dict[str, torch.Tensor] = {}  # global name -> local tensor (over this rank's chunks)
+def _export_meta(model, cfg, dtype: Optional[torch.dtype], tp: int, te: bool):
+    """This rank's exported tensors (global name -> local tensor, over its chunks) and, in model order,
+    ``(global name, full un-sharded shape, dtype on the wire)`` of each."""
+    mine: Dict[str, torch.Tensor] = {}
     meta = []
     for chunk in chunks_of(model):
         offset = chunk_offset(chunk)
@@ -472,6 +459,34 @@ def export_hf_weights(model, cfg, dtype: Optional[torch.dtype] = None) -> Iterat
                 full_shape[1] *= tp
             mine[g] = t
             meta.append((g, tuple(full_shape), dtype or t.dtype))
+    return mine, meta
+
+
+def export_hf_weights(model, cfg, dtype: Optional[torch.dtype] = None,
+                      dst: Optional[int] = None) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, full_tensor)`` for the whole model, one tensor at a time (collective: every TP and PP
+    rank of the model-parallel group must iterate it fully).
+
+    ``dst=None``: on every rank. Per tensor: cast to ``dtype`` (if given), all-gather over TP on the owning
+    stage, broadcast over PP from that stage, un-fuse QKV and gate/up.
+    ``dst=0`` (the weight sync and the HF export, whose only reader is global rank 0): on rank 0 only; the other
+    ranks yield nothing. Per tensor: gather over TP to the owning stage's TP rank 0 only, which sends it to
+    rank 0 point to point (no copy on the other 2 x (tp x pp - 1) ranks; none at all on rank 0's own stage).
+    Peak extra memory: one full (fused) tensor, on the ranks that hold one.
+    """
+    if dst is not None:
+        yield from _export_to_rank0(model, cfg, dtype, dst)
+        return
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    tp_group = ps.get_tensor_model_parallel_group()
+    pp_group = ps.get_pipeline_model_parallel_group()
+    tp = ps.get_tensor_model_parallel_world_size()
+    pp = ps.get_pipeline_model_parallel_world_size()
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+    te = uses_te_names(model)
+    mine, meta = _export_meta(model, cfg, dtype, tp, te)
     if pp > 1:
         gathered: List = [None] * pp
         dist.all_gather_object(gathered, meta, group=pp_group)
@@ -515,6 +530,7 @@ def save_hf_checkpoint(
     import torch.distributed as dist
     from safetensors.torch import save_file
 
+    to_rank0 = write is None and dist.is_initialized()  # the default writer: the stream reaches rank 0 only
     if write is None:
         write = (not dist.is_initialized()) or dist.get_rank() == 0
     if write:
@@ -536,7 +552,7 @@ def save_hf_checkpoint(
         weight_map.update({k: fname for k in buf})
         buf, size = {}, 0
 
-    for name, tensor in export_hf_weights(model, cfg, dtype):
+    for name, tensor in export_hf_weights(model, cfg, dtype, dst=0 if to_rank0 else None):
         if not write:
             continue
         buf[name] = tensor.detach().to("cpu").clone()
@@ -554,6 +570,54 @@ def save_hf_checkpoint(
     if hasattr(cfg, "save_pretrained"):
         cfg.save_pretrained(out_dir)
     return files
+
+
+def _export_to_rank0(model, cfg, dtype: Optional[torch.dtype], dst: int) -> Iterator[Tuple[str, torch.Tensor]]:
+    """:func:`export_hf_weights` with ``dst``: full tensors reach global rank ``dst`` (0) only."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if dst != 0:
+        raise ValueError(f"export_hf_weights(dst={dst}): only global rank 0 (TP rank 0 of the first stage) receives")
+    tp_group = ps.get_tensor_model_parallel_group()
+    pp_group = ps.get_pipeline_model_parallel_group()
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    pp, pp_rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+    if ps.get_data_parallel_rank() != 0:  # the first replica holds the weights rank 0 reads
+        return
+    receiver = dist.get_rank() == 0
+    te = uses_te_names(model)
+    mine, meta = _export_meta(model, cfg, dtype, tp, te)
+    if pp > 1:
+        stages: List = [None] * pp
+        dist.all_gather_object(stages, meta, group=pp_group)
+    else:
+        stages = [meta]
+    device = next(iter(mine.values())).device
+    for owner, stage_meta in enumerate(stages):
+        for g, full_shape, tdtype in stage_meta:
+            rule = rule_for(g, cfg, te)
+            full = None
+            if owner == pp_rank:
+                shard = mine[g].detach()
+                if dtype is not None:  # cast before the gather: half the traffic for bf16 engines
+                    shard = shard.to(dtype)
+                if tp > 1 and rule.split != REP:
+                    parts = [torch.empty_like(shard) for _ in range(tp)] if tp_rank == 0 else None
+                    dist.gather(shard.contiguous(), gather_list=parts, dst=dist.get_global_rank(tp_group, 0),
+                                group=tp_group)
+                    full = _unshard(rule, parts) if tp_rank == 0 else None
+                elif tp_rank == 0:
+                    full = shard.clone()  # callers own what they receive (no view of a live param)
+            if owner != 0 and tp_rank == 0:  # the owning stage's TP rank 0 -> rank 0, over rank 0's PP group
+                if receiver:
+                    full = torch.empty(full_shape, dtype=tdtype, device=device)
+                    dist.recv(full, src=dist.get_global_rank(pp_group, owner), group=pp_group)
+                elif owner == pp_rank:
+                    dist.send(full.contiguous(), dst=dist.get_global_rank(pp_group, 0), group=pp_group)
+            if receiver:
+                for name, tensor in _unfuse(rule, full, cfg):
+                    yield name, tensor
 
 
 def hf_tensor_getter(path: str) -> Callable[[str], torch.Tensor]:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
+from typing import List
 
 from openrlhf_lpo.cli.flags import FlagError, FlagGroup, register_flag_group
 
@@ -66,6 +67,13 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="shard optimizer state over data-parallel ranks")
     g.add_argument("--megatron.timeout_minutes", type=int, default=60,
                    help="timeout of the Megatron actor's process groups (NCCL/gloo), minutes")
+    g.add_argument("--megatron.te", choices=("auto", "on", "off"), default="off",
+                   help="Transformer Engine layer spec: off (default: megatron's local spec, the path every test runs), "
+                   "on (required: the run stops at start when transformer_engine is not importable), auto (TE when "
+                   "importable and an accelerator is present; NGC images ship it). docs/megatron.md, Transformer Engine")
+    g.add_argument("--megatron.save_timeout_minutes", type=int, default=360,
+                   help="how long ranks wait for a checkpoint or HF export to be written (a gloo group of its own, "
+                   "so a slow filesystem never trips the training groups' --megatron.timeout_minutes), minutes")
 
 
 def _validate(args: argparse.Namespace) -> None:
@@ -84,6 +92,8 @@ def _validate(args: argparse.Namespace) -> None:
         raise FlagError(str(e)) from None
     if m.timeout_minutes < 1:
         raise FlagError(f"--megatron.timeout_minutes must be >= 1, got {m.timeout_minutes}")
+    if m.save_timeout_minutes < 1:
+        raise FlagError(f"--megatron.save_timeout_minutes must be >= 1, got {m.save_timeout_minutes}")
     if m.cp != 1:
         raise FlagError(f"--megatron.cp {m.cp}: {CP_REFUSAL}")
     if args.ds.ring_attn_size > 1:
@@ -184,6 +194,8 @@ def use_megatron_policy(args: argparse.Namespace):
         if policy:
             ray_actor_type = remote
             kw["duplicate_actors"] = mp
+            # each TP group on one node, or no actor starts (openrlhf/placement.py)
+            self.node_block, self.node_block_strict = args.megatron.tp, True
         original(self, num_nodes, num_gpus_per_node, ray_actor_type, *a, **kw)
         if policy:
             self.__class__ = MegatronActorGroup
@@ -228,6 +240,56 @@ def _before_train(args: argparse.Namespace):
     return _megatron_run(args)
 
 
+def _plan_lines(args: argparse.Namespace):
+    from openrlhf_lpo.megatron.pipeline_plan import pipeline_plan_lines
+
+    if getattr(args, "backend", "deepspeed") != "megatron":
+        return []
+    return memory_plan_lines(args) + pipeline_plan_lines(args)  # pipeline: PP > 1 only
+
+
+def memory_plan_lines(args: argparse.Namespace) -> List[str]:
+    """The actor's memory per GPU (:func:`megatron.memory.actor_memory` at the run's layout, one packed micro-batch
+    of ``--train.micro_batch_size`` x ``--data.max_len`` tokens) and the disk its checkpoints take
+    (:func:`cli.disk.run_disk_need`), from the model's config.json (a local folder; a hub id is not read here)."""
+    import json
+    import os
+
+    from openrlhf_lpo.cli.disk import human_size, run_disk_need
+    from openrlhf_lpo.megatron.memory import GB, Shape, actor_memory
+    from openrlhf_lpo.openrlhf.config import dp_size
+
+    path = os.path.join(str(args.actor.model_name_or_path), "config.json")
+    if not os.path.isfile(path):
+        return [f"actor memory and checkpoint disk: not estimated ({args.actor.model_name_or_path} is not a local "
+                "folder; python -m openrlhf_lpo.megatron.memory --config <config.json> ... estimates the memory)"]
+    with open(path, encoding="utf-8") as f:
+        hf = json.load(f)
+    hf = hf.get("text_config", hf) if "num_hidden_layers" not in hf else hf
+    m, micro = args.megatron, args.train.micro_batch_size
+    max_len = args.data.max_len or hf.get("max_position_embeddings")
+    if not max_len:
+        return ["actor memory and checkpoint disk: not estimated (no --data.max_len and no max_position_embeddings)"]
+    new_tokens = min(args.rollout.max_new_tokens or max_len, max_len)  # unset: up to the whole sequence
+    try:
+        mem = actor_memory(hf, m.tp, m.pp, dp_size(args), micro * max_len, micro * new_tokens,
+                           sequence_parallel=m.sequence_parallel,
+                           recompute=bool(getattr(args.actor, "gradient_checkpointing_enable", False)),
+                           distributed_optimizer=m.distributed_optimizer)
+    except (KeyError, TypeError, ValueError) as e:  # a config without the dims the formula reads
+        return [f"actor memory and checkpoint disk: not estimated ({path}: {type(e).__name__}: {e})"]
+    lines = [f"actor memory per GPU (megatron/memory.py, most loaded stage, {micro * max_len}-token "
+             f"micro-batch): static {mem['static total'] / GB:.1f} GB, forward/backward "
+             f"{mem['forward/backward peak'] / GB:.1f} GB, optimizer step {mem['optimizer step peak'] / GB:.1f} GB, "
+             f"peak {mem['peak'] / GB:.1f} GB (with the CUDA context / NCCL allowance)"]
+    need = run_disk_need(args, Shape.of(hf).parameters, None)
+    lines.append(f"checkpoint disk at its peak (config.json's {Shape.of(hf).parameters / 1e9:.1f}B parameters; "
+                 f"--ckpt.max_num {args.ckpt.max_num}): " + "; ".join(what for what, _, _ in need.parts) +
+                 f" = {human_size(need.total)}")
+    return lines
+
+
 register_flag_group(
-    FlagGroup(name="megatron", add_arguments=_add_arguments, validate=_validate, before_train=_before_train)
+    FlagGroup(name="megatron", add_arguments=_add_arguments, validate=_validate, before_train=_before_train,
+              plan_lines=_plan_lines)
 )

@@ -22,9 +22,32 @@ layer and token (``h`` hidden, ``q = heads * head_dim``, ``k = kv_heads * head_d
 
 Under 1F1B the first stage holds ``pp`` micro-batches in flight (``L/pp`` layers each), i.e. ``L``
 layers' worth. Logits: the packed row ``[T, V/tp]`` in bf16 and the ``[A, V/tp]`` action rows in fp32
-(the vocab-parallel cross-entropy input). ``python -m openrlhf_lpo.megatron.memory MODEL --tp 8
---pp 2 --dp 1 --sp`` prints the table for a model folder or config.json (recompute on unless
-``--no-recompute``; ``examples/model_configs/`` holds the real models' configs).
+(the vocab-parallel cross-entropy input).
+
+Transients (cluster review 2, N9):
+
+* CE / entropy: the training step computes the (detached) entropy of the fp32 action rows before the CE
+  (``actor.vocab_parallel_entropy``), which holds three more fp32 ``[A, V/tp]`` tensors at once (``x - m``,
+  ``exp(x - m)`` and their product); megatron's vocab-parallel CE then works in place on the rows.
+  ``12 A V / tp`` bytes (with ``--actor.entropy_coef != 0`` the differentiable entropy holds one more and
+  keeps its log-softmax for backward: not counted).
+* optimizer step: without Transformer Engine or apex, megatron-core steps ``torch.optim.AdamW``, whose
+  default multi-tensor (foreach) path allocates ``sqrt(v)`` for every main parameter of a parameter group
+  at once (nearly all of them sit in the weight-decay group): one fp32 temporary per main-param element on
+  this rank, ``4 P_s / dp`` bytes with the distributed optimizer
+  (``4 P_s`` without). It exists after the schedule has freed its activations, so it is compared with,
+  not added to, them.
+* an allowance for what torch's allocator does not see: the CUDA context and NCCL's communicator buffers
+  (TP, PP, DP and embedding groups, the weight-sync group), :data:`OVERHEAD_GB` = 3 GB by default
+  (``--overhead-gb``). A stated allowance, not a computation; allocator fragmentation is not counted.
+
+``peak`` = ``max(forward/backward peak, optimizer step peak)`` + the allowance, with forward/backward peak
+= static + activations + recomputed layer + logits + action rows + CE / entropy temporaries and optimizer
+step peak = static + the AdamW temporaries. On the one GPU measurement (1.72B params, TP1, no distributed
+optimizer, ``gpu_check.sh``'s first step) the step peak is 22 bytes per parameter: 35.2 GiB vs 35.4 GiB
+measured. ``python -m openrlhf_lpo.megatron.memory MODEL --tp 8 --pp 2 --dp 1 --sp`` prints the table for
+a model folder or config.json (recompute on unless ``--no-recompute``; ``examples/model_configs/`` holds
+the real models' configs).
 """
 
 from __future__ import annotations
@@ -36,6 +59,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 GB = 1e9
+OVERHEAD_GB = 3.0  # CUDA context + NCCL communicator buffers: an allowance (module docstring)
 
 
 def _get(cfg, name, default=None):
@@ -122,10 +146,21 @@ def layer_activation_bytes_per_token(shape: Shape, tp: int, sequence_parallel: b
     return 2 * (4 * side + (2 * shape.q + 2 * shape.k + 3 * shape.ffn) / tp)
 
 
+def entropy_ce_temporary_bytes(shape: Shape, tp: int, action_tokens: int) -> float:
+    """Three fp32 ``[A, V/tp]`` tensors the detached entropy holds at once (``x - m``, ``exp``, product)."""
+    return 3 * 4.0 * action_tokens * shape.vocab / tp
+
+
+def adam_step_temporary_bytes(main_param_elements: float) -> float:
+    """torch AdamW (foreach): one fp32 ``sqrt(v)`` per main-param element this rank steps."""
+    return 4.0 * main_param_elements
+
+
 def actor_memory(hf_config, tp: int, pp: int, dp: int, tokens: int, action_tokens: int,
                  sequence_parallel: bool = False, recompute: bool = True,
-                 distributed_optimizer: bool = True) -> Dict[str, float]:
-    """Per-GPU memory (bytes) of the most loaded stage of the Megatron actor; keys in table order."""
+                 distributed_optimizer: bool = True, overhead_gb: float = OVERHEAD_GB) -> Dict[str, float]:
+    """Per-GPU memory (bytes) of the most loaded stage of the Megatron actor; keys in table order
+    (the transients and ``peak``: module docstring)."""
     shape = Shape.of(hf_config)
     p = max(rank_parameters(shape, tp, pp, s) for s in range(pp))
     out: Dict[str, float] = {"parameters": float(shape.parameters), "parameters per GPU": float(p)}
@@ -139,7 +174,14 @@ def actor_memory(hf_config, tp: int, pp: int, dp: int, tokens: int, action_token
         out["one recomputed layer"] = layer_activation_bytes_per_token(shape, tp, sequence_parallel, False) * tokens
     out["logits, bf16 [T, V/tp]"] = 2.0 * tokens * shape.vocab / tp
     out["action rows, fp32 [A, V/tp]"] = 4.0 * action_tokens * shape.vocab / tp
-    out["total"] = sum(v for k, v in out.items() if k not in ("parameters", "parameters per GPU", "static total"))
+    out["CE / entropy temporaries, fp32 3 x [A, V/tp]"] = entropy_ce_temporary_bytes(shape, tp, action_tokens)
+    out["forward/backward peak"] = sum(v for k, v in out.items()
+                                       if k not in ("parameters", "parameters per GPU", "static total"))
+    main = p / (dp if distributed_optimizer else 1)
+    out["optimizer step temporaries (AdamW foreach sqrt(v), fp32)"] = adam_step_temporary_bytes(main)
+    out["optimizer step peak"] = out["static total"] + out["optimizer step temporaries (AdamW foreach sqrt(v), fp32)"]
+    out["CUDA context + NCCL buffers (allowance)"] = overhead_gb * GB
+    out["peak"] = max(out["forward/backward peak"], out["optimizer step peak"]) + overhead_gb * GB
     return out
 
 
@@ -170,9 +212,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--sp", action="store_true", help="--megatron.sequence_parallel")
     ap.add_argument("--no-recompute", action="store_true", help="without --actor.gradient_checkpointing_enable")
     ap.add_argument("--no-distributed-optimizer", action="store_true")
+    ap.add_argument("--overhead-gb", type=float, default=OVERHEAD_GB,
+                    help="allowance for the CUDA context and NCCL buffers (GB = 1e9 bytes)")
     a = ap.parse_args(argv)
     rows = actor_memory(_load_config(a.model), a.tp, a.pp, a.dp, a.tokens, a.actions, a.sp, not a.no_recompute,
-                        not a.no_distributed_optimizer)
+                        not a.no_distributed_optimizer, a.overhead_gb)
     print("\n".join(format_table(rows)))
     return 0
 

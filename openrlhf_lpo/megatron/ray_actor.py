@@ -157,13 +157,7 @@ def agree_windows(num: int, window: int, group) -> Optional[int]:
     return None if n_max == n_min else most
 
 
-def _get(args, dotted: str, default=None):
-    node = args
-    for part in dotted.split("."):
-        node = getattr(node, part, None)
-        if node is None:
-            return default
-    return node
+from openrlhf_lpo.megatron.pipeline_plan import _get  # noqa: E402  (args.a.b with a default)
 
 
 def loss_spec_from_args(args, micro_batch_size: int, kl_ctl: float = 0.0) -> LossSpec:
@@ -206,6 +200,10 @@ def _seed_of(args) -> int:
     return int(getattr(train, "seed", None) or getattr(args, "seed", 42))
 
 
+SYNC_IN_FLIGHT = 3  # weight-sync broadcasts rank 0 issues before waiting for the oldest (cluster review 2, N7)
+TE_CHOICES = {"auto": None, "on": True, "off": False}  # --megatron.te -> MegatronActorConfig.use_te
+
+
 def megatron_config_from_args(args):
     from openrlhf_lpo.megatron.actor import MegatronActorConfig
 
@@ -229,6 +227,8 @@ def megatron_config_from_args(args):
         recompute=bool(getattr(args.actor, "gradient_checkpointing_enable", False)),
         sequence_parallel=bool(getattr(m, "sequence_parallel", False)),
         timeout_minutes=int(getattr(m, "timeout_minutes", 60)),
+        save_timeout_minutes=int(getattr(m, "save_timeout_minutes", 360)),
+        use_te=TE_CHOICES[getattr(m, "te", "off")],
         lr_scheduler=getattr(args.actor, "lr_scheduler", "constant"),
         lr_warmup_ratio=float(getattr(args.actor, "lr_warmup_ratio", 0.0)),
         min_lr_ratio=float(getattr(args.actor, "min_lr_ratio", 0.1)),
@@ -266,9 +266,12 @@ class MegatronPolicyActor:
         cfg = megatron_config_from_args(args)
         cfg.scheduler_steps = max_steps  # the DeepSpeed actor's scheduler_steps (OpenRLHF's max_steps)
         set_local_device(int(os.environ.get("LOCAL_RANK", "0")))
+        # a hub id is downloaded before the process group exists: no communicator (and no NCCL watchdog) is
+        # live while a node fetches the weights; ranks that finish first wait in the group's rendezvous,
+        # bounded by --megatron.timeout_minutes (cluster review 2, N10; docs/megatron.md)
+        local = resolve_pretrained(pretrain)
         if not dist.is_initialized():
             init_default_group(timedelta(minutes=cfg.timeout_minutes))
-        local = resolve_pretrained(pretrain)
         self.hf_config = AutoConfig.from_pretrained(local)
         self.tokenizer = AutoTokenizer.from_pretrained(local)
         self.pretrain = local
@@ -283,6 +286,13 @@ class MegatronPolicyActor:
             if "window_rng" in state:
                 self.generator.set_state(state["window_rng"])
         self._model_update_group = None
+        if dist.get_rank() == 0:  # what lpo-train --dry-run warns about the pipeline (PP > 1), in the run's log
+            import sys
+
+            from openrlhf_lpo.megatron.pipeline_plan import pipeline_warnings
+
+            for line in pipeline_warnings(args):
+                print(f"[megatron] WARNING: {line}", file=sys.stderr, flush=True)
         if vllm_engines and not self._engines_take_state_dicts() and dist.get_rank() == 0:
             from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
 
@@ -456,10 +466,9 @@ class MegatronPolicyActor:
         first_replica = self.actor.ps.get_data_parallel_rank() == 0  # the export is collective per replica
         if self._engines_take_state_dicts():  # CPU rollout engines: one state dict via Ray, actor dtype
             state = {}
-            if first_replica:
-                for name, t in self.actor.export_hf_weights():
-                    if rank == 0:
-                        state[name] = t.detach().cpu().clone()
+            if first_replica:  # the stream reaches rank 0 only (each tensor sent once per stage)
+                for name, t in self.actor.export_hf_weights(dst=0):
+                    state[name] = t.detach().cpu().clone()
             if rank == 0:
                 ref = ray.put(state)
                 ray.get([e.update_weights.remote(ref) for e in self.vllm_engines])
@@ -469,14 +478,19 @@ class MegatronPolicyActor:
         dist.barrier()
 
     def _stream_to_vllm(self, rank: int) -> None:
-        """One tensor at a time, in the engines' dtype, over OpenRLHF's model-update group."""
+        """Tensor by tensor, in the engines' dtype, over OpenRLHF's model-update group: each tensor reaches rank 0
+        once (``export_hf_weights(dst=0)``), and up to ``SYNC_IN_FLIGHT`` broadcasts are in flight before rank 0
+        waits for the engines' oldest ``update_weight``."""
+        from collections import deque
+
         import ray
 
         args = self.args
         use_ray = bool(getattr(args.vllm, "sync_with_ray", False))
         engines = self.vllm_engines or []
-        for name, t in self.actor.export_hf_weights(VLLM_ENGINE_DTYPE):
-            if rank != 0 or not engines:
+        in_flight: deque = deque()  # (refs, tensor): a tensor stays alive until its engines took it
+        for name, t in self.actor.export_hf_weights(VLLM_ENGINE_DTYPE, dst=0):
+            if not engines:
                 continue
             t = t.contiguous()
             refs = [e.update_weight.remote(name, dtype=t.dtype, shape=t.shape, empty_cache=False) for e in engines]
@@ -486,7 +500,11 @@ class MegatronPolicyActor:
                 collective.broadcast(t, 0, group_name=self._model_update_group)
             else:
                 self._model_update_group.broadcast(t, src=0)
-            ray.get(refs)
+            in_flight.append((refs, t))
+            if len(in_flight) > SYNC_IN_FLIGHT:
+                ray.get(in_flight.popleft()[0])
+        while in_flight:
+            ray.get(in_flight.popleft()[0])
         if rank == 0 and engines and getattr(args.vllm, "enable_prefix_caching", False):
             # cached KV blocks were computed with the old weights
             ray.get([e.reset_prefix_cache.remote() for e in engines])
@@ -532,10 +550,12 @@ class MegatronPolicyActor:
     def _save_hf(self, out_dir: str):
         import torch.distributed as dist
 
+        from openrlhf_lpo.megatron.checkpoint import save_barrier
+
         self.actor.save_hf(out_dir)
         if dist.get_rank() == 0:
             self.tokenizer.save_pretrained(out_dir)
-        dist.barrier()
+        save_barrier(self.actor.cfg.save_timeout_minutes)  # rank 0 wrote the export
 
     def save_model(self):
         self._save_hf(self.args.ckpt.output_dir)

@@ -88,6 +88,9 @@ PATCH_POINTS: List[PatchPoint] = [
     PatchPoint("advantages", "openrlhf.trainer.ppo_utils.experience_maker",
                "RemoteExperienceMaker.compute_advantages_and_returns", "contract",
                "overridden for lpo/maxrl, super() otherwise"),
+    PatchPoint("actor-group-placement", "openrlhf.trainer.ray.launcher", "RayActorGroup._initiate_actors", "swap",
+               "gives rank r bundle r of a PACK group, which Ray does not keep node-contiguous above 16 bundles; "
+               "ours starts the same actors on the bundles in node-major order (openrlhf/placement.py)"),
     PatchPoint("dp-chunking", "openrlhf.trainer.ray.launcher", "RayActorGroup.async_run_method_batch", "contract",
                "hands rank r the r-th run of ceil(E/dp) consecutive experiences"),
     PatchPoint("replay-items", "openrlhf.trainer.ppo_utils.replay_buffer", "NaiveReplayBuffer.collate_fn", "contract",
@@ -142,6 +145,9 @@ def apply_patches(lpo: bool = True):
         trainer_async = rc.RemoteRuntimePPOTrainerAsync
     from openrlhf.trainer.ray import vllm_engine
 
+    from openrlhf.trainer.ray import launcher
+
+    from openrlhf_lpo.openrlhf.placement import node_major_initiate_actors
     from openrlhf_lpo.openrlhf.request_seeds import seeded_rollout_actor
 
     replacements = {
@@ -149,21 +155,26 @@ def apply_patches(lpo: bool = True):
         ("openrlhf.trainer.ppo_trainer", "PPOTrainer"): trainer,
         ("openrlhf.trainer.ppo_trainer_async", "PPOTrainerAsync"): trainer_async,
         ("openrlhf.trainer.ray.vllm_engine", "RolloutRayActor"): seeded_rollout_actor(vllm_engine.RolloutRayActor),
+        ("openrlhf.trainer.ray.launcher", "RayActorGroup._initiate_actors"):
+            node_major_initiate_actors(launcher.RayActorGroup.__dict__["_initiate_actors"]),
     }
     assert {(p.module, p.attribute) for p in PATCH_POINTS if p.kind == "swap"} == set(replacements)
     saved = []
     try:
         for (mod_name, attr), new in replacements.items():
-            mod = importlib.import_module(mod_name)
-            old = getattr(mod, attr)
-            saved.append((mod, attr, old))
-            setattr(mod, attr, new)
+            owner = importlib.import_module(mod_name)
+            *path, name = attr.split(".")
+            for part in path:  # "Class.method": the class owns the attribute
+                owner = getattr(owner, part)
+            old = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+            saved.append((owner, name, old, (mod_name, attr)))
+            setattr(owner, name, new)
             _active[(mod_name, attr)] = (old, new)
         yield replacements
     finally:
-        for mod, attr, old in reversed(saved):
-            setattr(mod, attr, old)
-            _active.pop((mod.__name__, attr), None)
+        for owner, name, old, key in reversed(saved):
+            setattr(owner, name, old)
+            _active.pop(key, None)
 
 
 @contextlib.contextmanager
@@ -171,7 +182,7 @@ def rebind(namespace: dict):
     """Point names in ``namespace`` that hold a swapped original at its replacement (restored on exit)."""
     changed = []
     for (_, attr), (old, new) in list(_active.items()):
-        if namespace.get(attr) is old:
+        if "." not in attr and namespace.get(attr) is old:
             namespace[attr] = new
             changed.append((attr, old))
     try:
@@ -299,6 +310,17 @@ def check_contracts() -> None:
                              ("rollout-stats", ppo_trainer.BasePPOTrainer.train_step, "self._compute_rollout_stats(")):
         if needle not in inspect.getsource(fn):
             raise RuntimeError(f"patch point {name}: {fn.__qualname__} no longer contains {needle!r}")
+    from openrlhf.trainer.ray import launcher
+
+    if _params(launcher.RayActorGroup._initiate_actors) != ["self", "pg", "num_gpus_per_actor"] or \
+            not hasattr(launcher, "PlacementGroupSchedulingStrategy"):
+        raise RuntimeError("patch point actor-group-placement: RayActorGroup._initiate_actors(pg, num_gpus_per_actor) "
+                           "or launcher.PlacementGroupSchedulingStrategy changed")
+    place_src = inspect.getsource(launcher.RayActorGroup._initiate_actors)
+    for needle in ("placement_group_bundle_index=0", "placement_group_bundle_index=rank", "if pg:",
+                   "self._num_gpus_per_node > 1 and pg is None"):
+        if needle not in place_src:
+            raise RuntimeError(f"patch point actor-group-placement: _initiate_actors no longer has {needle!r}")
     init_src = inspect.getsource(getattr(ppo_actor.PolicyModelActor, "__ray_actor_class__",
                                          ppo_actor.PolicyModelActor).init_model_from_pretrained)
     if "ActorPPOTrainer(" not in init_src:

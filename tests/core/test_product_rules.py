@@ -103,7 +103,7 @@ def test_no_device_names_outside_the_cpu_mode():
     whose name contains the word. One table may name it as data: ``evaluation/dp.py``'s map from torch's
     accelerator type to the variable that restricts a process to some devices (no code path on it)."""
     allowed = {"openrlhf_lpo/cpu.py", "openrlhf_lpo/cpu_megatron.py"}
-    tables = {("evaluation/dp.py", "DEVICE_ENV = {")}
+    tables = {("evaluation/dp.py", "DEVICE_ENV = {"), ("openrlhf_lpo/cli/gpu_build.py", "BUILD_NAMES = {")}
     pattern = re.compile(r"""["']cuda|\.cuda\(|torch\.cuda\.""")
     offenders = []
     for path in PRODUCT:

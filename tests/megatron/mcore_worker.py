@@ -216,7 +216,9 @@ def run_model(arch, tied, layouts, extra_checks):
         after = dict(actor.export_hf_weights())
         rec["weights_vs_ref"] = state_maxdiff(after, ref_sd, tied)
         rec["weights_moved"] = max(float((after[k] - hf_sd[k]).abs().max()) for k in after)
-        if (tp, pp, distopt) in extra_checks.get("ckpt", ()):
+        if (tp, pp, distopt, spec_name) in extra_checks.get("stream", ()):
+            rec["export_accounting"] = counted_export(actor)
+        if {(tp, pp, distopt), (tp, pp, distopt, spec_name)} & set(extra_checks.get("ckpt", ())):
             rec.update(check_resume(actor, cfg, hf_sd, tp, pp, distopt, mbs, {**batch, **extra}, spec))
         rec["seconds"] = time.time() - t
         results["checks"][key] = rec
@@ -234,7 +236,7 @@ def run_model(arch, tied, layouts, extra_checks):
 def check_resume(actor, cfg, hf_sd, tp, pp, distopt, mbs, full, spec):
     """save after step 1 -> step 2; fresh actor + load -> step 2; compare weights and metrics."""
     ckpt = os.path.join(OUT, f"ckpt_tp{tp}pp{pp}")
-    actor.save_checkpoint(ckpt, client_state={"iteration": 1})
+    accounting = counted_save(actor, ckpt, client_state={"iteration": 1})
     local = dp_slice(full, actor)
     m2 = actor.train_step(local, spec)
     w2 = dict(actor.export_hf_weights())
@@ -248,11 +250,86 @@ def check_resume(actor, cfg, hf_sd, tp, pp, distopt, mbs, full, spec):
     m2b = fresh.train_step(local, spec)
     w2b = dict(fresh.export_hf_weights())
     return {
+        "save_accounting": accounting,
         "resume_client_state": client.get("iteration"),
         "resume_grad_norm_diff": abs(m2["grad_norm"] - m2b["grad_norm"]),
         "resume_weights_diff": max(float((w2[k] - w2b[k]).abs().max()) for k in w2),
         "step2_moved": max(float((w2[k] - hf_sd[k]).abs().max()) for k in w2),
     }
+
+
+def counted_save(actor, root, client_state):
+    """One checkpoint save with its traffic counted on this rank: the full fp32 tensors it held (and their
+    bytes), the all-gathers and gathers it made; beside them the tensors and bytes of the files this rank wrote
+    (read back from its stage/TP weight map)."""
+    from safetensors import safe_open
+
+    from openrlhf_lpo.megatron import checkpoint as mckpt
+
+    counts = {"full": 0, "full_bytes": 0, "all_gather": 0, "gather": 0}
+    saved = mckpt._gather_full, dist.all_gather, dist.gather
+
+    def full(*a, **k):
+        out = saved[0](*a, **k)
+        if out is not None:
+            counts["full"] += 1
+            counts["full_bytes"] += out.numel() * out.element_size()
+        return out
+
+    def counting(name, fn):
+        def wrapped(*a, **k):
+            counts[name] += 1
+            return fn(*a, **k)
+        return wrapped
+
+    mckpt._gather_full, dist.all_gather, dist.gather = full, counting("all_gather", saved[1]), counting("gather", saved[2])
+    try:
+        actor.save_checkpoint(root, client_state=client_state)
+    finally:
+        mckpt._gather_full, dist.all_gather, dist.gather = saved
+    ps = actor.ps
+    tag_dir = os.path.join(root, mckpt.latest_tag(root))
+    prefix = f"stage{ps.get_pipeline_model_parallel_rank():02d}-tp{ps.get_tensor_model_parallel_rank():02d}"
+    weight_map = json.load(open(os.path.join(tag_dir, f"{prefix}.json")))["weight_map"]
+    written = 0
+    for fname in sorted(set(weight_map.values())):
+        with safe_open(os.path.join(tag_dir, fname), "pt") as f:
+            written += sum(math.prod(f.get_slice(k).get_shape()) * 4 for k in f.keys() if k in weight_map)
+    total = sum(len(json.load(open(os.path.join(tag_dir, name)))["weight_map"])
+                for name in os.listdir(tag_dir) if name.startswith("stage") and name.endswith(".json"))
+    return dict(counts, written_tensors=len(weight_map), written_bytes=written, checkpoint_tensors=total)
+
+
+def counted_export(actor):
+    """The HF weight stream to every rank (``dst=None``) and to rank 0 only (``dst=0``, the weight sync and the HF
+    export), counted on this rank: collectives by kind, tensors received and their bytes; on rank 0, whether
+    both streams give the same tensors bit for bit."""
+    kinds = ("broadcast", "all_gather", "gather", "send", "recv")
+    out, streams = {}, {}
+    for mode in (None, 0):
+        counts = dict.fromkeys(kinds, 0)
+        saved = {k: getattr(dist, k) for k in kinds}
+
+        def counting(kind):
+            def wrapped(*a, **k):
+                counts[kind] += 1
+                return saved[kind](*a, **k)
+            return wrapped
+
+        for kind in kinds:
+            setattr(dist, kind, counting(kind))
+        try:
+            got = dict(actor.export_hf_weights(dst=mode))
+        finally:
+            for kind in kinds:
+                setattr(dist, kind, saved[kind])
+        streams[mode] = got
+        out["all_ranks" if mode is None else "rank0"] = dict(
+            counts, tensors=len(got), bytes=sum(t.numel() * t.element_size() for t in got.values()))
+    if RANK == 0:
+        out["same_tensors"] = list(streams[0]) == list(streams[None]) and all(
+            torch.equal(streams[0][k], streams[None][k]) for k in streams[None])
+    return out
 
 
 def wrong_qkv(cfg, hf_sd, batch, ref_lp, mask):
@@ -1356,7 +1433,8 @@ def check_syncs_and_rows():
 class _CollectiveRecorder:
     """Wraps torch.distributed collectives: every tensor must be on its group's device."""
 
-    NAMES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce")
+    NAMES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce",
+             "gather")
 
     def __init__(self):
         from openrlhf_lpo.megatron.device import group_device
@@ -1368,7 +1446,7 @@ class _CollectiveRecorder:
             def wrapped(*a, _fn=fn, _name=name, **k):
                 group = k.get("group")
                 tensors = [x for x in a if isinstance(x, torch.Tensor)]
-                tensors += [t for x in a if isinstance(x, list) for t in x if isinstance(t, torch.Tensor)]
+                tensors += [t for x in (*a, *k.values()) if isinstance(x, list) for t in x if isinstance(t, torch.Tensor)]
                 want = group_device(group)
                 self.calls += 1
                 for t in tensors:
@@ -1401,7 +1479,8 @@ def main():
             (2, 1, False, "listwise@pointwise@fwd", 2),
             (1, 2, False, "listwise@listwise@js", 2),
         ]
-        run_model("qwen3", True, q3, {"ckpt": {(1, 2, True)}, "wrong_qkv": True})
+        run_model("qwen3", True, q3, {"ckpt": {(1, 2, True), (2, 2, False, "listwise")},
+                                      "stream": {(2, 2, False, "listwise")}, "wrong_qkv": True})
         q3u = [(1, 1, False, "listwise", 2), (2, 2, False, "listwise", 4)]
         run_model("qwen3", False, q3u, {})
         q2 = [(1, 1, False, "listwise", 2), (2, 2, False, "listwise", 4)]

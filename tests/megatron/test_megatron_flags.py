@@ -201,6 +201,9 @@ def test_policy_group_swap_only_for_policy_actor():
 
     def fake_init(self, num_nodes, num_gpus_per_node, ray_actor_type, *a, **kw):
         seen[ray_actor_type] = kw.get("duplicate_actors")
+        blocks[ray_actor_type] = (getattr(self, "node_block", None), getattr(self, "node_block_strict", False))
+
+    blocks = {}
 
     launcher.RayActorGroup.__init__ = fake_init
     try:
@@ -212,6 +215,8 @@ def test_policy_group_swap_only_for_policy_actor():
     finally:
         launcher.RayActorGroup.__init__ = original
     assert seen[remote] == 4 and seen[launcher.ReferenceModelActor] == 1
+    # the policy's TP groups (not its tp x pp replicas) must each sit on one node, before any actor starts
+    assert blocks[remote] == (2, True) and blocks[launcher.ReferenceModelActor] == (None, False)
     assert ppo_actor.PolicyModelActor not in seen
     from openrlhf_lpo.megatron.ray_actor import MegatronActorGroup
 
@@ -268,3 +273,24 @@ def test_megatron_refuses_vision_language_models(tiny_dir, tiny_vlm, capsys, ima
     err = capsys.readouterr().err
     assert "does not support vision-language models" in err and "DeepSpeed backend" in err
     assert _parse(_argv(tiny_vlm)).backend == "deepspeed"  # the same VLM parses on DeepSpeed
+
+
+def test_transformer_engine_flag_reaches_the_actor_and_on_needs_it(tiny_dir):
+    """--megatron.te: off by default (the local spec every test runs), auto defers to what is importable, on
+    stops the actor at start where Transformer Engine is missing (this machine: not installed)."""
+    import importlib.util
+
+    from transformers import AutoConfig
+
+    from openrlhf_lpo.megatron.actor import MegatronActor
+    from openrlhf_lpo.megatron.ray_actor import megatron_config_from_args
+
+    got = {}
+    for choice in (None, "off", "auto", "on"):
+        extra = ("--megatron.te", choice) if choice else ()
+        got[choice] = megatron_config_from_args(_parse(_argv(tiny_dir, "--backend", "megatron", *extra))).use_te
+    assert got == {None: False, "off": False, "auto": None, "on": True}
+    assert importlib.util.find_spec("transformer_engine") is None
+    cfg = megatron_config_from_args(_parse(_argv(tiny_dir, "--backend", "megatron", "--megatron.te", "on")))
+    with pytest.raises(ValueError, match="--megatron.te on: Transformer Engine is not importable"):
+        MegatronActor(AutoConfig.from_pretrained(tiny_dir), cfg)

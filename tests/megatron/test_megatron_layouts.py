@@ -207,6 +207,40 @@ def test_checkpoint_resume_reproduces_step_two(mcore_world):
         assert rec["resume_weights_diff"] < 1e-9
 
 
+def test_checkpoint_writers_alone_hold_full_tensors_and_tp2_pp2_resumes(mcore_world):
+    """TP2 x PP2: each rank holds, during the save, exactly the full fp32 tensors it writes (gathered to it, not
+    all-gathered to every TP rank), the two TP ranks of a stage share the writing, and the run resumes."""
+    per_rank = [checks["qwen3_tied/tp2pp2/listwise/mbs4"] for checks in _checks(mcore_world)]
+    assert len(per_rank) == 4
+    total = per_rank[0]["save_accounting"]["checkpoint_tensors"]
+    for rec in per_rank:
+        acc = rec["save_accounting"]
+        assert acc["all_gather"] == 0 and acc["gather"] > 0, acc
+        assert acc["full"] == acc["written_tensors"] and acc["full_bytes"] == acc["written_bytes"] > 0, acc
+        assert acc["written_tensors"] < total / 2  # a rank holds part of its stage, not the stage or the model
+        assert rec["resume_client_state"] == 1
+        assert rec["resume_grad_norm_diff"] < 1e-9 and rec["resume_weights_diff"] < 1e-9
+        assert rec["step2_moved"] > rec["weights_moved"]
+    assert sum(rec["save_accounting"]["full"] for rec in per_rank) == total
+
+
+def test_weight_stream_reaches_rank0_once_per_tensor(mcore_world):
+    """TP2 x PP2 (rank = tp + 2 pp): the stream to rank 0 gives it the same tensors bit for bit as the stream to
+    every rank, with no PP broadcast; stage 1's TP rank 0 sends each of its tensors once, rank 0 receives them,
+    the TP rank 1s and the other ranks receive nothing."""
+    acc = [checks["qwen3_tied/tp2pp2/listwise/mbs4"]["export_accounting"] for checks in _checks(mcore_world)]
+    assert len(acc) == 4 and acc[0]["same_tensors"]
+    old, new = [a["all_ranks"] for a in acc], [a["rank0"] for a in acc]
+    n = old[0]["tensors"]
+    assert n > 10 and all(o["tensors"] == n and o["broadcast"] > 0 for o in old)  # before: every rank, every tensor
+    assert new[0]["tensors"] == n and new[0]["bytes"] == old[0]["bytes"]
+    assert [a["tensors"] for a in new[1:]] == [0, 0, 0] and [a["bytes"] for a in new[1:]] == [0, 0, 0]
+    assert all(a["broadcast"] == 0 and a["all_gather"] == 0 for a in new)
+    assert new[2]["send"] == new[0]["recv"] > 0 and new[0]["send"] == 0 and new[2]["recv"] == 0
+    assert all(a["send"] == a["recv"] == 0 for a in (new[1], new[3]))
+    assert new[2]["send"] < old[2]["broadcast"]  # only its own stage's tensors leave stage 1
+
+
 def test_policy_actor_wrapper_fit_sync_resume(mcore_world):
     """The Ray policy-actor class (driven without a Ray cluster, TP2 x DP2): two fit()
     iterations, weight sync into an HF rollout stand-in, checkpoint + HF save, resume."""

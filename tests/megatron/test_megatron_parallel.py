@@ -263,6 +263,27 @@ def test_large_recipe_dry_run_with_the_real_config_and_its_cluster(script, math_
     assert sum(g for node in placed for _, g in node) == nodes * 8
     with pytest.raises(PlacementError, match="cannot place the run"):
         plan_placement([8] * (nodes - 1), demands)
+    # what the plan prints for the real shapes: rank-to-node map, memory, disk, pipeline efficiency
+    import json
+
+    from openrlhf_lpo.cli.disk import human_size
+    from openrlhf_lpo.megatron.memory import GB, Shape, actor_memory
+
+    lines = [line.strip() for line in out.stdout.splitlines()]
+    actor_nodes = gpus // 2 // 8
+    for node in range(actor_nodes):
+        assert f"node {node}: ranks {8 * node}-{8 * node + 7} = replica 0 stage {node % pp} (TP 8 each)" in lines
+    hf = json.loads((MODEL_CONFIGS / config / "config.json").read_text())
+    mem = actor_memory(hf, tp, pp, 1, 5120, 4096, sequence_parallel=True, recompute=True)
+    assert f"peak {mem['peak'] / GB:.1f} GB (with the CUDA context / NCCL allowance)" in out.stdout
+    assert mem["peak"] < 80e9 * 0.9  # fits an 80 GB GPU with room
+    P = Shape.of(hf).parameters
+    kept = args.ckpt.max_num + 1  # the new checkpoint is whole before the oldest goes
+    total = kept * 12 * P + kept * 2 * P + 2 * P  # fp32 params + moments, bf16 exports (rotated alike), final
+    assert f"{kept} megatron checkpoint(s) of {human_size(12 * P)}" in out.stdout
+    assert out.stdout.count(f" = {human_size(total)}\n") == 1
+    effs = [float(x) for x in re.findall(r"micro-batch\(es\) -> ([0-9.]+)%", out.stdout)]
+    assert len(effs) == 2 and min(effs) >= 80.0 and "  WARNING: " not in out.stdout
 
 
 @pytest.mark.parametrize("script", sorted(RECIPES))

@@ -10,6 +10,7 @@ the resumed run starts from the checkpoint.
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -78,6 +79,8 @@ def test_two_iterations_and_weight_sync(e2e):
     assert tb_steps(tb) == [1, 2]
     assert "MegatronPolicyModelActor" in e2e["log1"]
     assert "[megatron] placement on the Ray cluster fits: node 0: Megatron actor TP group x2, vLLM engine x1" in e2e["log1"]
+    # the actor group's ranks in node-major bundle order, the TP group on one node (openrlhf/placement.py)
+    assert re.search(r"\[placement\] MegatronPolicyModelActor: node 0 \([0-9a-f]{8}\): ranks 0-1\n", e2e["log1"])
     syncs = [r for r in e2e["parity1"] if r.get("backend") == "megatron"]
     assert len(syncs) == 2 and all(r["max_abs_diff"] < 1e-4 and r["num_tensors"] > 0 for r in syncs)
     assert max(tb["train/actor_grad_norm"].values()) > 0  # informative groups: the policy was updated

@@ -102,3 +102,28 @@ def test_check_contracts_detects_a_dispatch_that_no_longer_calls_the_engines(mon
     monkeypatch.setattr(sg.SamplesGenerator, "_dispatch_prompts_to_vllm", _dispatch_prompts_to_vllm)
     with pytest.raises(RuntimeError, match="patch point dispatch-prompts"):
         patches.check_contracts()
+
+
+def test_actor_group_placement_swap_is_active_inside_and_restored():
+    from openrlhf.trainer.ray import launcher
+
+    stock = launcher.RayActorGroup.__dict__["_initiate_actors"]
+    with patches.apply_patches(lpo=False):
+        swapped = launcher.RayActorGroup.__dict__["_initiate_actors"]
+        assert swapped is not stock and swapped.__module__ == "openrlhf_lpo.openrlhf.placement"
+        assert swapped.__wrapped__ is stock  # upstream's actor start, with the node-major bundle order
+    assert launcher.RayActorGroup.__dict__["_initiate_actors"] is stock
+
+
+def test_check_contracts_detects_actor_groups_that_no_longer_index_bundles_by_rank(monkeypatch):
+    from openrlhf.trainer.ray import launcher
+
+    def _initiate_actors(self, pg, num_gpus_per_actor):
+        if self._num_gpus_per_node > 1 and pg is None:
+            pass
+        if pg:
+            self._actor_handlers = [dict(placement_group_bundle_index=0)]
+
+    monkeypatch.setattr(launcher.RayActorGroup, "_initiate_actors", _initiate_actors)
+    with pytest.raises(RuntimeError, match="actor-group-placement.*placement_group_bundle_index=rank"):
+        patches.check_contracts()

@@ -183,3 +183,25 @@ def test_a_recipe_that_cannot_fit_stops_at_once(tiny_model_dir, tmp_path):
     assert out.returncode == 3, out.stderr[-3000:]
     assert "needs 3 GPUs (actor 2, vLLM engines 1) but the Ray cluster has 2" in out.stderr
     assert time.time() - t0 < 240 and "Global step" not in out.stdout + out.stderr
+
+
+# the actor's rank-to-node map of the multi-node recipes, worked out from their headers' layouts
+PLACEMENT = {
+    "train_math_qwen3_14b_megatron.sh": ["actor ranks by node (node-major: each node's Ray bundles in rank order, "
+                                         "1 x 8 GPUs):", "node 0: ranks 0-7 = replica 0, replica 1 (TP 4 each)"],
+    "train_math_qwen3_32b_megatron.sh": ["actor ranks by node (node-major: each node's Ray bundles in rank order, "
+                                         "2 x 8 GPUs):", "node 0: ranks 0-7 = replica 0 stage 0 (TP 8 each)",
+                                         "node 1: ranks 8-15 = replica 0 stage 1 (TP 8 each)"],
+    "train_math_r1_distill_llama_70b_megatron.sh": [
+        "actor ranks by node (node-major: each node's Ray bundles in rank order, 4 x 8 GPUs):",
+        "node 0: ranks 0-7 = replica 0 stage 0 (TP 8 each)", "node 1: ranks 8-15 = replica 0 stage 1 (TP 8 each)",
+        "node 2: ranks 16-23 = replica 0 stage 2 (TP 8 each)", "node 3: ranks 24-31 = replica 0 stage 3 (TP 8 each)"],
+}
+
+
+@pytest.mark.parametrize("script", sorted(PLACEMENT))
+def test_big_recipes_dry_run_prints_the_rank_to_node_layout(dry_runs, script):
+    lines = [line.strip() for line in dry_runs[script].stdout.splitlines()]
+    start = lines.index(PLACEMENT[script][0])
+    assert lines[start:start + len(PLACEMENT[script])] == PLACEMENT[script]
+    assert not lines[start + len(PLACEMENT[script])].startswith("node ")

@@ -5,6 +5,8 @@ Every run: local Ray, OpenRLHF's trainer and actors, DeepSpeed ZeRO-2 on gloo, t
 engine, a tiny offline Qwen3 and the vowel-fraction reward (tests/pipeline/toy_reward.py).
 """
 
+import re
+
 import pytest
 
 from e2e_common import base_args, load_weights, max_weight_diff, run_cli, run_env, tb_scalars, write_prompts
@@ -29,7 +31,7 @@ def dp_runs(tiny_model_dir, tmp_path_factory):
                          extra=["--train.max_epochs", "2", "--actor.adam.lr", "0.2"])
         rc, wall, log = run_cli(args, env, root / f"{name}.log")
         assert rc == 0, f"{name} failed (rc={rc}); tail:\n{log[-6000:]}"
-        runs[name] = {"weights": load_weights(out / "final"), "tb": tb_scalars(out / "tb"), "wall": wall}
+        runs[name] = {"weights": load_weights(out / "final"), "tb": tb_scalars(out / "tb"), "wall": wall, "log": log}
     runs["init"] = load_weights(tiny_model_dir)
     print("\n[e2e dp] " + ", ".join(f"{k} {v['wall']:.0f}s" for k, v in runs.items() if k != "init"))
     return runs
@@ -47,3 +49,5 @@ def test_two_ranks_update_like_one(dp_runs):
     tb = dp_runs["dp2_two_pass"]["tb"]
     assert tb["train/lpo/shortcut_windows"][1] == 1.0 and tb["train/lpo/pre_pass_windows"][1] == 1.0
     assert dp_runs["dp2_one_pass"]["tb"]["train/lpo/one_pass_windows"][1] == 2.0
+    # the DeepSpeed actor group's ranks in node-major bundle order (openrlhf/placement.py)
+    assert re.search(r"\[placement\] \w+: node 0 \([0-9a-f]{8}\): ranks 0-1\n", dp_runs["dp2_two_pass"]["log"])

@@ -33,7 +33,7 @@ if [ "$FAMILY" != "standard" ]; then
 fi
 LOG_ARGS=(
   --ckpt.path "$SAVE_ROOT/$RUN_NAME/ckpt" --ckpt.output_dir "$SAVE_ROOT/$RUN_NAME/final"
-  --ckpt.save_steps 20 --ckpt.save_hf --ckpt.max_num 3 --ckpt.load_enable
+  --ckpt.save_steps "${CKPT_SAVE_STEPS:-20}" --ckpt.save_hf --ckpt.max_num "${CKPT_MAX_NUM:-3}" --ckpt.load_enable
   --logger.logging_steps 1 --logger.tensorboard_dir "$SAVE_ROOT/$RUN_NAME/tb"
 )
 if [ -n "${WANDB_KEY:-}" ]; then
