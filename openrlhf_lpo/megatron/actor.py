@@ -42,9 +42,9 @@ the optimizer step. What megatron itself still syncs (docs/megatron.md, "Host sy
 VPP 1 (``variable_seq_lengths``) every p2p call of the schedule first exchanges the tensor's shape and
 then synchronizes the device and reads it (a device-wide synchronize and ``.tolist()`` in
 ``_communicate_shapes``), and the batched p2p synchronizes again after the exchange (``batch_p2p_sync``);
-without Transformer Engine, megatron's unfused THD RoPE reads ``cu_seqlens`` on the host for q and k in
-every layer; the grad norm is read once per step. With TE, RoPE runs TE's fused THD kernel
-(``apply_rope_fusion``) instead.
+the grad norm is read once per step. Without Transformer Engine, megatron's unfused THD RoPE would read
+``cu_seqlens`` on the host for q and k in every layer; :mod:`.rope` replaces it with the same rotation built
+from the micro-batch's host bounds. With TE, RoPE runs TE's fused THD kernel (``apply_rope_fusion``).
 * :meth:`save_checkpoint` / :meth:`load_checkpoint` — :mod:`.checkpoint`: layout-free
   ``global_stepN`` directories (safetensors + JSON), resumable in another TP/PP layout.
 """
@@ -59,7 +59,7 @@ import torch
 import torch.distributed as dist
 
 from openrlhf_lpo import listwise
-from openrlhf_lpo.megatron import convert
+from openrlhf_lpo.megatron import convert, rope
 from openrlhf_lpo.megatron.device import group_device, local_device
 from openrlhf_lpo.megatron.layout import validate_layout
 from openrlhf_lpo.megatron.losses import LossSpec, get_policy_loss
@@ -242,6 +242,8 @@ class MegatronActor:
         _seed(cfg.seed)
         dtype = DTYPES[cfg.params_dtype]
         use_te = te_available() if cfg.use_te is None else bool(cfg.use_te)
+        if not use_te:
+            rope.install()  # THD RoPE from the micro-batch's host bounds (megatron's own reads them per layer)
         self.tconfig = transformer_config_from_hf(hf_config, cfg.tp, cfg.pp, params_dtype=dtype,
                                                   recompute=cfg.recompute, sequence_parallel=cfg.sequence_parallel,
                                                   vpp=cfg.vpp, **config_overrides(use_te))
@@ -415,6 +417,7 @@ class MegatronActor:
         kwargs = {"fp32_output": False} if self.half else {}  # logits stay bf16; action rows upcast
         params = pk.packed_seq_params()
         params._lpo_bounds = mb["bounds"]  # attention.segment_bounds: no device read per forward
+        rope.attach_bounds(params.cu_seqlens_q_padded, mb["bounds"])  # rope.py: the local spec's RoPE, no read
         out = model(pk.tokens, pk.position_ids, None, packed_seq_params=params, **kwargs)
         if mb.get("schedule_padding"):
             return out, _no_loss

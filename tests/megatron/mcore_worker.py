@@ -1327,6 +1327,7 @@ class _SyncCounter(torch.overrides.TorchFunctionMode):
     def __init__(self):
         super().__init__()
         self.hits = []
+        self.others = []  # megatron's (or anyone else's) syncs inside the schedule
         self.root = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                                  "openrlhf_lpo")
 
@@ -1347,8 +1348,7 @@ class _SyncCounter(torch.overrides.TorchFunctionMode):
             sync = any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in idx)
         if sync:
             ours, where = self._ours()
-            if ours:
-                self.hits.append(where)
+            (self.hits if ours else self.others).append(where)
         return func(*args, **kwargs)
 
 
@@ -1418,16 +1418,46 @@ def check_syncs_and_rows():
                 per = n_local // n_micro
                 micro = [list(range(i, i + per)) for i in range(0, n_local, per)]
                 counter.hits.clear()
+                counter.others.clear()
                 ce_rows.clear()
                 actor.train_step(local, spec, micro_batches=micro)
-                rec[f"{name}/micro{n_micro}"] = {"syncs": list(counter.hits), "ce_rows": sum(ce_rows),
+                rec[f"{name}/micro{n_micro}"] = {"syncs": list(counter.hits), "other_syncs": list(counter.others),
+                                                 "ce_rows": sum(ce_rows),
                                                  "local_response_tokens": int(local["action_mask"].sum())}
         del actor
     finally:
         tensor_parallel.vocab_parallel_cross_entropy = orig_ce
         pipeline_parallel.get_forward_backward_func = orig_fb
     rec["te_overrides"] = actor_mod.config_overrides(True)
+    rec["rope"] = check_rope_equals_megatron()
     results["checks"]["syncs_and_rows"] = rec
+
+
+def check_rope_equals_megatron():
+    """openrlhf_lpo.megatron.rope against megatron's own THD RoPE on the same q: one sequence (the recipes'
+    micro-batch 1) and three packed sequences; bit for bit, and with no host read of ours."""
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.transformer import attention
+
+    from openrlhf_lpo.megatron import rope
+
+    out = {"installed": attention.apply_rotary_pos_emb is rope.apply_rotary_pos_emb}
+    config = NS(apply_rope_fusion=False, multi_latent_attention=False, rotary_interleaved=False)
+    g = torch.Generator().manual_seed(3)
+    freqs = torch.randn(40, 1, 1, 16, generator=g, dtype=torch.float64).float()
+    for name, bounds in (("one", [0, 37]), ("three", [0, 9, 30, 37])):
+        t = torch.randn(37, 4, 16, generator=g)
+        cu = torch.tensor(bounds, dtype=torch.int32)
+        theirs = rope_utils._apply_rotary_pos_emb_thd(t, cu, freqs[:max(b - a for a, b in zip(bounds, bounds[1:]))],
+                                                      cp_group=NS(size=lambda: 1, rank=lambda: 0))
+        rope.attach_bounds(cu, bounds)
+        counter = _SyncCounter()
+        with counter:
+            ours = rope.apply_rotary_pos_emb(t, freqs[:max(b - a for a, b in zip(bounds, bounds[1:]))], config,
+                                             cu_seqlens=cu, cp_group=NS(size=lambda: 1, rank=lambda: 0))
+        out[name] = {"equal": bool(torch.equal(ours, theirs)), "syncs": counter.hits + counter.others,
+                     "moved": float((ours - t).abs().max())}
+    return out
 
 
 class _CollectiveRecorder:

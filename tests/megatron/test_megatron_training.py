@@ -255,6 +255,11 @@ def test_no_host_syncs_in_the_loss_path_and_response_rows_only(mcore_world):
         assert len(keys) == 4
         for k in keys:
             assert rec[k]["syncs"] == [], (k, rec[k]["syncs"])
+            # megatron's own: none from the THD RoPE any more (it made 6 per layer per micro-batch)
+            assert not [w for w in rec[k]["other_syncs"] if w.startswith("rope_utils.py")], (k, rec[k]["other_syncs"])
+        assert rec["rope"]["installed"]
+        for case in ("one", "three"):  # the recipes' one sequence per micro-batch, and a packed row
+            assert rec["rope"][case]["equal"] and rec["rope"][case]["syncs"] == [] and rec["rope"][case]["moved"] > 0.1
             assert rec[k]["ce_rows"] == rec[k]["local_response_tokens"], (k, rec[k])
         assert rec["apply_rope_fusion"] is False  # CPU: megatron's unfused THD RoPE (no TE)
         assert rec["te_overrides"] == {"apply_rope_fusion": True}  # with TE: its fused THD kernel
