@@ -325,23 +325,26 @@ def test_killing_the_grading_process_kills_its_sandboxes(tmp_path, repo_env):
     script = tmp_path / "grade.py"
     script.write_text(
         "from openrlhf_lpo.rewards.code import grade_code\n"
+        "grade_code('```python\\nprint(1)\\n```', {'inputs': [''], 'outputs': ['1']}, timeout_s=30)\n"
         "print('start', flush=True)\n"
         "grade_code('```python\\nimport os, time\\nif os.fork() == 0:\\n    os.setsid()\\ntime.sleep(100)\\n```',\n"
         "           {'inputs': [''], 'outputs': ['']}, timeout_s=30)\n"
     )
     proc = subprocess.Popen([sys.executable, str(script)], env=repo_env, stdout=subprocess.PIPE, text=True)
     try:
+        # the warm-up grade above ran the pool's start-up probes (short-lived sandboxes of their own), so the
+        # sandbox seen now is the hostile program's: wait until >= 3 of its processes (bwrap, init, runner; the
+        # program and its grandchild are not always visible) stay the same set for 0.5 s
         assert proc.stdout.readline().strip() == "start"
-        deadline = time.monotonic() + 60
-        while len(sandbox_processes()) < 3 and time.monotonic() < deadline:  # bwrap, init, runner
+        deadline = time.monotonic() + 20
+        seen, since, stable = None, time.monotonic(), False
+        while not stable and time.monotonic() < deadline:
+            now = frozenset(sandbox_processes())
+            if now != seen:
+                seen, since = now, time.monotonic()
+            stable = len(now) >= 3 and time.monotonic() - since >= 0.5
             time.sleep(0.05)
-        # then up to 2 s for the program and its detached grandchild (not always visible: CI saw bwrap, its
-        # init and the runner only). Not longer: the program's 30 s limit would end the sandbox before the
-        # kill, and a sandbox mid-run is what must die with the grading process
-        settle = time.monotonic() + 2
-        while len(sandbox_processes()) < 4 and time.monotonic() < settle:
-            time.sleep(0.05)
-        assert len(sandbox_processes()) >= 3, "the sandbox did not start"
+        assert stable, f"the sandbox did not start (sandbox processes last seen: {sorted(seen or ())})"
     finally:
         proc.kill()
         proc.wait()
