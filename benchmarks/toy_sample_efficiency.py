@@ -25,6 +25,12 @@ trailing ``--window``-step mean reward reaches the paired baseline's mean final 
 LPO minus its baseline per K, and ``group_size.png`` (the paper's Fig. 7 layout: metric vs K, one line
 per method, 95% error bars).
 
+``--suite baselines`` (issue 31) runs the paper grid with RLOO and REINFORCE++-baseline, each beside LPO-fwd
+and LPO-rev at its paired temperature (``loo`` = (K-1)/K; ``batch_std`` = the batch std of R - group mean);
+any method of :mod:`openrlhf_lpo.demo.methods` also works in ``--methods``. DAPO, GSPO and CISPO change the
+policy loss, not the advantage, and the in-process loop's loss is fixed: they run through ``lpo-train`` only
+(``configs/methods/dapo.sh`` ...).
+
 ``--suite research`` (issue 25, default task ``tripsum``, where Pass@16 is below 1 after the warm-up)
 runs the research agenda instead: the divergence family (GRPO, LPO with fwd, rev, js, hellinger, tv,
 alpha:0.5, alpha:2) at K in {4, 8}; at K = 8 forward -> reverse KL by step (@20) and by entropy, the
@@ -54,6 +60,9 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 DEFAULT_METHODS = "lpo-fwd,lpo-rev,grpo,lpo-fwd@one,lpo-rev@one,dr-grpo,lpo-fwd@mean,lpo-rev@mean,maxrl"
+# --suite baselines: the 2025 baselines whose advantage fits the toy, each with its LPO pair (demo/methods.py says
+# why DAPO, GSPO and CISPO, which change the policy loss, do not)
+BASELINE_METHODS = "rloo,lpo-fwd@loo,lpo-rev@loo,reinforce-pp,lpo-fwd@batch_std,lpo-rev@batch_std"
 FIGURE_METRICS = (("reward_final", "final sampled reward (training)"),
                   ("heldout_pass@1", "held-out Pass@1"),
                   ("heldout_pass@4", "held-out Pass@4"),
@@ -566,9 +575,10 @@ def _start_eval(out: Path, model: str, cfg, seed: int) -> Dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--suite", choices=("paper", "research"), default="paper",
-                   help="paper: --methods x --ks (default grid); research: the issue-25 grid (module docstring)")
-    p.add_argument("--methods", default=None, help=f"paper suite (default {DEFAULT_METHODS})")
+    p.add_argument("--suite", choices=("paper", "research", "baselines"), default="paper",
+                   help="paper: --methods x --ks (default grid); research: the issue-25 grid (module docstring); "
+                        f"baselines: --methods default {BASELINE_METHODS}")
+    p.add_argument("--methods", default=None, help=f"paper / baselines suite (default {DEFAULT_METHODS})")
     p.add_argument("--ks", default=None, help="comma-separated group sizes K (default 2,4,8; research: 4,8)")
     p.add_argument("--switch-entropy", type=float, default=None,
                    help="research: the threshold of lpo-fwd2rev-entropy (default: auto, halfway between LPO-fwd's "
@@ -606,7 +616,8 @@ def main(argv=None) -> int:
             grid = research_grid(ks)
             methods = list(dict.fromkeys(m for m, _ in grid))
         else:
-            methods = [m.name for m in parse_methods(args.methods or DEFAULT_METHODS)]
+            default = BASELINE_METHODS if args.suite == "baselines" else DEFAULT_METHODS
+            methods = [m.name for m in parse_methods(args.methods or default)]
             grid = [(m, k) for k in ks for m in methods]
         seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
         preset = get_preset(args.preset)

@@ -40,6 +40,7 @@ __all__ = [
     "parse_divergence",
     "divergence_names",
     "register_temperature",
+    "batch_std_temperature",
     "register_pg_estimator",
     "register_projection",
     "to_groups",
@@ -55,6 +56,7 @@ __all__ = [
     "listwise_surrogate",
     "pointwise_projection_loss",
     "pg_advantages",
+    "cispo_token_loss",
     "parse_temperature",
     "listwise_group_sums",
     "listwise_stats_from_sums",
@@ -190,6 +192,49 @@ def _mean_temperature(rewards: Tensor) -> Tensor:
             "for signed rewards"
         )
     return rewards.mean(dim=1, keepdim=True)
+
+
+@register_temperature("loo")
+def _leave_one_out_temperature(rewards: Tensor) -> Tensor:
+    """tau = (K-1)/K: pairs with RLOO. Its leave-one-out advantage is Dr.GRPO's with a factor,
+    A_k = R_k - (1/(K-1)) sum_{j != k} R_j = K/(K-1) (R_k - mean) = (R_k - mean)/tau (Eq. 2-3 with
+    tau = (K-1)/K); K is the group size of ``rewards``."""
+    k = rewards.shape[1]
+    return torch.full_like(rewards[:, :1], (k - 1) / k)
+
+
+def batch_std_temperature(rewards: Tensor, weights: Optional[Tensor] = None) -> Tensor:
+    """tau [G,1] = sigma, one batch-level value for every group: pairs with REINFORCE++-baseline.
+
+    REINFORCE++-baseline (OpenRLHF ``reinforce_baseline``) subtracts the group mean, then whitens the
+    whole rollout batch: A = (a - m)/sigma with a = R - mean_g(R), m = sum w a / sum w and
+    sigma^2 = max(sum w (a - m)^2 / sum w, 1e-8) over all G*K responses (OpenRLHF's floor on the
+    variance). ``weights`` None weighs every response 1, so m = 0 exactly and A = (R - mean_g)/sigma:
+    the Gibbs form of Eq. 2-3 with tau = sigma. ``weights`` [G,K] = response token counts gives
+    OpenRLHF's token-weighted sigma; its m != 0 then shifts every advantage by the same constant,
+    which a softmax over a group cannot represent (zero in expectation, not per sample).
+    ``rewards`` must hold every group of the batch (``group_temperature`` is called on the whole
+    rollout batch)."""
+    r = _wide(rewards)
+    a = r - r.mean(dim=1, keepdim=True)
+    if weights is None:
+        w = torch.ones_like(a)
+    else:
+        _check_same_shape("weights", weights, "rewards", rewards)
+        w = _wide(weights).to(a.dtype)
+        if bool((w < 0).any()) or not bool(w.sum() > 0):
+            raise ValueError("batch_std_temperature: weights (response token counts) must be >= 0 with a positive sum")
+    total = w.sum()
+    m = (w * a).sum() / total
+    var = (w * (a - m).square()).sum() / total
+    return var.clamp(min=1e-8).sqrt().expand(r.shape[0], 1).clone()
+
+
+@register_temperature("batch_std")
+def _batch_std_temperature(rewards: Tensor) -> Tensor:
+    """Batch-level std of R minus its group mean (every response weighs 1): pairs with
+    REINFORCE++-baseline (:func:`batch_std_temperature`)."""
+    return batch_std_temperature(rewards)
 
 
 def parse_temperature(value: TemperatureSpec) -> TemperatureSpec:
@@ -670,6 +715,68 @@ def _dr_grpo_advantages(rewards: Tensor) -> Tensor:
 def _maxrl_advantages(rewards: Tensor) -> Tensor:
     """MaxRL: (R - mean)/mean; all-zero groups give 0, never inf."""
     return _normalised_advantage(rewards, "mean")
+
+
+@register_pg_estimator("rloo")
+def _rloo_advantages(rewards: Tensor) -> Tensor:
+    """RLOO (OpenRLHF ``rloo``): A_k = R_k - mean of the other K-1 rewards = K/(K-1) (R - mean); paired
+    temperature ``loo`` = (K-1)/K. Groups with equal rewards give exactly 0."""
+    k = rewards.shape[1]
+    r = _wide(rewards)
+    adv = r - (r.sum(dim=1, keepdim=True) - r) / (k - 1)
+    return torch.where(degenerate_groups(r).unsqueeze(1), torch.zeros_like(adv), adv)
+
+
+@register_pg_estimator("reinforce_pp")
+def _reinforce_pp_advantages(rewards: Tensor) -> Tensor:
+    """REINFORCE++-baseline (OpenRLHF ``reinforce_baseline``) with every response weighing 1:
+    A = (R - group mean)/sigma, sigma = the batch std of R - group mean (temperature ``batch_std``)."""
+    return _normalised_advantage(rewards, "batch_std")
+
+
+def cispo_token_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, eps_low: float,
+                     eps_high: float, rollout_log_probs: Optional[Tensor] = None,
+                     is_correction: Optional[tuple] = None):
+    """CISPO's per-token loss (MiniMax-M1, arXiv 2506.13585, Eq. 4-5), the ``--actor.policy_loss_type cispo``
+    of both backends:
+
+        l_t = -sg(clip(r_t, 1 - eps_low, 1 + eps_high)) * A_t * log pi_theta(y_t),  r_t = pi_theta(y_t) / pi_old(y_t)
+
+    i.e. REINFORCE whose importance ratio, clipped and detached, weighs each token: dl_t/dtheta =
+    -clip(r_t) A_t grad log pi_theta(y_t), so every token keeps a gradient (PPO's clipped objective zeroes it
+    outside the band; CISPO only caps its weight). ``eps_low`` >= 1 removes the lower bound (r >= 0).
+
+    ``is_correction`` = (mode, low, high) with ``rollout_log_probs`` = log mu (the engine's): the token-level
+    train/rollout correction (``--algo.advantage.is_correction_level token``) multiplies l_t by the detached
+    c_t = clip(pi_old/mu, low, high) (``clip``, truncated IS) or by pi_old/mu where it lies in [low, high] and 0
+    elsewhere (``mask``), as OpenRLHF does for PPO. Returns (l [B,T] in the dtype of ``log_probs``, clipped [B,T]
+    bool: r_t outside the band, filtered [B,T] bool or None: tokens the correction truncated or dropped); the
+    caller aggregates (token mean: the paper's 1/sum_i |o_i|)."""
+    if not (math.isfinite(eps_low) and eps_low >= 0.0) or not (math.isfinite(eps_high) and eps_high > 0.0):
+        raise ValueError(f"--actor.eps_clip_low_high ({eps_low}, {eps_high}): CISPO clips the importance weight to "
+                         "[1 - low, 1 + high], so it needs low >= 0 (>= 1: no lower bound) and high > 0")
+    _check_same_shape("old_log_probs", old_log_probs, "log_probs", log_probs)
+    log_ratio = _wide(log_probs.detach()) - _wide(old_log_probs.detach())
+    lo = math.log1p(-eps_low) if eps_low < 1.0 else -math.inf
+    hi = math.log1p(eps_high)
+    clipped = (log_ratio < lo) | (log_ratio > hi)
+    weight = log_ratio.clamp(min=lo, max=hi).exp()
+    filtered = None
+    if is_correction is not None:
+        mode, low, high = is_correction
+        if rollout_log_probs is None:
+            raise ValueError("--algo.advantage.is_correction_level token needs the rollout's log-probs "
+                             "(rollout_log_probs)")
+        _check_same_shape("rollout_log_probs", rollout_log_probs, "log_probs", log_probs)
+        is_ratio = (_wide(old_log_probs.detach()) - _wide(rollout_log_probs.detach())).exp()
+        filtered = (is_ratio < low) | (is_ratio > high)
+        if mode == "clip":
+            weight = weight * is_ratio.clamp(min=low, max=high)
+        elif mode == "mask":
+            weight = weight * torch.where(filtered, torch.zeros_like(is_ratio), is_ratio)
+        else:
+            raise ValueError(f"--algo.advantage.is_correction_mode {mode!r}: use clip or mask")
+    return -weight.to(log_probs.dtype) * advantages.to(log_probs.dtype) * log_probs, clipped, filtered
 
 
 def pg_advantages(rewards: Tensor, estimator: str = "grpo") -> Tensor:

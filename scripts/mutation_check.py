@@ -57,16 +57,16 @@ MUTATIONS = [
         "stale coefficients: every optimizer window takes c at s_t (the rollout policy) instead of a no-grad "
         "pass at the current parameters",
         "openrlhf_lpo/openrlhf/actor_trainer.py",
-        's_win = prev[idx] if plan.mode == "shortcut" else self._log_ratios(items, plan.micro_batches, prev_ctx)',
-        "s_win = prev[idx]",
+        "                s_win = self._log_ratios(items, plan.micro_batches, prev_ctx)",
+        "                s_win = prev[idx]",
         [f"{INTERNALS}::test_partial_last_window_steps_once_and_is_exact"] + EXACTNESS,
     ),
     Mutation(
         "pre-pass-skipped-after-first-window",
         "stale coefficients: the first window of every epoch (not only of epoch 0) skips the pre-pass",
         "openrlhf_lpo/openrlhf/actor_trainer.py",
-        "elif epoch == 0 and w == 0 and not args.lpo.force_two_pass:",
-        "elif w == 0 and not args.lpo.force_two_pass:",
+        "mode = update.choose_mode(projection, whole_groups, epoch == 0 and w == 0,",
+        "mode = update.choose_mode(projection, whole_groups, w == 0,",
         EXACTNESS,
     ),
     Mutation(
@@ -82,7 +82,7 @@ MUTATIONS = [
     Mutation(
         "groups-split-across-windows",
         "groups split across optimizer windows: the window shuffle permutes samples, not whole groups",
-        "openrlhf_lpo/openrlhf/layout.py",
+        "openrlhf_lpo/core/layout.py",
         "        perm = torch.randperm(len(members), generator=generator).tolist()\n"
         "        members = [members[p] for p in perm]",
         "        flat = [i for m in members for i in m]\n"

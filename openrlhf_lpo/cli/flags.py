@@ -85,14 +85,14 @@ def flag_was_given(args: argparse.Namespace, dotted: str) -> bool:
 
 def dp_size(args: argparse.Namespace) -> int:
     """Effective data-parallel size of the actor (what OpenRLHF chunks experiences by)."""
-    from openrlhf_lpo.openrlhf.config import dp_size as _dp_size
+    from openrlhf_lpo.core.config import dp_size as _dp_size
 
     return _dp_size(args)
 
 
 # ----------------------------------------------------------------------------- LPO / MaxRL
 
-from openrlhf_lpo.openrlhf.config import (  # noqa: E402  (shared with the OpenRLHF extension)
+from openrlhf_lpo.core.config import (  # noqa: E402  (shared with the OpenRLHF extension)
     EXTRA_ESTIMATORS, LPO_ESTIMATORS, PAIRED_TEMPERATURE, uses_lpo_classes)
 
 LPO_DEFAULTS = {"divergence": "fwd", "temperature": "std", "projection": "listwise"}
@@ -323,10 +323,9 @@ def _positive(args, dotted: str) -> Optional[float]:
 def _validate_research_flags(args: argparse.Namespace, divergence_given: bool) -> bool:
     """Divergence schedule / entropy switch, temperature scale, replay (lpo only). Returns whether a
     divergence was chosen by flag (--lpo.divergence or the schedule)."""
-    from openrlhf_lpo.schedule import DivergenceSchedule, parse_schedule
+    from openrlhf_lpo.core.divergence_schedule import DivergenceSchedule, parse_schedule
 
     lpo = args.lpo
-    megatron = getattr(args, "backend", "deepspeed") == "megatron"
     # ---- divergence schedule and the entropy switch
     if lpo.divergence_schedule is not None:
         if divergence_given:
@@ -357,10 +356,6 @@ def _validate_research_flags(args: argparse.Namespace, divergence_given: bool) -
         except ValueError as e:
             flag = ("--lpo.divergence_switch_window" if "window" in str(e) else "--lpo.divergence_schedule")
             raise FlagError(f"{flag}: {e}") from None
-        if megatron:
-            raise FlagError("--lpo.divergence_schedule is not supported with --backend megatron: the Megatron actor "
-                            "builds its loss from --lpo.divergence once per run and has no way to receive a new one; "
-                            "use the DeepSpeed backend for schedules")
     # ---- temperature scale
     _positive(args, "lpo.temperature_scale")
     if lpo.temperature_scale is None:
@@ -377,10 +372,6 @@ def _validate_research_flags(args: argparse.Namespace, divergence_given: bool) -
     if replay:
         if lpo.replay_ratio is None:
             lpo.replay_ratio = 1.0
-        if megatron:
-            raise FlagError("--lpo.replay_batches is not supported with --backend megatron: replayed groups carry "
-                            "s_t != 0, and the Megatron actor does not add s_t to s (the listwise off-policy target); "
-                            "use the DeepSpeed backend for replay")
     return divergence_given
 
 
@@ -397,7 +388,7 @@ def research_plan_lines(args: argparse.Namespace) -> List[str]:
         lines.append(f"  effective tau = {'' if scale == 1.0 else f'{scale:g} x '}{base} per group"
                      + (" (--lpo.temperature_scale)" if scale != 1.0 else ""))
     if getattr(lpo, "divergence_schedule", None):
-        from openrlhf_lpo.schedule import parse_schedule
+        from openrlhf_lpo.core.divergence_schedule import parse_schedule
 
         stages = parse_schedule(lpo.divergence_schedule)
         text = ", ".join(f"{s.divergence} from update {s.start}" if s.start is not None else

@@ -8,6 +8,8 @@ Public names (stable):
     dataset_rows(args) -> (rows or None, note)
     plan_lines(args, preflight=None) -> list of str   what ``lpo-train --dry-run`` prints (with the
                                               preflight's summary: data, tokens, reward, disk, resume)
+    method_line(args) -> str         the method's settings in effect (advantage or temperature, policy loss
+                                     and clip band, aggregation, dynamic sampling, overlong shaping)
     ClusterTooSmall
 
 ``--dry-run`` validates every flag (the stock parser and validation, every flag group), prints the
@@ -23,9 +25,9 @@ import math
 import os
 from typing import List, Optional, Tuple
 
-from openrlhf_lpo.openrlhf.config import LPO_ESTIMATORS, dp_size
+from openrlhf_lpo.core.config import LPO_ESTIMATORS, dp_size
 
-__all__ = ["gpu_roles", "gpus_needed", "check_cluster", "dataset_rows", "plan_lines", "ClusterTooSmall"]
+__all__ = ["gpu_roles", "gpus_needed", "check_cluster", "dataset_rows", "plan_lines", "method_line", "ClusterTooSmall"]
 
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".arrow")
 
@@ -187,6 +189,48 @@ def _flag_group_plan_lines(args) -> List[str]:
     return [line for group in FLAG_GROUPS.values() if group.plan_lines for line in group.plan_lines(args)]
 
 
+# the advantage each group / batch estimator computes (OpenRLHF 0.11.2's experience maker; maxrl is ours)
+ADVANTAGES = {"group_norm": "(R - mean)/std per group", "dr_grpo": "R - mean per group",
+              "rloo": "R - mean of the other K-1 = K/(K-1)(R - mean)", "maxrl": "(R - mean)/mean per group",
+              "reinforce_baseline": "R - group mean, whitened over the rollout batch",
+              "reinforce": "R, whitened over the rollout batch", "flash_reinforce": "R - rollout-batch mean",
+              "gae": "GAE(gamma, lambda) with the critic, whitened"}
+
+
+def method_line(args) -> str:
+    """One line naming the method's settings in effect: the estimator's advantage (and its paired LPO
+    temperature) or LPO's temperature and token clip of s, the policy loss and its clip band, the loss
+    aggregation, dynamic sampling and overlong shaping (docs/methods.md)."""
+    from openrlhf_lpo.core.config import PAIRED_TEMPERATURE
+
+    est = args.algo.advantage.estimator
+    lo, hi = args.actor.eps_clip_low_high
+    if est in LPO_ESTIMATORS:
+        parts = [f"LPO {args.lpo.projection} (divergence {args.lpo.divergence}), temperature {args.lpo.temperature}",
+                 f"s clips token log-ratios to [log(1-{lo:g}), log(1+{hi:g})]",
+                 "loss: mean over prompts of the per-group loss"]
+    else:
+        kind = args.actor.policy_loss_type
+        adv = ADVANTAGES.get(est, est)
+        if est == "reinforce_baseline" and args.algo.advantage.no_std_norm:
+            adv = "R - group mean, centred over the rollout batch"
+        paired = PAIRED_TEMPERATURE.get(est)
+        band = {"gspo": f"sequence ratio clipped to [1-{lo:g}, 1+{hi:g}]",
+                "cispo": f"detached token ratio clipped to [{max(1.0 - lo, 0.0):g}, {1.0 + hi:g}] as a weight"}.get(
+            kind, f"token ratio clipped to [1-{lo:g}, 1+{hi:g}]")
+        agg = "seq-mean-token-mean" if kind == "gspo" else args.actor.loss_agg_mode
+        parts = [f"advantage {adv}" + (f" (paired LPO temperature {paired})" if paired else ""),
+                 f"policy loss {kind}: {band}" + (f", dual clip {args.actor.dual_clip:g}" if args.actor.dual_clip else ""),
+                 f"aggregation {agg}"]
+    if args.algo.dynamic_filtering_enable:
+        a, b = args.algo.dynamic_filtering_range
+        parts.append(f"dynamic sampling (group mean score in ({a:g}, {b:g}))")
+    if args.reward.overlong_buffer_len is not None:
+        parts.append(f"overlong shaping over the last {args.reward.overlong_buffer_len:g} of "
+                     f"{args.rollout.max_new_tokens or args.data.max_len} tokens (x{args.reward.overlong_penalty_factor:g})")
+    return "method: " + "; ".join(parts)
+
+
 def plan_lines(args, preflight=None) -> List[str]:
     """The plan; ``preflight`` (a ``cli.preflight.Preflight``, None for ``--preflight off``) adds the rows it
     read as upstream reads them (hub datasets included) and its summary."""
@@ -204,11 +248,11 @@ def _plan_lines(args, preflight) -> List[str]:
     B = args.rollout.batch_size
     lines = [f"estimator {est}" + (f" (divergence {args.lpo.divergence}, temperature {args.lpo.temperature}, "
                                   f"projection {args.lpo.projection})" if est in LPO_ESTIMATORS else ""),
-             f"GPUs needed: {gpus_needed(args)}"]
+             method_line(args), f"GPUs needed: {gpus_needed(args)}"]
     if est in LPO_ESTIMATORS:  # effective tau, divergence schedule, listwise replay (cli/flags.py)
         from openrlhf_lpo.cli.flags import research_plan_lines
 
-        lines[1:1] = research_plan_lines(args)
+        lines[2:2] = research_plan_lines(args)
     lines += [f"  {role}: {g} ({note})" for role, g, note in gpu_roles(args)]
     lines += _placement_lines(args)
     lines.append(f"rollout batch: {B} prompts x K={K} = {B * K} samples; train batch {args.train.batch_size} samples "

@@ -156,7 +156,7 @@ class InprocessReplay:
 
     def step_batch(self, model, tokenizer, fresh, step: int, cfg: RLConfig):
         from openrlhf_lpo.demo.policy import token_logprobs
-        from openrlhf_lpo.openrlhf.offpolicy import behaviour_stats
+        from openrlhf_lpo.core.offpolicy import behaviour_stats
 
         k = cfg.k
         pool = [item for batch in self.batches for item in batch]

@@ -13,7 +13,18 @@ temperature     LPO methods                      baseline
 std (GRPO)      ``lpo-fwd``, ``lpo-rev``, ``lpo-js``   ``grpo``
 one (Dr.GRPO)   ``lpo-fwd@one``, ``lpo-rev@one``    ``dr-grpo``
 mean (MaxRL)    ``lpo-fwd@mean``, ``lpo-rev@mean``  ``maxrl``
+loo (RLOO)      ``lpo-fwd@loo``, ``lpo-rev@loo``    ``rloo``
+batch_std       ``lpo-fwd@batch_std``,             ``reinforce-pp``
+(REINFORCE++)   ``lpo-rev@batch_std``
 ==============  ===============================  ==========
+
+The 2025 baselines that only change the advantage fit the toy's PG loop (the same PPO-clipped surrogate,
+sequence-mean aggregation, for every baseline): RLOO (``loo``: tau = (K-1)/K, A = K/(K-1)(R - mean)) and
+REINFORCE++-baseline (``batch_std``: A = (R - group mean)/std over the step's whole batch). DAPO, GSPO and
+CISPO change the policy loss (clip-higher with token-level aggregation and dynamic sampling; a sequence
+ratio; a detached clipped IS weight), which the in-process loop does not implement (its loss is fixed,
+``demo/loop.py``); their advantage is GRPO's, so their LPO pair is ``lpo-fwd`` / ``lpo-rev`` (tau = group
+std) and the toy's ``grpo`` stands for them. Run them through ``lpo-train`` (``configs/methods/``).
 
 The research agenda (issue 25; ``benchmarks/toy_sample_efficiency.py --suite research``) adds LPO
 methods that differ from ``lpo-fwd`` in one respect each: the divergence (``lpo-hellinger``,
@@ -31,14 +42,16 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 # PG estimator of openrlhf_lpo.listwise -> the name lpo-train knows it by (group_norm is OpenRLHF's GRPO)
-_PIPELINE_ESTIMATOR = {"grpo": "group_norm", "dr_grpo": "dr_grpo", "maxrl": "maxrl"}
+_PIPELINE_ESTIMATOR = {"grpo": "group_norm", "dr_grpo": "dr_grpo", "maxrl": "maxrl", "rloo": "rloo",
+                       "reinforce_pp": "reinforce_baseline"}
 
 
 @dataclass(frozen=True)
 class Method:
     name: str
     label: str
-    estimator: str               # "lpo" or a PG estimator of openrlhf_lpo.listwise (grpo, dr_grpo, maxrl)
+    estimator: str               # "lpo" or a PG estimator of openrlhf_lpo.listwise (grpo, dr_grpo, maxrl, rloo,
+    #                              reinforce_pp)
     divergence: Optional[str]    # for LPO: key of openrlhf_lpo.listwise.DIVERGENCES
     temperature: str = "std"     # LPO temperature / the PG baseline's implicit temperature
     color: str = "C0"
@@ -60,8 +73,8 @@ class Method:
             parse_divergence(self.divergence)
 
     def divergence_schedule(self):
-        """The method's :class:`openrlhf_lpo.schedule.DivergenceSchedule` (a constant one without a schedule)."""
-        from openrlhf_lpo.schedule import DivergenceSchedule, parse_schedule
+        """The method's :class:`openrlhf_lpo.core.divergence_schedule.DivergenceSchedule` (a constant one without a schedule)."""
+        from openrlhf_lpo.core.divergence_schedule import DivergenceSchedule, parse_schedule
 
         if self.schedule:
             return DivergenceSchedule(parse_schedule(self.schedule), self.switch_entropy, self.switch_window)
@@ -121,6 +134,16 @@ register_method(Method("dr-grpo", "Dr.GRPO", "dr_grpo", None, "one", color="C1",
 register_method(Method("lpo-fwd@mean", "LPO-fwd, tau=mean", "lpo", "fwd", "mean", color="C0", linestyle=":"))
 register_method(Method("lpo-rev@mean", "LPO-rev, tau=mean", "lpo", "rev", "mean", color="C2", linestyle=":"))
 register_method(Method("maxrl", "MaxRL", "maxrl", None, "mean", color="C5", linestyle=":"))
+# 2025 baselines whose advantage fits the toy (module docstring) and their LPO pairs
+register_method(Method("lpo-fwd@loo", "LPO-fwd, tau=(K-1)/K", "lpo", "fwd", "loo", color="C0", linestyle="-."))
+register_method(Method("lpo-rev@loo", "LPO-rev, tau=(K-1)/K", "lpo", "rev", "loo", color="C2", linestyle="-."))
+register_method(Method("rloo", "RLOO", "rloo", None, "loo", color="C8", linestyle="-."))
+register_method(Method("lpo-fwd@batch_std", "LPO-fwd, tau=batch std", "lpo", "fwd", "batch_std", color="C0",
+                       linestyle="--"))
+register_method(Method("lpo-rev@batch_std", "LPO-rev, tau=batch std", "lpo", "rev", "batch_std", color="C2",
+                       linestyle="--"))
+register_method(Method("reinforce-pp", "REINFORCE++-baseline", "reinforce_pp", None, "batch_std", color="C9",
+                       linestyle="--"))
 # the research agenda (module docstring): each differs from lpo-fwd in one respect
 register_method(Method("lpo-hellinger", "LPO-Hellinger", "lpo", "hellinger", color="C6"))
 register_method(Method("lpo-tv", "LPO-TV", "lpo", "tv", color="C7"))

@@ -58,7 +58,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from openrlhf_lpo import listwise
+from openrlhf_lpo.core.update import WindowMode, window_coefficients
 from openrlhf_lpo.megatron import convert, rope
 from openrlhf_lpo.megatron.device import group_device, local_device
 from openrlhf_lpo.megatron.layout import validate_layout
@@ -574,10 +574,13 @@ class MegatronActor:
         if ok:
             self.lr_schedule.step()
         self.step += 1
-        local = {}
+        local, s_parts = {}, []
         if self.is_last_stage:
             for o in outs:
                 for k, v in o.items():
+                    if k == "s_rows":  # per response, not summed
+                        s_parts.append(v)
+                        continue
                     local[k] = v if k not in local else local[k] + v
         keys = ["entropy_sum", "tokens", "responses", "loss_sum", "surrogate_sum", "clip_sum", "ppo_kl_sum",
                 "vllm_kl_sum", "kl_sum"]
@@ -598,6 +601,15 @@ class MegatronActor:
                 metrics["vllm_kl"] = tot["vllm_kl_sum"] / tokens
         if use_kl:
             metrics["kl"] = tot["kl_sum"] / tokens
+        if spec.name.startswith("listwise"):  # s of every row at this step's parameters (the lpo/*_last metrics)
+            s_rows = None
+            if self.is_last_stage:
+                s_rows = torch.empty(B, dtype=torch.float64, device=self.device)
+                order = torch.as_tensor([i for idx in index_lists for i in idx], dtype=torch.long, device=self.device)
+                s_rows[order] = torch.cat([p.to(self.device, torch.float64).reshape(-1) for p in s_parts])
+            metrics["s"] = self._broadcast_from_last_stage(s_rows, (B,), torch.float64).cpu()
+        if spec.name == "listwise_surrogate":
+            metrics["c"] = batch["coefficients"]
         return metrics
 
     def surrogate_coefficients(self, batch, spec: LossSpec, micro_batches: Optional[List[List[int]]] = None) -> torch.Tensor:
@@ -608,12 +620,8 @@ class MegatronActor:
 
         logp = self.log_probs(batch, micro_batches=micro_batches).cpu()
         s = listwise_log_ratio(logp.double(), {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}, spec)
-        K = spec.group_size
-        c = listwise.projection_coefficients(
-            listwise.to_groups(s, K), listwise.to_groups(batch["target"].double(), K), spec.divergence,
-            spec.projection,
-        )
-        return c.reshape(-1)
+        return window_coefficients(WindowMode.PRE_PASS, batch["target"], spec.divergence, spec.projection,
+                                   spec.group_size, s=s)
 
     # ------------------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, root: str, tag: Optional[str] = None, client_state: Optional[dict] = None,

@@ -160,7 +160,7 @@ def _validate(args: argparse.Namespace) -> None:
         check_lr_scheduler(args.actor.lr_scheduler, args.actor.lr_warmup_ratio, args.actor.min_lr_ratio)
     except ValueError as e:
         raise FlagError(str(e)) from None
-    from openrlhf_lpo.openrlhf.config import dp_size
+    from openrlhf_lpo.core.config import dp_size
 
     dp = dp_size(args)  # world / (tp x pp)
     if args.train.batch_size % dp:
@@ -257,7 +257,7 @@ def memory_plan_lines(args: argparse.Namespace) -> List[str]:
 
     from openrlhf_lpo.cli.disk import human_size, run_disk_need
     from openrlhf_lpo.megatron.memory import GB, Shape, actor_memory
-    from openrlhf_lpo.openrlhf.config import dp_size
+    from openrlhf_lpo.core.config import dp_size
 
     path = os.path.join(str(args.actor.model_name_or_path), "config.json")
     if not os.path.isfile(path):

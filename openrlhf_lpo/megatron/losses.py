@@ -11,7 +11,7 @@ D_g divided by the number of groups G equals ``sum_g K*D_g / (G*K)``, i.e. the L
 (mean over prompts, Eq. 10/11) whatever the grouping of micro-batches.
 
 Off-policy LPO (async training, partial rollout, ``--algo.advantage.is_correction_*``) is the
-DeepSpeed trainer's placement (``openrlhf_lpo/openrlhf/offpolicy.py``): each sample carries
+DeepSpeed trainer's placement (``openrlhf_lpo/core/offpolicy.py``): each sample carries
 w* = softmax(R/tau + s_t) (Eq. 8) and s_t = delta (``prev_log_ratio``: the corrected
 log pi_t - log mu, 0 when the correction is off), and s = (1/n) sum_t clip(log pi_theta - log pi_t) + delta
 over the tokens the correction keeps (``mask`` mode drops tokens, ``rollout_log_probs`` = mu). At the start
@@ -39,6 +39,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from openrlhf_lpo import listwise
+from openrlhf_lpo.core.policy_loss import POLICY_LOSS_TYPES, policy_loss_outputs, token_correction
 
 POLICY_LOSSES: Dict[str, Callable] = {}
 
@@ -64,7 +65,7 @@ class LossSpec:
     loss_agg_mode: str = "seq-mean-token-mean"  # pg only: or "token-mean"
     correction: Optional[object] = None  # listwise: offpolicy.BehaviourCorrection (None: s_t from the batch only)
     dual_clip: Optional[float] = None  # pg: --actor.dual_clip
-    policy_loss_type: str = "ppo"  # pg: --actor.policy_loss_type (ppo / gspo)
+    policy_loss_type: str = "ppo"  # pg: --actor.policy_loss_type (ppo / gspo / cispo)
     is_correction: Tuple = ("off", "clip", "ratio", (0.5, 5.0))  # pg: level, mode, gating, threshold
     kl_coef: float = 0.0  # --algo.kl.use_loss: the KL controller's value (kl_ctl) times the token-mean KL
     kl_estimator: str = "k1"
@@ -105,7 +106,7 @@ def _count(mb, key: str, fallback) -> torch.Tensor:
 def listwise_log_ratio(log_probs, mb, spec: LossSpec) -> torch.Tensor:
     """s = (1/n) sum_t clip(log pi_theta - log pi_t) + delta over the tokens the behaviour correction
     keeps (offpolicy.py placement B); delta = ``mb["prev_log_ratio"]`` (absent: 0)."""
-    from openrlhf_lpo.openrlhf.offpolicy import token_keep_mask
+    from openrlhf_lpo.core.offpolicy import token_keep_mask
 
     mask = token_keep_mask(mb["old_log_probs"], mb.get("rollout_log_probs"), mb["action_mask"], spec.correction)
     # float64 like the DeepSpeed trainer's LPO math (B scalars)
@@ -127,7 +128,7 @@ def _listwise(log_probs, mb, spec: LossSpec) -> Tuple[torch.Tensor, torch.Tensor
         s.view(g, K), mb["target"].view(g, K).to(s.dtype), spec.divergence, spec.projection
     )
     total = (per_group_mean * g * K).to(log_probs.dtype)
-    return total, _count(mb, "n_responses", lambda: b), {"loss_sum": per_group_mean.detach() * g}
+    return total, _count(mb, "n_responses", lambda: b), {"loss_sum": per_group_mean.detach() * g, "s_rows": s.detach()}
 
 
 @register_policy_loss("listwise_surrogate")
@@ -138,15 +139,42 @@ def _listwise_surrogate(log_probs, mb, spec: LossSpec):
     s = listwise_log_ratio(log_probs, mb, spec)
     sur = listwise.listwise_surrogate(s.unsqueeze(-1), mb["coefficients"].to(s.dtype).unsqueeze(-1))
     total = (sur.sum() * spec.group_size).to(log_probs.dtype)
-    return total, _count(mb, "n_responses", lambda: s.shape[0]), {"surrogate_sum": sur.detach().sum()}
+    return total, _count(mb, "n_responses", lambda: s.shape[0]), {"surrogate_sum": sur.detach().sum(),
+                                                                  "s_rows": s.detach()}
+
+
+class RegisteredPolicyLoss:
+    """A ``--actor.policy_loss_type`` of ``core.policy_loss`` (CISPO: MiniMax-M1, arXiv 2506.13585, Eq. 4-5), which
+    OpenRLHF 0.11.2's ``PolicyLoss`` lacks, in its call convention and 5-tuple: the type's per-token loss aggregated
+    by upstream's ``aggregate_loss`` (a sum with ``batch_num_tokens = 1`` / ``global_batch_size = 1``, as ``_pg``
+    asks). The DeepSpeed actor's twin is ``openrlhf_lpo.openrlhf.cispo.ExtendedPolicyLoss``."""
+
+    def __init__(self, policy_loss_type: str, clip_eps_low: float, clip_eps_high: float, token_level_loss: bool,
+                 dual_clip=None, is_correction: Tuple = ("off", "clip", "ratio", (0.5, 5.0))):
+        level, mode, gating, threshold = is_correction
+        self.correction = token_correction(level, mode, gating, threshold, policy_loss_type, dual_clip)
+        self.policy_loss_type = policy_loss_type
+        self.clip_eps_low, self.clip_eps_high, self.token_level_loss = clip_eps_low, clip_eps_high, token_level_loss
+
+    def __call__(self, log_probs, old_log_probs, advantages, action_mask=None, rollout_log_probs=None, dp_size=1,
+                 batch_num_tokens=None, global_batch_size=None):
+        from openrlhf.models.loss import aggregate_loss
+        from openrlhf.models.utils import masked_mean
+
+        return policy_loss_outputs(self, log_probs, old_log_probs, advantages, action_mask, rollout_log_probs,
+                                   (dp_size, batch_num_tokens, global_batch_size), aggregate_loss, masked_mean)
 
 
 def policy_loss_module(spec: LossSpec):
-    """OpenRLHF's ``PolicyLoss`` configured as ``ActorPPOTrainer`` configures it from the flags."""
+    """OpenRLHF's ``PolicyLoss`` configured as ``ActorPPOTrainer`` configures it from the flags, or
+    :class:`RegisteredPolicyLoss` for a type of ``core.policy_loss`` (``cispo``)."""
     from openrlhf.models import PolicyLoss
 
     lo, hi = clip_bounds(spec.clip_eps)
     level, mode, gating, threshold = spec.is_correction
+    if spec.policy_loss_type in POLICY_LOSS_TYPES:
+        return RegisteredPolicyLoss(spec.policy_loss_type, lo, hi, token_level_loss=spec.loss_agg_mode == "token-mean",
+                                    dual_clip=spec.dual_clip, is_correction=spec.is_correction)
     return PolicyLoss(clip_eps_low=lo, clip_eps_high=hi, dual_clip=spec.dual_clip,
                       token_level_loss=spec.loss_agg_mode == "token-mean", policy_loss_type=spec.policy_loss_type,
                       is_correction_level=level, is_correction_mode=mode, is_correction_gating=gating,
@@ -155,7 +183,7 @@ def policy_loss_module(spec: LossSpec):
 
 @register_policy_loss("pg")
 def _pg(log_probs, mb, spec: LossSpec):
-    """OpenRLHF's ``PolicyLoss`` (PPO clip, clip-higher, dual clip, GSPO, IS correction) as a sum:
+    """OpenRLHF's ``PolicyLoss`` (PPO clip, clip-higher, dual clip, GSPO, IS correction) or CISPO as a sum:
     masked token sum (``token-mean``) or sum of per-response token means (``seq-mean-token-mean``);
     advantages per response [b] or per token [b, A]."""
     if spec.loss_agg_mode not in ("token-mean", "seq-mean-token-mean"):

@@ -84,7 +84,7 @@ def _get(args, dotted: str, default=None):
 
 def pipeline_passes(args) -> List[PassPlan]:
     """The schedules of one rollout batch (old-log-prob forward, training window) with their efficiency."""
-    from openrlhf_lpo.openrlhf.config import dp_size
+    from openrlhf_lpo.core.config import dp_size
 
     pp, vpp = int(args.megatron.pp), int(_get(args, "megatron.vpp", 1) or 1)
     micro = int(args.train.micro_batch_size)

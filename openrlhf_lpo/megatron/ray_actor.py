@@ -26,7 +26,7 @@ data-parallel replicas agree on the number of windows (LPO: equal by constructio
 policy-gradient estimators: a partial batch dealt 520 / 512 samples gives both replicas the same
 number of windows, each replica's samples split evenly over them). Micro-batches hold
 ``--train.micro_batch_size`` samples or, with ``--train.dynamic_batch_enable``, up to
-``--train.max_tokens_per_gpu`` tokens (the group-aware planner of ``openrlhf_lpo/openrlhf/layout.py``,
+``--train.max_tokens_per_gpu`` tokens (the group-aware planner of ``openrlhf_lpo/core/layout.py``,
 counts agreed over the replicas; every rank of a replica plans the same). Like the DeepSpeed trainer,
 LPO takes c per window from one of three places: one pass (micro-batches hold whole groups), the
 shortcut (the first window of a rollout batch runs at the parameters that produced the old log-probs,
@@ -95,15 +95,15 @@ def merge_experiences(experiences) -> Dict[str, torch.Tensor]:
                 t[:, :a] = getattr(e, src).cpu().float()
                 extra.setdefault(dst, []).append(t)
         info = getattr(e, "info", None) or {}
-        for key in ("lpo_target", "lpo_gid", "lpo_prev_log_ratio"):
+        for key in ("lpo_target", "lpo_gid", "lpo_prev_log_ratio", "lpo_reward", "lpo_tau"):
             if key in info and info[key] is not None:
                 v = info[key]
                 v = torch.as_tensor(v) if not isinstance(v, torch.Tensor) else v
                 extra.setdefault(key, []).append(v.reshape(-1).cpu())
     batch = {k: torch.cat(v) for k, v in out.items()}
     batch.update({k: torch.cat(v) for k, v in extra.items()})
-    if "lpo_target" in batch:
-        batch["target"] = batch.pop("lpo_target").float()
+    if "lpo_target" in batch:  # float64 until use, as on DeepSpeed (exact targets)
+        batch["target"] = batch.pop("lpo_target").double()
     if "lpo_prev_log_ratio" in batch:  # s_t, already inside w* = softmax(R/tau + s_t); kept for metrics
         batch["prev_log_ratio"] = batch.pop("lpo_prev_log_ratio").double()
     return batch
@@ -116,29 +116,17 @@ STATUS_KEYS = {"grad_norm": "actor_grad_norm", "entropy": "response_entropy"}
 CKPT_SUBDIR = "_actor"
 
 
-def plan_windows(num: int, window: int, group_size: int, gids: Optional[torch.Tensor], generator,
-                 num_windows: Optional[int] = None) -> List[torch.Tensor]:
-    """Index sets of optimizer windows: whole groups (by ``gids``, K consecutive members after
-    sorting), shuffled at group level, ``window`` responses each. Without groups (policy-gradient
-    estimators) a random order cut every ``window`` samples, or into ``num_windows`` near-equal windows
-    when the replicas hold different numbers of samples (see :func:`agree_windows`)."""
-    if gids is None:
-        order = torch.randperm(num, generator=generator)
-        if num_windows is not None:
-            if num < num_windows:
-                raise ValueError(f"{num} samples cannot fill the {num_windows} optimizer windows the other "
-                                 "data-parallel replicas run")
-            return list(torch.tensor_split(order, num_windows))
-        return [order[i : i + window] for i in range(0, num, window)]
-    if window % group_size:
-        raise ValueError(f"optimizer window of {window} responses does not hold whole groups of K={group_size}")
-    idx = torch.argsort(gids, stable=True)
-    groups = idx.view(-1, group_size)
-    if not torch.all(gids[groups] == gids[groups[:, :1]]):
-        raise ValueError("a prompt group on this rank does not have exactly K members (groups were split across ranks)")
-    groups = groups[torch.randperm(groups.shape[0], generator=generator)]
-    per = window // group_size
-    return [groups[i : i + per].reshape(-1) for i in range(0, groups.shape[0], per)]
+def plan_windows(num: int, window: int, generator, num_windows: Optional[int] = None) -> List[torch.Tensor]:
+    """Index sets of the optimizer windows of a policy-gradient estimator (no groups): a random order cut
+    every ``window`` samples, or into ``num_windows`` near-equal windows when the replicas hold different
+    numbers of samples (see :func:`agree_windows`). LPO's windows of whole groups: ``core.update``."""
+    order = torch.randperm(num, generator=generator)
+    if num_windows is not None:
+        if num < num_windows:
+            raise ValueError(f"{num} samples cannot fill the {num_windows} optimizer windows the other "
+                             "data-parallel replicas run")
+        return list(torch.tensor_split(order, num_windows))
+    return [order[i : i + window] for i in range(0, num, window)]
 
 
 def agree_windows(num: int, window: int, group) -> Optional[int]:
@@ -172,7 +160,7 @@ def loss_spec_from_args(args, micro_batch_size: int, kl_ctl: float = 0.0) -> Los
                   kl_unbiased_gradient=bool(_get(args, "algo.kl.unbiased_gradient", False)),
                   entropy_coef=float(_get(args, "actor.entropy_coef", 0.0) or 0.0))
     if est == "lpo":
-        from openrlhf_lpo.openrlhf.offpolicy import correction_from_args
+        from openrlhf_lpo.core.offpolicy import correction_from_args
 
         lpo = args.lpo
         level = _get(args, "algo.advantage.is_correction_level", "off")
@@ -277,14 +265,13 @@ class MegatronPolicyActor:
         self.pretrain = local
         self.actor = MegatronActor(self.hf_config, cfg, hf_weights=local)
         self.buffer = []
-        self.generator = torch.Generator().manual_seed(_seed_of(args))
+        self.lpo_divergence = None  # --lpo.divergence_schedule: set by the driver before an update that changes it
         self.checkpoint_states = {}
         root = os.path.join(args.ckpt.path, CKPT_SUBDIR)
         if args.ckpt.load_enable and os.path.exists(os.path.join(root, "latest")):
+            # the window shuffle follows the restored optimizer-step count (core.update.window_generator)
             state = self.actor.load_checkpoint(root)
             self.checkpoint_states = state.get("client_states", {})
-            if "window_rng" in state:
-                self.generator.set_state(state["window_rng"])
         self._model_update_group = None
         if dist.get_rank() == 0:  # what lpo-train --dry-run warns about the pipeline (PP > 1), in the run's log
             import sys
@@ -317,7 +304,7 @@ class MegatronPolicyActor:
         }
         plan = None
         if _get(self.args, "train.dynamic_batch_enable", False):  # the chunk's forwards follow the token budget
-            from openrlhf_lpo.openrlhf import layout
+            from openrlhf_lpo.core import layout
 
             lengths = batch["attention_mask"].sum(1).tolist()
             plan = layout.forward_chunks([list(range(len(lengths)))], lengths=lengths,
@@ -334,7 +321,7 @@ class MegatronPolicyActor:
         import torch.distributed as dist
 
         from openrlhf_lpo.megatron.device import group_device
-        from openrlhf_lpo.openrlhf import layout
+        from openrlhf_lpo.core import layout
 
         n = sub["sequences"].shape[0]
         self._local_micro_count = None
@@ -355,8 +342,32 @@ class MegatronPolicyActor:
         self._local_micro_count = whole if all_whole else per_sample  # before agreement (tests read it)
         return layout.budget_micro_batches(groups, lengths, n_micro, all_whole), all_whole or K == 1
 
-    def fit(self, kl_ctl: float = 0):
+    def set_lpo_divergence(self, divergence: str) -> None:
+        """--lpo.divergence_schedule: the divergence of the next updates (the driver's schedule calls it on
+        every rank before an update whose divergence changes, as on DeepSpeed)."""
         from openrlhf_lpo import listwise
+
+        listwise.parse_divergence(divergence)
+        self.lpo_divergence = divergence
+
+    def _reducers(self):
+        """Sum and maximum of a few floats over the data-parallel group (on the group's device)."""
+        import torch.distributed as dist
+
+        group = self.actor.ps.get_data_parallel_group()
+
+        def reduce(op):
+            def run(values: List[float]) -> List[float]:
+                t = torch.tensor(values, dtype=torch.float64, device=_group_device(group))
+                dist.all_reduce(t, op=op, group=group)
+                return t.tolist()
+            return run
+
+        return reduce(dist.ReduceOp.SUM), reduce(dist.ReduceOp.MAX)
+
+    def fit(self, kl_ctl: float = 0):
+        from openrlhf_lpo.core import update
+        from openrlhf_lpo.core.update import WindowMode
 
         args = self.args
         import torch.distributed as dist
@@ -370,48 +381,52 @@ class MegatronPolicyActor:
         lpo = spec.name.startswith("listwise")
         if lpo and "target" not in batch:
             raise ValueError("estimator lpo: experiences carry no info['lpo_target'] (use the LPO experience maker)")
+        if lpo and self.lpo_divergence is not None:
+            spec = replace(spec, divergence=self.lpo_divergence)
+        self.last_spec = spec  # inspection/tests
         K = spec.group_size
         window = args.train.batch_size // dp
-        gids = batch.get("lpo_gid") if lpo else None
         force_two_pass = bool(_get(args, "lpo.force_two_pass", False))
+        all_sum, all_max = self._reducers()
+        update_index = self.actor.step  # optimizer steps before this update (restored by a resume)
         status: Dict[str, float] = {}
-        modes = {"one_pass": 0, "shortcut": 0, "pre_pass": 0, "pointwise": 0}
+        modes = {m.value: 0 for m in WindowMode}
         self.last_plan: List[dict] = []  # per optimizer step: where c came from, its samples, micro-batch sizes
         n = 0
         N = batch["sequences"].shape[0]
+        prev_all = batch.get("prev_log_ratio", torch.zeros(N, dtype=torch.float64)).double()
+        last_s = prev_all.clone()
+        abs_coef_sum, coef_count = 0.0, 0
         for epoch in range(args.train.max_epochs):
-            num_windows = None if lpo else agree_windows(N, window, dp_group)
-            windows = plan_windows(N, window, K, gids, self.generator, num_windows)
-            if lpo:  # equal by construction (the LPO experience maker deals groups evenly): check, never hang
-                t = torch.tensor([len(windows), -len(windows)], dtype=torch.float64,
-                                 device=_group_device(dp_group))
-                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=dp_group)
-                if int(t[0]) != -int(t[1]):
-                    raise RuntimeError(f"data-parallel replicas hold different numbers of optimizer windows "
-                                       f"({-int(t[1])} vs {int(t[0])}); the LPO experience maker deals groups in "
-                                       "equal counts")
+            generator = update.window_generator(_seed_of(args), update_index, epoch)
+            if lpo:  # whole groups, K consecutive rows each
+                groups = update.group_windows(batch["lpo_gid"].tolist(), K,
+                                              update.groups_per_window(args.train.batch_size, dp, K), generator)
+                update.check_window_count(len(groups), all_max)
+                windows = [torch.tensor([i for g in win for i in g], dtype=torch.long) for win in groups]
+            else:
+                windows = plan_windows(N, window, generator, agree_windows(N, window, dp_group))
             for w, idx in enumerate(windows):
                 sub = {k: v[idx] for k, v in batch.items() if k != "lpo_gid"}
                 micro, whole = self._micro_plan(sub, spec, mbs % K == 0)
                 step_spec, coefficients, mode = spec, None, "pg"
                 if lpo:
-                    if spec.projection == "pointwise":
-                        mode = "pointwise"
-                        coefficients = -sub["target"].double()
-                    elif whole and not force_two_pass:
-                        mode = "one_pass"
-                    elif epoch == 0 and w == 0 and not force_two_pass:
-                        mode = "shortcut"  # s = s_t at the parameters that produced the old log-probs
-                        prev = sub.get("prev_log_ratio", torch.zeros(len(idx), dtype=torch.float64)).double()
-                        coefficients = listwise.projection_coefficients(
-                            listwise.to_groups(prev, K), listwise.to_groups(sub["target"].double(), K),
-                            spec.divergence, spec.projection).reshape(-1)
-                    else:
-                        mode = "pre_pass"
-                    modes[mode] += 1
-                    step_spec = replace(spec, name="listwise" if mode == "one_pass" else "listwise_surrogate")
+                    mode = update.choose_mode(spec.projection, whole, epoch == 0 and w == 0, force_two_pass)
+                    if mode in (WindowMode.SHORTCUT, WindowMode.POINTWISE):  # s = s_t at the rollout's parameters
+                        coefficients = update.window_coefficients(mode, sub["target"], spec.divergence,
+                                                                  spec.projection, K, s=prev_all[idx])
+                    modes[mode.value] += 1
+                    step_spec = replace(spec, name="listwise" if mode is WindowMode.ONE_PASS else "listwise_surrogate")
                 m = self.actor.train_step(sub, step_spec, micro_batches=micro, coefficients=coefficients)
-                self.last_plan.append({"mode": mode, "samples": idx.tolist(), "micro": [len(i) for i in micro],
+                s_rows, c_rows = m.pop("s", None), m.pop("c", None)
+                if lpo:
+                    last_s[idx] = s_rows.double()
+                    if c_rows is None:  # one pass: the c its loss differentiated, at the same s
+                        c_rows = update.window_coefficients(WindowMode.PRE_PASS, sub["target"], spec.divergence,
+                                                            spec.projection, K, s=s_rows)
+                    abs_coef_sum += float(c_rows.abs().sum())
+                    coef_count += len(idx)
+                self.last_plan.append({"mode": str(mode), "samples": idx.tolist(), "micro": [len(i) for i in micro],
                                        "micro_tokens": [int(sub["attention_mask"][i].sum()) for i in micro],
                                        "local_micro_count": getattr(self, "_local_micro_count", None),
                                        "grad_norm": m["grad_norm"], "lr": m["lr"]})
@@ -422,36 +437,48 @@ class MegatronPolicyActor:
         status = {STATUS_KEYS.get(k, k): v / max(n, 1) for k, v in status.items() if k not in ("lr", "next_lr")}
         status["actor_lr"] = last_lr  # as DeepSpeed's: the scheduler's learning rate after the last step
         status["optimizer_steps"] = float(n)
+        end_kl = bool(getattr(getattr(args, "lpo", None), "end_kl", False))
         if lpo:
-            status.update({f"lpo/{k}_windows": float(v) for k, v in modes.items()})
-        if getattr(getattr(args, "lpo", None), "end_kl", False):
+            from openrlhf_lpo.core.listwise_metrics import update_metrics
+
+            s_end = self._end_log_ratio(batch) if end_kl else None
+            status.update(update_metrics(
+                batch["lpo_gid"].tolist(), batch["target"], prev_all, batch.get("lpo_reward", torch.zeros(N)),
+                batch.get("lpo_tau", torch.full((N,), float("nan"))), last_s, abs_coef_sum, coef_count, modes, K,
+                spec.divergence, all_sum, all_max, correction=spec.correction is not None, s_end=s_end))
+            if s_end is not None:
+                status.update(self._listwise_end_metrics(batch, s_end))
+        elif end_kl:
             status.update(self._listwise_end_metrics(batch))
         dist.barrier()
         return status
 
-    def _listwise_end_metrics(self, batch) -> Dict[str, float]:
-        """--lpo.end_kl: KL(w*||P) of the rank's rollout batch before and after this update,
-        P = softmax(s) at the current parameters (one no-grad forward), reduced over DP."""
-        from openrlhf_lpo import listwise
-        from openrlhf_lpo.megatron.device import group_device
-        from openrlhf_lpo.metrics import listwise_update_metrics
-
-        if "target" not in batch or "lpo_gid" not in batch:
-            raise ValueError("--lpo.end_kl: experiences carry no info['lpo_target'] / info['lpo_gid'] "
-                             "(the LPO experience maker writes them)")
-        args = self.args
+    def _end_log_ratio(self, batch) -> torch.Tensor:
+        """s of the rank's rollout batch at the current parameters (one no-grad forward), against the
+        behaviour policy plus s_t as in w* (0 on-policy)."""
         from openrlhf_lpo.megatron.losses import listwise_log_ratio
 
+        args = self.args
         lp = self.actor.log_probs({k: batch[k] for k in ("sequences", "attention_mask", "action_mask")})
         spec = loss_spec_from_args(args, self.actor.cfg.micro_batch_size)
         spec = replace(spec, clip_eps=tuple(args.actor.eps_clip_low_high)) if spec.name != "pg" else \
             LossSpec(clip_eps=tuple(args.actor.eps_clip_low_high))
-        # s at the end against the behaviour policy (+ s_t, placement B), s_t as in w* (0 on-policy)
-        s_end = listwise_log_ratio(lp.double().cpu(), batch, spec)
+        return listwise_log_ratio(lp.double().cpu(), batch, spec)
+
+    def _listwise_end_metrics(self, batch, s_end: Optional[torch.Tensor] = None) -> Dict[str, float]:
+        """--lpo.end_kl: KL(w*||P) of the rank's rollout batch before and after this update,
+        P = softmax(s) at the current parameters, reduced over DP."""
+        from openrlhf_lpo.core.listwise_metrics import listwise_update_metrics
+        from openrlhf_lpo.megatron.device import group_device
+
+        if "target" not in batch or "lpo_gid" not in batch:
+            raise ValueError("--lpo.end_kl: experiences carry no info['lpo_target'] / info['lpo_gid'] "
+                             "(the LPO experience maker writes them)")
+        s_end = self._end_log_ratio(batch) if s_end is None else s_end
         s_start = batch.get("prev_log_ratio", torch.zeros_like(s_end)).double()
         group = self.actor.ps.get_data_parallel_group()
         return listwise_update_metrics(batch["lpo_gid"].long(), s_start, s_end, batch["target"].double(),
-                                       args.rollout.n_samples_per_prompt, group=group, device=group_device(group))
+                                       self.args.rollout.n_samples_per_prompt, group=group, device=group_device(group))
 
     # --------------------------------------------------------------------- weights
     def _engines_take_state_dicts(self) -> bool:
@@ -531,7 +558,7 @@ class MegatronPolicyActor:
         """``ckpt.path/_actor/<tag>`` (OpenRLHF passes ``global_step<N>``); ``--ckpt.max_num`` /
         ``--ckpt.max_mem`` prune the oldest; ``--ckpt.save_hf`` also writes ``<tag>_hf`` (rotated with them)."""
         args = self.args
-        state = {"client_states": client_states or {}, "window_rng": self.generator.get_state()}
+        state = {"client_states": client_states or {}}
         self.actor.save_checkpoint(os.path.join(args.ckpt.path, CKPT_SUBDIR), tag, state,
                                    max_num=getattr(args.ckpt, "max_num", None),
                                    max_mem_gb=getattr(args.ckpt, "max_mem", None))

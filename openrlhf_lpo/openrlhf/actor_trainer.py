@@ -55,11 +55,12 @@ from openrlhf.trainer.ppo_utils.experience import make_experience_batch
 from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
 
 from openrlhf_lpo import listwise
-from openrlhf_lpo.metrics import distributed_listwise_stats, listwise_update_metrics
-from openrlhf_lpo.openrlhf import layout
+from openrlhf_lpo.core.listwise_metrics import (distributed_listwise_stats, listwise_update_metrics, lpo_group_stats,
+                                                update_metrics)
+from openrlhf_lpo.core import layout, update
+from openrlhf_lpo.core.update import WindowMode
 from openrlhf_lpo.openrlhf.experience_maker import LPO_INFO_KEYS
-from openrlhf_lpo.openrlhf.offpolicy import (BehaviourCorrection, behaviour_stats, correction_from_args,
-                                             token_keep_mask)
+from openrlhf_lpo.core.offpolicy import BehaviourCorrection, correction_from_args, token_keep_mask
 from openrlhf_lpo.openrlhf.vlm import mm_forward_kwargs
 
 __all__ = ["LPOActorTrainer", "LPOPolicyLoss", "LPOMicroBatch", "WindowPlan", "lpo_group_stats",
@@ -148,18 +149,6 @@ class LPOPolicyLoss(nn.Module):
 # ----------------------------------------------------------------------------- helpers
 
 
-def lpo_group_stats(s: torch.Tensor, target: torch.Tensor) -> Dict[str, torch.Tensor]:
-    """Per-group [G] KL(w*||P), H(P), H(w*) for P = softmax(s) (float64)."""
-    s = s.double()
-    w = target.double()
-    log_p = torch.log_softmax(s, dim=-1)
-    p = log_p.exp()
-    h_p = -(p * log_p).sum(-1)
-    h_w = -torch.where(w > 0, w * torch.log(w), torch.zeros_like(w)).sum(-1)
-    kl = listwise.listwise_divergence(s, w, "fwd")
-    return {"kl": kl, "entropy_p": h_p, "entropy_target": h_w}
-
-
 def detached_entropy(logits: torch.Tensor, max_elements: int = 1 << 26) -> torch.Tensor:
     """Per-token entropy of softmax(logits) [B, T] with no autograd graph, computed over chunks of
     positions so the temporary holds at most ``max_elements`` (the stock ``compute_entropy`` keeps the
@@ -181,7 +170,7 @@ class WindowPlan:
 
     micro_batches: List[List[int]]
     groups: int  # global groups in the window (all ranks)
-    mode: str  # "one_pass" | "shortcut" | "pre_pass" | "pointwise"
+    mode: WindowMode
     loss_norm: Dict[str, object]  # dp_size, batch_num_tokens, global_batch_size (stock KL / entropy terms)
 
 
@@ -368,14 +357,9 @@ class LPOActorTrainer(ActorPPOTrainer):
         args = self.args
         K = args.rollout.n_samples_per_prompt
         dp, gas = self._dp_size(), self._gas()
-        members = layout.group_members(gids, K)
-        groups_per_window = max(args.train.batch_size // (dp * K), 1)
-        gen = torch.Generator().manual_seed(int(args.train.seed) * 1000003 + self._update_index() * 1009 + epoch)
-        windows = layout.window_groups(members, groups_per_window, gen)
-        lo_n, hi_n = self._all_reduce([-len(windows), len(windows)], op=dist.ReduceOp.MAX)
-        if -lo_n != hi_n:
-            raise RuntimeError(f"data-parallel ranks hold different numbers of optimizer windows ({-lo_n:g} vs "
-                               f"{hi_n:g}); the LPO experience maker deals groups in equal counts")
+        windows = update.group_windows(gids, K, update.groups_per_window(args.train.batch_size, dp, K),
+                                       update.window_generator(args.train.seed, self._update_index(), epoch))
+        update.check_window_count(len(windows), lambda v: self._all_reduce(v, op=dist.ReduceOp.MAX))
         dynamic = bool(args.train.dynamic_batch_enable)
         lengths = [int(it.total_length.reshape(-1)[0].item()) for it in items] if dynamic else None
         projection = args.lpo.projection
@@ -392,14 +376,7 @@ class LPOActorTrainer(ActorPPOTrainer):
                 micro = int(self.micro_train_batch_size)
                 micro_batches = layout.fixed_micro_batches(window, micro)
                 whole_groups = micro % K == 0
-            if projection == "pointwise":
-                mode = "pointwise"
-            elif whole_groups and not args.lpo.force_two_pass:
-                mode = "one_pass"
-            elif epoch == 0 and w == 0 and not args.lpo.force_two_pass:
-                mode = "shortcut"
-            else:
-                mode = "pre_pass"
+            mode = update.choose_mode(projection, whole_groups, epoch == 0 and w == 0, bool(args.lpo.force_two_pass))
             indices = [i for mb in micro_batches for i in mb]
             n_groups = int(self._all_reduce([float(len(window))])[0])
             plans.append(WindowPlan(micro_batches, n_groups, mode, self._loss_norm(items, indices, gas, dp)))
@@ -445,24 +422,19 @@ class LPOActorTrainer(ActorPPOTrainer):
         last: Dict[str, float] = {}
         counts = {"_n_samples": 0.0, "_n_tokens": 0.0}
         abs_coef_sum, coef_count = 0.0, 0
-        modes = {"one_pass": 0, "shortcut": 0, "pre_pass": 0, "pointwise": 0}
+        modes = {m.value: 0 for m in WindowMode}
 
         step = 0
         for plan in plans:
-            modes[plan.mode] += 1
+            modes[plan.mode.value] += 1
             idx = torch.tensor([i for mb in plan.micro_batches for i in mb])
-            coefficients = None
-            if plan.mode == "pointwise":
-                coefficients = -target[idx]
-            elif plan.mode in ("shortcut", "pre_pass"):
-                # the pre-pass runs the window's own micro-batches (token budgets under dynamic batching)
-                s_win = prev[idx] if plan.mode == "shortcut" else self._log_ratios(items, plan.micro_batches, prev_ctx)
-                order = sorted(range(len(idx)), key=lambda j: (gids[int(idx[j])], j))  # groups contiguous
-                o = torch.tensor(order)
-                c_sorted = listwise.projection_coefficients(s_win[o].view(-1, K), target[idx[o]].view(-1, K), div,
-                                                            self.actor_loss_fn.projection)
-                coefficients = torch.empty(len(idx), dtype=torch.float64)
-                coefficients[o] = c_sorted.reshape(-1)
+            s_win = None
+            if plan.mode is WindowMode.SHORTCUT:
+                s_win = prev[idx]
+            elif plan.mode is WindowMode.PRE_PASS:  # the window's own micro-batches (token budgets when dynamic)
+                s_win = self._log_ratios(items, plan.micro_batches, prev_ctx)
+            coefficients = update.window_coefficients(plan.mode, target[idx], div, self.actor_loss_fn.projection, K,
+                                                      s=s_win, gids=[gids[int(i)] for i in idx])
             offset = 0
             for m, mb in enumerate(plan.micro_batches):
                 exp, _ = self._collate(items, mb)
@@ -525,73 +497,19 @@ class LPOActorTrainer(ActorPPOTrainer):
     def _lpo_metrics(self, items, gids, target, prev, reward, tau, last_s, abs_coef_sum, coef_count, modes,
                      prev_ctx):
         K = self.args.rollout.n_samples_per_prompt
-        order = sorted(range(len(gids)), key=lambda i: (gids[i], i))
-        idx = torch.tensor(order)
-        w = target[idx].view(-1, K)
-        start = lpo_group_stats(prev[idx].view(-1, K), w)
-        lastst = lpo_group_stats(last_s[idx].view(-1, K), w)
-        r = reward[idx].view(-1, K)
-        degenerate = listwise.degenerate_groups(r).double()
-        t = tau[idx].view(-1, K)[:, 0]
-        finite = torch.isfinite(t)
-        behaviour = behaviour_stats(prev[idx].view(-1, K))
-        names = ["groups", "kl_start", "kl_last", "entropy_p_start", "entropy_p_last", "entropy_target",
-                 "degenerate", "tau_sum", "tau_count", "abs_coef_sum", "coef_count", "behaviour_abs", "behaviour_ess"]
-        values = [float(w.shape[0]), float(start["kl"].sum()), float(lastst["kl"].sum()),
-                  float(start["entropy_p"].sum()), float(lastst["entropy_p"].sum()),
-                  float(start["entropy_target"].sum()), float(degenerate.sum()), float(t[finite].sum()),
-                  float(finite.sum()), abs_coef_sum, float(coef_count), behaviour["abs_mean_sum"],
-                  behaviour["ess_sum"]]
-        # the divergence being trained (any registered name or alpha:<a>): every rank holds whole groups
-        div = self.actor_loss_fn.divergence
-        names += ["div_start", "div_last"]
-        values += [float(listwise.listwise_divergence(prev[idx].view(-1, K), w, div).sum()),
-                   float(listwise.listwise_divergence(last_s[idx].view(-1, K), w, div).sum())]
-        s_end = None
+        s_end = end = None
         if self.args.lpo.end_kl:
             batches, extra = self._pass_micro_batches(items, list(range(len(items))))
             order = torch.tensor([i for mb in batches for i in mb], dtype=torch.long)
             s_end = torch.empty(len(items), dtype=torch.float64)
             s_end[order] = self._log_ratios(items, batches, prev_ctx, extra)
-        if s_end is not None:
-            names.append("div_end")
-            values.append(float(listwise.listwise_divergence(s_end[idx].view(-1, K), w, div).sum()))
-        sums = dict(zip(names, self._all_reduce(values)))
-        end = None
+        out = update_metrics(gids, target, prev, reward, tau, last_s, abs_coef_sum, coef_count, modes, K,
+                             self.actor_loss_fn.divergence, self._all_reduce,
+                             lambda v: self._all_reduce(v, op=dist.ReduceOp.MAX), correction=self.correction is not None,
+                             s_end=s_end)
         if s_end is not None:
             end = distributed_listwise_stats(torch.tensor(gids), s_end, target, K, group=self._dp_group(),
                                              device=self._device())
-        any_finite = bool(finite.any())
-        ext = self._all_reduce([float(t[finite].max()) if any_finite else -math.inf,
-                                float(-t[finite].min()) if any_finite else -math.inf, behaviour["abs_max"]],
-                               op=dist.ReduceOp.MAX)
-        G = max(sums["groups"], 1.0)
-        out = {
-            "lpo/kl_start": sums["kl_start"] / G,
-            "lpo/kl_last": sums["kl_last"] / G,
-            "lpo/entropy_p_start": sums["entropy_p_start"] / G,
-            "lpo/entropy_p_last": sums["entropy_p_last"] / G,
-            "lpo/entropy_target": sums["entropy_target"] / G,
-            "lpo/degenerate_frac": sums["degenerate"] / G,
-            "lpo/tau_mean": sums["tau_sum"] / max(sums["tau_count"], 1.0),
-            "lpo/tau_max": ext[0] if math.isfinite(ext[0]) else 0.0,
-            "lpo/tau_min": -ext[1] if math.isfinite(ext[1]) else 0.0,
-            "lpo/abs_coef_mean": sums["abs_coef_sum"] / max(sums["coef_count"], 1.0),
-            "lpo/two_pass": float(modes["pre_pass"] > 0),
-            "lpo/one_pass_windows": float(modes["one_pass"]),
-            "lpo/shortcut_windows": float(modes["shortcut"]),
-            "lpo/pre_pass_windows": float(modes["pre_pass"]),
-            "lpo/groups": sums["groups"],
-            "lpo/divergence_start": sums["div_start"] / G,
-            "lpo/divergence_last": sums["div_last"] / G,
-        }
-        if "div_end" in sums:
-            out["lpo/divergence_end"] = sums["div_end"] / G
-        if self.correction is not None:
-            out["lpo/behaviour_abs_mean"] = sums["behaviour_abs"] / G
-            out["lpo/behaviour_abs_max"] = ext[2]
-            out["lpo/behaviour_ess"] = sums["behaviour_ess"] / G
-        if end is not None:
             out["lpo/kl_end"] = end["kl"]
             out["lpo/entropy_p_end"] = end["entropy_p"]
         return out

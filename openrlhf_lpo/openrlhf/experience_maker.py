@@ -48,9 +48,9 @@ from openrlhf.trainer.ppo_utils.length_penalty import apply_length_penalties
 from openrlhf.utils.logging_utils import init_logger
 
 from openrlhf_lpo import listwise
-from openrlhf_lpo.openrlhf import layout
-from openrlhf_lpo.openrlhf.config import dp_size, listwise_metrics_enabled
-from openrlhf_lpo.openrlhf.offpolicy import UNTRUNCATED, behaviour_log_ratio, behaviour_stats, correction_from_args
+from openrlhf_lpo.core import layout
+from openrlhf_lpo.core.config import dp_size, listwise_metrics_enabled
+from openrlhf_lpo.core.offpolicy import UNTRUNCATED, behaviour_log_ratio, behaviour_stats, correction_from_args
 from openrlhf_lpo.openrlhf.replay import REPLAY_INFO_KEYS, fingerprint
 from openrlhf_lpo.openrlhf.vlm import group_key
 

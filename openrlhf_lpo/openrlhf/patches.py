@@ -102,6 +102,11 @@ PATCH_POINTS: List[PatchPoint] = [
                "rollout_log_probs=, **loss_batch_info) and expects a 5-tuple"),
     PatchPoint("policy-loss", "openrlhf.models.loss", "PolicyLoss.forward", "contract",
                "LPOPolicyLoss mirrors its signature and return value"),
+    PatchPoint("policy-loss-types", "openrlhf.trainer.ray.ppo_actor", "PolicyLoss", "scoped-swap",
+               "ActorPPOTrainer.__init__ looks it up at call time and builds actor_loss_fn with "
+               "policy_loss_type=--actor.policy_loss_type; cispo.policy_loss_types() swaps in ExtendedPolicyLoss "
+               "(CISPO, openrlhf/cispo.py; ppo/gspo go to the stock forward) around the policy actor's "
+               "init_model_from_pretrained"),
     PatchPoint("loss-normaliser", "openrlhf.models.loss", "aggregate_loss", "contract",
                "KL / entropy terms: masked sum / batch_num_tokens * dp_size; lpo passes each window's "
                "global counts / gas (actor_trainer.LPOActorTrainer._loss_norm)"),
@@ -325,3 +330,35 @@ def check_contracts() -> None:
                                          ppo_actor.PolicyModelActor).init_model_from_pretrained)
     if "ActorPPOTrainer(" not in init_src:
         raise RuntimeError("patch point actor-trainer-class: init_model_from_pretrained no longer builds ActorPPOTrainer")
+    _check_policy_loss_types(PolicyLoss, ppo_actor)
+
+
+def _check_policy_loss_types(policy_loss, ppo_actor) -> None:
+    """Patch point policy-loss-types: ExtendedPolicyLoss mirrors PolicyLoss's constructor and forward, the
+    trainer builds its loss from the module-level name with --actor.policy_loss_type, upstream aggregates
+    with aggregate_loss(loss, loss_mask, token_level_loss, dp_size, batch_num_tokens, global_batch_size), and
+    no registered type shadows one that upstream has gained since 0.11.2."""
+    from openrlhf.models import loss as loss_mod
+
+    from openrlhf_lpo.openrlhf.cispo import POLICY_LOSS_TYPES, ExtendedPolicyLoss
+
+    init = ["self", "clip_eps_low", "clip_eps_high", "dual_clip", "token_level_loss", "policy_loss_type",
+            "is_correction_level", "is_correction_mode", "is_correction_gating", "is_correction_threshold"]
+    for fn, ours, params in ((policy_loss.__init__, ExtendedPolicyLoss.__init__, init),
+                             (policy_loss.forward, ExtendedPolicyLoss.forward, _params(policy_loss.forward))):
+        if _params(fn) != params or _params(ours) != params:
+            raise RuntimeError(f"patch point policy-loss-types: PolicyLoss.{fn.__name__}{_params(fn)} != "
+                               f"ExtendedPolicyLoss.{ours.__name__}{_params(ours)}")
+    if _params(loss_mod.aggregate_loss) != ["loss", "loss_mask", "token_level_loss", "dp_size", "batch_num_tokens",
+                                           "global_batch_size"]:
+        raise RuntimeError("patch point policy-loss-types: aggregate_loss's signature changed")
+    src = inspect.getsource(ppo_actor.ActorPPOTrainer.__init__)
+    if "self.actor_loss_fn = PolicyLoss(" not in src or \
+            "policy_loss_type=self.args.actor.policy_loss_type" not in src or ppo_actor.PolicyLoss is not policy_loss:
+        raise RuntimeError("patch point policy-loss-types: ActorPPOTrainer.__init__ no longer builds "
+                           "PolicyLoss(policy_loss_type=args.actor.policy_loss_type) from ppo_actor's global name")
+    forward_src = inspect.getsource(policy_loss.forward)
+    native = [name for name in POLICY_LOSS_TYPES if f'"{name}"' in forward_src]
+    if native:
+        raise RuntimeError(f"patch point policy-loss-types: upstream PolicyLoss now implements {native} itself; "
+                           "drop our registration (openrlhf_lpo/openrlhf/cispo.py)")

@@ -48,7 +48,8 @@ from openrlhf.utils.logging_utils import init_logger
 
 from openrlhf_lpo.hf_exports import rotate_for_args
 from openrlhf_lpo.openrlhf.actor_trainer import LPOActorTrainer
-from openrlhf_lpo.openrlhf.config import dp_size
+from openrlhf_lpo.openrlhf.cispo import policy_loss_types
+from openrlhf_lpo.core.config import dp_size
 from openrlhf_lpo.openrlhf.experience_maker import LPOExperienceMaker, rank_experiences
 from openrlhf_lpo.openrlhf.request_seeds import SeededGenerateSamples, SeededRollouts
 from openrlhf_lpo.openrlhf.reward_guard import RewardErrorGuard
@@ -100,7 +101,12 @@ class HFExportRotation:
 
 
 class RuntimePolicyActor(HFExportRotation, _StockPolicyActor):
-    """The stock policy actor whose HF exports rotate with --ckpt.max_num."""
+    """The stock policy actor whose HF exports rotate with --ckpt.max_num; its trainer builds its loss with
+    the policy-loss types we add (``--actor.policy_loss_type cispo``, openrlhf/cispo.py)."""
+
+    def init_model_from_pretrained(self, *args, **kwargs):
+        with policy_loss_types():
+            return super().init_model_from_pretrained(*args, **kwargs)
 
 
 def _broadcast_to_vllm(self):
@@ -157,7 +163,7 @@ RemoteRuntimePPOTrainerAsync = ray.remote(RuntimePPOTrainerAsync)
 class LPOPolicyActor(HFExportRotation, _StockPolicyActor):
     def init_model_from_pretrained(self, *args, **kwargs):
         # ppo_actor.py looks ActorPPOTrainer up at call time: swap it for this call only.
-        with mock.patch.object(_ppo_actor_mod, "ActorPPOTrainer", LPOActorTrainer):
+        with mock.patch.object(_ppo_actor_mod, "ActorPPOTrainer", LPOActorTrainer), policy_loss_types():
             return super().init_model_from_pretrained(*args, **kwargs)
 
     # VLM checkpoints: the processor next to the weights (upstream saves only the text tokenizer)

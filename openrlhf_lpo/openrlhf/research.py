@@ -38,7 +38,7 @@ import ray
 from openrlhf.utils.logging_utils import init_logger
 
 from openrlhf_lpo.openrlhf.replay import ReplayBuffer
-from openrlhf_lpo.schedule import DivergenceSchedule, parse_schedule
+from openrlhf_lpo.core.divergence_schedule import DivergenceSchedule, parse_schedule
 
 __all__ = ["TrainerExtensions", "enabled", "CLIENT_STATE_KEY", "REPLAY_DIR"]
 

@@ -64,28 +64,24 @@ def assert_acyclic(edges):
 def test_rooms_import_one_way():
     edges = room_graph()
     assert_acyclic(edges)  # no cycles between rooms
-    # the rules DESIGN.md states
+    # the project's layout rules (docs/architecture.md)
     assert not edges.get("listwise"), "listwise.py is pure torch: it imports nothing of ours"
-    # the extension may call down into the evaluation package (training-time eval), never the reverse
+    # the backend-free core sits on listwise alone, and nothing in it imports OpenRLHF or megatron-core
+    assert edges.get("core", set()) <= {"listwise"}, edges.get("core")
+    for path in REPO.glob("openrlhf_lpo/core/*.py"):
+        foreign = {n for n in _imports(path) if n.split(".")[0] in ("openrlhf", "megatron", "deepspeed", "vllm", "ray")}
+        assert not foreign, (path.name, foreign)
+    # the extension may call down into the evaluation package (training-time eval), never the reverse;
     # reward_errors.py (shared by the reward file and the trainer) and hf_exports.py (shared by the DeepSpeed
-    # and Megatron actors) are leaves: they import nothing of ours; schedule.py (divergence schedules) is
-    # pure Python on top of listwise, like metrics; the rollout engines' per-sample settings
-    # (engines/responses.py) are what vLLM's actor gets too (openrlhf/seeded_vllm.py)
-    assert edges["openrlhf"] <= {"listwise", "metrics", "schedule", "evaluation", "reward_errors", "hf_exports",
-                                 "engines"}, \
+    # and Megatron actors) are leaves; the rollout engines' per-sample settings (engines/responses.py) are
+    # what vLLM's actor gets too (openrlhf/seeded_vllm.py)
+    assert edges["openrlhf"] <= {"listwise", "core", "evaluation", "reward_errors", "hf_exports", "engines"}, \
         edges["openrlhf"]
     assert not edges.get("reward_errors") and not edges.get("hf_exports")
-    assert edges.get("schedule", set()) <= {"listwise"}, edges.get("schedule")
     assert not edges.get("engines"), edges.get("engines")
-    assert not ({"cpu", "cpu_megatron", "demo"} & edges["megatron"]), edges["megatron"]
-    # the Megatron backend shares only the DeepSpeed extension's backend-free helpers (dp_size, the
-    # group-aware micro-batch planner, the off-policy correction), which import nothing else of ours
-    shared = {"openrlhf_lpo.openrlhf.config", "openrlhf_lpo.openrlhf.layout", "openrlhf_lpo.openrlhf.offpolicy"}
-    used = {n for p in REPO.glob("openrlhf_lpo/megatron/*.py") for n in _imports(p, resolve=True) if _room(n) == "openrlhf"}
-    assert used <= shared, used - shared
-    for mod in shared:
-        ours = {n for n in _imports(REPO / (mod.replace(".", "/") + ".py")) if _room(n) not in (None, "listwise")}
-        assert not ours, (mod, ours)
+    # the two backends share the core, never each other
+    assert not ({"cpu", "cpu_megatron", "demo", "openrlhf"} & edges["megatron"]), edges["megatron"]
+    assert "megatron" not in edges["openrlhf"], edges["openrlhf"]
     # evaluation reads benchmark data through the product's readers (data: code sets, Geometry3k with its
     # images) and grades with the shared grader (rewards); nothing else of the product
     assert edges["evaluation"] <= {"data", "rewards"}, edges["evaluation"]

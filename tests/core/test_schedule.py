@@ -1,4 +1,4 @@
-"""Divergence schedules (openrlhf_lpo/schedule.py): the stage of every update by step, the entropy switch
+"""Divergence schedules (openrlhf_lpo/core/divergence_schedule.py): the stage of every update by step, the entropy switch
 (running mean, once, logged step, step boundaries still apply) against a brute-force walk written here,
 a checkpoint round trip that keeps the switch, and the parse errors."""
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from openrlhf_lpo.schedule import DivergenceSchedule, Stage, parse_schedule
+from openrlhf_lpo.core.divergence_schedule import DivergenceSchedule, Stage, parse_schedule
 
 
 def test_parse_and_stage_by_step():

@@ -459,9 +459,12 @@ def check_policy_actor():
         logp_t = torch.log_softmax(prev.view(G, K), 1)
         rec["start_kl"] = [st1["lpo/kl_start"], float(torch.where(w > 0, w * (w.log() - logp_t), 0 * w).sum(1).mean())]
         rec["end_groups"] = st1["lpo/groups"]
+    rec["lpo_metrics"] = {k: v for k, v in st1.items() if k.startswith("lpo/")}
     pa.save_checkpoint("global_step1", {"episode": 1})
     saved = dict(pa.actor.export_hf_weights())
+    pa.set_lpo_divergence("rev")  # --lpo.divergence_schedule fwd@0,rev@1: the driver's call before update 2
     st2 = one_iteration(pa)
+    rec["iter2_divergence"] = pa.last_spec.divergence
     after2 = dict(pa.actor.export_hf_weights())
     # resume from the checkpoint in a fresh actor, replay iteration 2
     pa2 = cls.__new__(cls)
@@ -474,6 +477,7 @@ def check_policy_actor():
     hf_saved = load_file(os.path.join(OUT, "policy_ckpt", "global_step1_hf", "model-00001.safetensors"))
     rec["hf_ckpt_vs_saved"] = max(float((hf_saved[k] - saved[k]).abs().max()) for k in saved)
     rec["iter2_moved"] = max(float((after2[k] - saved[k]).abs().max()) for k in saved)
+    pa2.set_lpo_divergence("rev")  # the resumed driver re-sends the schedule's divergence
     st2b = one_iteration(pa2)
     after2b = dict(pa2.actor.export_hf_weights())
     rec["resume_iter2_diff"] = max(float((after2b[k] - after2[k]).abs().max()) for k in saved)
@@ -1170,7 +1174,7 @@ def check_offpolicy_fit():
     from s_t (no pre-pass): forwards are counted (shortcut, then pre-pass, pre-pass, pre-pass)."""
     import numpy as np
 
-    from openrlhf_lpo.openrlhf.offpolicy import BehaviourCorrection, behaviour_log_ratio
+    from openrlhf_lpo.core.offpolicy import BehaviourCorrection, behaviour_log_ratio
 
     model_dir, hf = _tiny_dir()
     hf_sd = {k: v.detach().clone() for k, v in hf.state_dict().items()}

@@ -16,6 +16,15 @@ LAYOUTS_Q3 = [
 ]
 
 
+# every lpo/* metric the DeepSpeed trainer logs for an LPO update with --lpo.end_kl (no behaviour correction)
+DEEPSPEED_LPO_METRICS = {
+    "lpo/kl_start", "lpo/kl_last", "lpo/kl_end", "lpo/entropy_p_start", "lpo/entropy_p_last", "lpo/entropy_p_end",
+    "lpo/entropy_target", "lpo/degenerate_frac", "lpo/tau_mean", "lpo/tau_max", "lpo/tau_min", "lpo/abs_coef_mean",
+    "lpo/two_pass", "lpo/one_pass_windows", "lpo/shortcut_windows", "lpo/pre_pass_windows", "lpo/groups",
+    "lpo/divergence_start", "lpo/divergence_last", "lpo/divergence_end",
+}
+
+
 def _checks(mcore_world):
     for r in mcore_world:
         assert r["ok"], f"rank {r['rank']} failed:\n{r.get('error')}"
@@ -260,6 +269,17 @@ def test_policy_actor_wrapper_fit_sync_resume(mcore_world):
     got, ref = rank0["end_kl"]
     assert abs(got - ref) < 1e-5 and abs(rank0["start_kl"][0] - rank0["start_kl"][1]) < 1e-6
     assert abs(got - rank0["start_kl"][0]) > 1e-5 and rank0["end_groups"] == 4
+    # the lpo/* metrics of the DeepSpeed trainer (core/listwise_metrics.update_metrics), with values that
+    # agree with the brute-force ones: the trained divergence is fwd, so divergence_* = kl_* (up to this check's
+    # float32 w*, whose sum is 1 to 1e-7: the end-KL statistics assume sum w* = 1, the divergence does not)
+    m = rank0["lpo_metrics"]
+    assert DEEPSPEED_LPO_METRICS <= set(m), DEEPSPEED_LPO_METRICS - set(m)
+    assert abs(m["lpo/divergence_start"] - m["lpo/kl_start"]) < 1e-6 and abs(m["lpo/divergence_end"] - got) < 1e-5
+    if rank0["fit_steps"] == 1:  # one window at the rollout's parameters: s_last = s_t - 0.01, the same softmax
+        assert abs(m["lpo/kl_last"] - m["lpo/divergence_start"]) < 1e-7
+    assert m["lpo/groups"] == 4 and m["lpo/abs_coef_mean"] > 0
+    # the schedule's switch reached fit, and the resumed run (same divergence call) repeats update 2 exactly
+    assert rank0["iter2_divergence"] == "rev"
     got, ref = rank0["pg_end_kl"]  # the same metrics from a GRPO (group_norm) fit()
     assert abs(got - ref) < 1e-5 and rank0["pg_moved"] > 1e-5
 

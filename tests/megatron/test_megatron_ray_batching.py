@@ -46,20 +46,16 @@ def test_merge_repads_prompts_left_and_responses_right():
             assert int(b["attention_mask"][off + i, :5].sum()) == p  # prompt ends at column 5
             assert torch.equal(b["old_log_probs"][off + i, :r], e.action_log_probs[i, :r])
             assert int(b["action_mask"][off + i].sum()) == r
-    assert b["target"].dtype == torch.float32 and torch.equal(b["lpo_gid"], torch.tensor([10, 10, 20, 20]))
+    assert b["target"].dtype == torch.float64 and torch.equal(b["lpo_gid"], torch.tensor([10, 10, 20, 20]))
 
 
-def test_windows_hold_whole_groups_and_cover_everything():
-    gids = torch.tensor([3, 1, 3, 0, 1, 2, 0, 2])
-    wins = plan_windows(8, 4, 2, gids, torch.Generator().manual_seed(0))
-    assert len(wins) == 2 and sorted(torch.cat(wins).tolist()) == list(range(8))
-    for w in wins:
-        g = gids[w].view(-1, 2)
-        assert torch.all(g[:, 0] == g[:, 1])
-    with pytest.raises(ValueError, match="whole groups"):
-        plan_windows(8, 3, 2, gids, torch.Generator())
-    with pytest.raises(ValueError, match="exactly K members"):
-        plan_windows(4, 4, 2, torch.tensor([0, 0, 0, 1]), torch.Generator())
+def test_policy_gradient_windows_cover_every_sample_once():
+    wins = plan_windows(10, 4, torch.Generator().manual_seed(0))
+    assert [len(w) for w in wins] == [4, 4, 2] and sorted(torch.cat(wins).tolist()) == list(range(10))
+    wins = plan_windows(10, 4, torch.Generator().manual_seed(0), num_windows=4)  # another replica needs 4
+    assert [len(w) for w in wins] == [3, 3, 2, 2] and sorted(torch.cat(wins).tolist()) == list(range(10))
+    with pytest.raises(ValueError, match="cannot fill the 4 optimizer windows"):
+        plan_windows(3, 4, torch.Generator(), num_windows=4)
 
 
 def test_loss_spec_from_args():

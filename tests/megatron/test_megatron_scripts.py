@@ -95,7 +95,7 @@ def test_header_peaks_are_the_memory_formula(script, layout_model):
     import json
 
     from openrlhf_lpo.megatron.memory import GB, actor_memory
-    from openrlhf_lpo.openrlhf.config import dp_size
+    from openrlhf_lpo.core.config import dp_size
 
     args = _args(script, layout_model)
     hf = json.loads((REPO / "examples" / "model_configs" / MODEL_CONFIGS[script.name] / "config.json").read_text())

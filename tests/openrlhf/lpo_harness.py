@@ -760,3 +760,19 @@ def reference_listwise_stats(actor, experiences, K, temperature, eps_low_high):
         h_ps.append(-sum(pk * math.log(pk) for pk in p))
         h_ws.append(-sum(wk * math.log(wk) for wk in w if wk > 0))
     return {"kl": float(np.mean(kls)), "entropy_p": float(np.mean(h_ps)), "entropy_target": float(np.mean(h_ws))}
+
+
+def equal_length_samples(seed: int, n_groups: int, group_size: int, length: int) -> list:
+    """Rollout samples whose responses all have ``length`` tokens (token-mean = sequence-mean weighting);
+    group 0 has rewards (1, 0, ..., 0), the others random tenths."""
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for gi in range(n_groups):
+        prompt = torch.randint(4, 90, (int(torch.randint(3, 7, (1,), generator=g)),), generator=g)
+        first = torch.zeros(group_size)
+        first[0] = 1.0
+        rewards = torch.rand(group_size, generator=g).round(decimals=1) if gi else first
+        for k in range(group_size):
+            samples.append(rollout_sample(prompt, torch.randint(4, 90, (length,), generator=g), rewards[k],
+                                          f"prompt-{gi}"))
+    return samples

@@ -35,7 +35,9 @@ def test_stock_parser_options_are_unchanged():
     for dest, a in stock_actions.items():
         b = our_actions[dest]
         assert b.option_strings == a.option_strings and b.default == a.default and b.type == a.type, dest
-        if dest != "algo.advantage.estimator":
+        if dest == "actor.policy_loss_type":  # the stock choices, in order, then the ones we register (cispo)
+            assert list(b.choices[: len(a.choices)]) == list(a.choices) and "cispo" in b.choices
+        elif dest != "algo.advantage.estimator":
             assert b.choices == a.choices, dest
     est = our_actions["algo.advantage.estimator"].choices
     assert list(est[: len(stock_actions["algo.advantage.estimator"].choices)]) == list(

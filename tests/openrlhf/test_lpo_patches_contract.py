@@ -78,7 +78,7 @@ def test_runtime_classes_for_other_estimators_swap_and_restore():
     own = {name for cls in (rc.RuntimePPOTrainer, rc.RuntimePolicyActor, rc.RuntimeTrainingActor)
            for klass in cls.__mro__ if klass.__module__.startswith("openrlhf_lpo") for name in vars(klass)
            if callable(vars(klass)[name]) and not name.startswith("__")}
-    assert own == {"train_step", "save_checkpoint", "init_checkpoint_states", "broadcast_to_vllm"}
+    assert own == {"train_step", "save_checkpoint", "init_checkpoint_states", "broadcast_to_vllm", "init_model_from_pretrained"}
 
 
 def test_seeded_samples_generator_swap_is_scoped():
@@ -126,4 +126,32 @@ def test_check_contracts_detects_actor_groups_that_no_longer_index_bundles_by_ra
 
     monkeypatch.setattr(launcher.RayActorGroup, "_initiate_actors", _initiate_actors)
     with pytest.raises(RuntimeError, match="actor-group-placement.*placement_group_bundle_index=rank"):
+        patches.check_contracts()
+
+
+def test_check_contracts_detects_a_trainer_that_no_longer_builds_policy_loss_by_name(monkeypatch):
+    """Patch point policy-loss-types: the scoped swap of ppo_actor.PolicyLoss only works while
+    ActorPPOTrainer.__init__ builds its loss from that module-level name with --actor.policy_loss_type."""
+    import openrlhf.trainer.ray.ppo_actor as ppo_actor
+
+    def __init__(self, strategy, actor, ema_model, actor_optim, actor_scheduler, **kwargs):
+        from openrlhf.models.loss import PolicyLoss as _Loss
+
+        self.actor_loss_fn = _Loss(policy_loss_type="ppo")
+
+    monkeypatch.setattr(ppo_actor.ActorPPOTrainer, "__init__", __init__)
+    with pytest.raises(RuntimeError, match="patch point policy-loss-types"):
+        patches.check_contracts()
+
+
+def test_check_contracts_detects_upstream_gaining_a_registered_policy_loss_type(monkeypatch):
+    import openrlhf.models.loss as loss
+
+    def forward(self, log_probs, old_log_probs, advantages, action_mask=None, rollout_log_probs=None, dp_size=1,
+                batch_num_tokens=None, global_batch_size=None):
+        if self.policy_loss_type == "cispo":
+            raise NotImplementedError
+
+    monkeypatch.setattr(loss.PolicyLoss, "forward", forward)
+    with pytest.raises(RuntimeError, match=r"upstream PolicyLoss now implements \['cispo'\]"):
         patches.check_contracts()

@@ -84,19 +84,19 @@ def test_other_estimators_refuse_the_flags(flag, capsys):
     assert e.value.code == 2 and f"{flag[0]} only apply with --algo.advantage.estimator lpo" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flag, needle", [
-    (["--lpo.divergence_schedule", "fwd@0,rev@3"], "--lpo.divergence_schedule is not supported with --backend megatron"),
-    (["--lpo.replay_batches", "2"], "--lpo.replay_batches is not supported with --backend megatron"),
-])
-def test_megatron_refuses_schedules_and_replay(flag, needle, capsys, tiny_model_dir):
+def test_megatron_takes_the_research_flags(capsys, tiny_model_dir):
+    """A schedule with the entropy switch, the temperature scale and replay parse under --backend megatron,
+    and the dry run states them as it does for DeepSpeed."""
     argv = [x if x != "unused" else tiny_model_dir for x in BASE] + ["--backend", "megatron", "--actor.lr_scheduler",
-                                                                     "constant", "--actor.lr_warmup_ratio", "0",
-                                                                     "--lpo.divergence", "alpha:0.5"]
-    build_parser_and_parse(argv)  # a parametric divergence and the temperature scale are fine on Megatron
-    build_parser_and_parse(argv + ["--lpo.temperature_scale", "0.5"])
-    with pytest.raises(SystemExit) as e:
-        build_parser_and_parse([a for a in argv if a not in ("--lpo.divergence", "alpha:0.5")] + flag)
-    assert e.value.code == 2 and needle in capsys.readouterr().err
+                                                                     "constant", "--actor.lr_warmup_ratio", "0"]
+    args = build_parser_and_parse(argv + ["--lpo.divergence_schedule", "fwd@0,alpha:0.5@2,rev",
+                                          "--lpo.divergence_switch_entropy", "0.4", "--lpo.temperature_scale", "0.5",
+                                          "--lpo.replay_batches", "2", "--lpo.replay_ratio", "0.5"])
+    assert (args.lpo.divergence, args.lpo.temperature_scale, args.lpo.replay_batches) == ("fwd", 0.5, 2)
+    main(argv + ["--lpo.divergence_schedule", "fwd@0,rev@3", "--lpo.replay_batches", "2", "--preflight", "off",
+                 "--dry-run"])
+    out = capsys.readouterr().out
+    assert "divergence schedule: fwd from update 0, rev from update 3" in out and "listwise replay" in out
 
 
 def test_dry_run_shows_effective_tau_schedule_and_replay(capsys):

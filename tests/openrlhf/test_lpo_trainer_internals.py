@@ -10,7 +10,7 @@ import torch
 from lpo_harness import (CPUStrategy, cpu_cuda_queries, make_actor, make_experiences, make_rollout_samples,
                          make_trainer, max_abs, max_abs_diff, parse_args, plan_group_windows, rank_chunk,
                          reference_steps, run_lpo_step)
-from openrlhf_lpo.openrlhf import layout
+from openrlhf_lpo.core import layout
 from openrlhf_lpo.openrlhf.actor_trainer import LPOActorTrainer, detached_entropy, lpo_group_stats
 
 K, G = 4, 4

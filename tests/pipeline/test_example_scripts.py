@@ -19,7 +19,23 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPTS_DIR = REPO / "examples" / "scripts"
 RECIPES = sorted(p.name for p in SCRIPTS_DIR.glob("train_*.sh") if "lib/launch.sh" in p.read_text())
 SMOKES = ["gpu_smoke.sh", "cpu_debug.sh"]
-METHODS = sorted(p.stem for p in (REPO / "configs" / "methods").glob("*.sh"))
+ALL_METHODS = sorted(p.stem for p in (REPO / "configs" / "methods").glob("*.sh"))
+# the 2026 baselines and their LPO pairs (docs/methods.md): parsed on the 8B DeepSpeed and 14B Megatron recipes
+# -> (estimator, lpo temperature, eps_clip_low_high, policy_loss_type, loss_agg_mode)
+EXPECTED_BASELINE = {
+    "rloo": ("rloo", None, (0.2, 0.2), "ppo", None),
+    "reinforce_pp": ("reinforce_baseline", None, (0.2, 0.2), "ppo", None),
+    "gspo": ("group_norm", None, (3e-4, 4e-4), "gspo", None),
+    "dapo": ("group_norm", None, (0.2, 0.28), "ppo", "token-mean"),
+    "cispo": ("group_norm", None, (1.0, 3.0), "cispo", "token-mean"),
+    "lpo_fwd_rloo": ("lpo", "loo", (0.2, 0.2), None, None),
+    "lpo_rev_rloo": ("lpo", "loo", (0.2, 0.2), None, None),
+    "lpo_fwd_reinforce_pp": ("lpo", "batch_std", (0.2, 0.2), None, None),
+    "lpo_rev_reinforce_pp": ("lpo", "batch_std", (0.2, 0.2), None, None),
+    "lpo_fwd_dapo": ("lpo", "std", (0.2, 0.28), None, None),
+    "lpo_rev_dapo": ("lpo", "std", (0.2, 0.28), None, None),
+}
+METHODS = [m for m in ALL_METHODS if m not in EXPECTED_BASELINE]
 
 EXPECTED_METHOD = {
     "grpo": ("group_norm", None, None, None),
@@ -76,10 +92,29 @@ def script_args(name, method, **env):
 
 def test_recipes_and_methods_exist():
     assert set(EXPECTED_TASK) <= set(RECIPES)
-    assert set(METHODS) == set(EXPECTED_METHOD)
+    assert set(METHODS) == set(EXPECTED_METHOD) and set(ALL_METHODS) == set(METHODS) | set(EXPECTED_BASELINE)
     for name in RECIPES:  # one line switches the method
         lines = [l for l in (SCRIPTS_DIR / name).read_text().splitlines() if l.startswith("METHOD=")]
         assert lines == ['METHOD="${METHOD:-lpo_fwd}"']
+
+
+@pytest.mark.parametrize("method", sorted(EXPECTED_BASELINE))
+@pytest.mark.parametrize("script", ["train_math_qwen3_8b.sh", "train_math_qwen3_14b_megatron.sh"])
+def test_baseline_methods_parse_on_both_backends(script, method, request):
+    """METHOD=<each 2026 baseline or its LPO pair> on the 8B DeepSpeed and the 14B Megatron recipe."""
+    env = {"MODEL": request.getfixturevalue("megatron_layout_model")} if script in EXPECTED_MEGATRON else {}
+    args = build_parser_and_parse(script_args(script, method, **env))
+    est, temp, eps, loss_type, agg = EXPECTED_BASELINE[method]
+    assert args.algo.advantage.estimator == est and tuple(args.actor.eps_clip_low_high) == eps
+    if est == "lpo":
+        assert args.lpo.temperature == temp
+    else:
+        assert args.actor.policy_loss_type == loss_type
+    if agg:
+        assert args.actor.loss_agg_mode == agg
+    if method.endswith("dapo"):  # dynamic sampling and overlong shaping over the last fifth of the response budget
+        assert args.algo.dynamic_filtering_enable and tuple(args.algo.dynamic_filtering_range) == (0.0, 1.0)
+        assert args.reward.overlong_buffer_len == args.rollout.max_new_tokens // 5
 
 
 @pytest.mark.parametrize("method", METHODS)

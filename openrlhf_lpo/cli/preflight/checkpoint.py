@@ -178,7 +178,7 @@ def _check_same_model(ctx, tag_dir: str) -> None:
 
 def _check_deepspeed(ctx, root: str, tag_dir: str) -> None:
     args = ctx.args
-    from openrlhf_lpo.openrlhf.config import dp_size
+    from openrlhf_lpo.core.config import dp_size
 
     names = os.listdir(tag_dir)
     ranks = {int(m.group(1)) for n in names for m in [_OPTIM.match(n)] if m}

@@ -16,8 +16,8 @@ LPO_ESTIMATORS = ("lpo",)
 EXTRA_ESTIMATORS = ("lpo", "maxrl")
 # Group-baseline policy-gradient estimators and the temperature of their LPO pairing: with
 # --lpo.end_kl they log the same KL(w*||P) as LPO (metrics only), so the two can be compared.
-PAIRED_TEMPERATURE = {"group_norm": "std", "dr_grpo": "one", "maxrl": "mean", "rloo": "one",
-                      "reinforce_baseline": "one"}
+PAIRED_TEMPERATURE = {"group_norm": "std", "dr_grpo": "one", "maxrl": "mean", "rloo": "loo",
+                      "reinforce_baseline": "batch_std"}
 
 
 def dp_size(args) -> int:

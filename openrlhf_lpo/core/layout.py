@@ -56,11 +56,40 @@ def ranked_groups(n_groups: int, dp: int) -> Tuple[int, int]:
 
 
 def _partitions(weights: Sequence[int], k: int, equal_size: bool) -> List[List[int]]:
-    from openrlhf.utils.seqlen_balancing import get_seqlen_balanced_partitions
+    """``k`` parts of item indices with near-equal weight sums: the largest differencing method
+    (Karmarkar-Karp) for k-way partitioning. Each state is ``k`` subsets ordered by sum; the two states
+    of largest spread (max - min) merge heaviest-with-lightest, until one state is left. With
+    ``equal_size`` (``len(weights) % k == 0``) the initial states take k items of adjacent weight, one
+    per subset, so every part ends with the same count."""
+    import heapq
 
+    n = len(weights)
+    if k < 1 or n < k:
+        raise ValueError(f"cannot cut {n} items into {k} parts")
     if k == 1:
-        return [list(range(len(weights)))]
-    return [sorted(p) for p in get_seqlen_balanced_partitions(list(weights), k, equal_size)]
+        return [list(range(n))]
+    if equal_size and n % k:
+        raise ValueError(f"{n} items do not split into {k} parts of equal size")
+    order = sorted(range(n), key=lambda i: (weights[i], i))
+    if equal_size:
+        seeds = [[[order[j + m]] for m in range(k)] for j in range(0, n, k)]
+    else:
+        seeds = [[[i]] + [[] for _ in range(k - 1)] for i in order]
+    heap = []
+    for tie, subsets in enumerate(seeds):
+        sums = [sum(weights[i] for i in s) for s in subsets]
+        ranked = sorted(zip(sums, subsets), key=lambda t: -t[0])
+        heapq.heappush(heap, (-(ranked[0][0] - ranked[-1][0]), tie, ranked))
+    tie = len(seeds)
+    while len(heap) > 1:
+        _, _, a = heapq.heappop(heap)
+        _, _, b = heapq.heappop(heap)
+        # a's heaviest subset joins b's lightest, and so on down
+        merged = [(sa + sb, ia + ib) for (sa, ia), (sb, ib) in zip(a, reversed(b))]
+        merged.sort(key=lambda t: -t[0])
+        heapq.heappush(heap, (-(merged[0][0] - merged[-1][0]), tie, merged))
+        tie += 1
+    return [sorted(subset) for _, subset in heap[0][2]]
 
 
 def assign_groups(group_tokens: Sequence[int], dp: int, balance: bool) -> List[List[int]]:

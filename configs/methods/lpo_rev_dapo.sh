@@ -1,0 +1,3 @@
+# LPO-rev paired with DAPO: GRPO's temperature (group std), DAPO's clip-higher 0.2/0.28 on s's token clip, dynamic sampling and overlong shaping (before w*) as dapo.sh.
+DAPO_MAX_NEW=4096; for ((i = 0; i + 1 < ${#TASK_ARGS[@]}; i++)); do if [ "${TASK_ARGS[i]}" = --rollout.max_new_tokens ]; then DAPO_MAX_NEW="${TASK_ARGS[i + 1]}"; fi; done
+METHOD_ARGS=(--algo.advantage.estimator lpo --lpo.divergence rev --lpo.temperature std --actor.eps_clip_low_high 0.2 0.28 --algo.dynamic_filtering_enable --algo.dynamic_filtering_range 0 1 --reward.overlong_buffer_len $((DAPO_MAX_NEW / 5)) --reward.overlong_penalty_factor 1.0)

@@ -1,0 +1,2 @@
+# LPO-rev with the temperature of RLOO (tau = (K-1)/K); on-policy its gradient is RLOO's (Prop. 1).
+METHOD_ARGS=(--algo.advantage.estimator lpo --lpo.divergence rev --lpo.temperature loo)
