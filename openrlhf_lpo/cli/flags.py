@@ -93,105 +93,21 @@ def dp_size(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------- LPO / MaxRL
 
 from openrlhf_lpo.core.config import (  # noqa: E402  (shared with the OpenRLHF extension)
-    EXTRA_ESTIMATORS, LPO_ESTIMATORS, PAIRED_TEMPERATURE, uses_lpo_classes)
-
-LPO_DEFAULTS = {"divergence": "fwd", "temperature": "std", "projection": "listwise"}
-
+    EXTRA_ESTIMATORS, LPO_ESTIMATORS, PAIRED_TEMPERATURE, LPOConfig, uses_lpo_classes)
 
 def _add_lpo_arguments(parser: argparse.ArgumentParser) -> None:
-    from openrlhf_lpo import listwise
+    """``--lpo.<field>`` for every field of :class:`LPOConfig` (its help; default None, so validation can tell a
+    flag that was not given, then fills the field's default)."""
+    from dataclasses import fields
 
     g = parser.add_argument_group("LPO (Listwise Policy Optimization, arXiv 2605.06139)")
-    g.add_argument(
-        "--lpo.divergence",
-        type=str,
-        default=None,
-        help="divergence between the target w* and the listwise policy P: fwd = KL(w*||P) (Eq. 10), "
-        "rev = KL(P||w*) (Eq. 11), js = Jensen-Shannon, hellinger = squared Hellinger, tv = total variation, "
-        "alpha:<a> = Amari alpha-divergence for any real a (alpha:1 = fwd, alpha:0 = rev), or a registered name "
-        "(docs/divergences.md). Default fwd.",
-    )
-    g.add_argument(
-        "--lpo.divergence_schedule",
-        type=str,
-        default=None,
-        help="divergence by global step: comma-separated name@step stages, e.g. fwd@0,rev@50 (update t, the one "
-        "after t completed updates, uses the last stage with step <= t; logged at step t+1). With "
-        "--lpo.divergence_switch_entropy one later stage may omit @step (reached only by the switch).",
-    )
-    g.add_argument(
-        "--lpo.divergence_switch_entropy",
-        type=float,
-        default=None,
-        help="move to the schedule's next divergence once the running mean of the logged response entropy "
-        "(nats/token, last --lpo.divergence_switch_window steps) falls below this value; once. The step is "
-        "logged (lpo/divergence_switched_at) and kept in checkpoints.",
-    )
-    g.add_argument(
-        "--lpo.divergence_switch_window",
-        type=int,
-        default=None,
-        help="steps in the running mean of --lpo.divergence_switch_entropy (default 5)",
-    )
-    g.add_argument(
-        "--lpo.temperature",
-        type=str,
-        default=None,
-        help="temperature tau of w* = softmax(R/tau + s_t): std (pairs with GRPO/group_norm), one "
-        "(Dr.GRPO), mean (MaxRL) or a positive number. Default std.",
-    )
-    g.add_argument(
-        "--lpo.temperature_scale",
-        type=float,
-        default=None,
-        help="multiply tau by this positive factor, whatever --lpo.temperature is (tune tau apart from the "
-        "paired baseline's; < 1 sharpens w*). The plan and lpo/tau_* show the effective tau. Default 1.",
-    )
-    g.add_argument(
-        "--lpo.projection",
-        type=str,
-        default=None,
-        choices=sorted(listwise.PROJECTIONS),
-        help="listwise (the LPO loss) or pointwise (-sum_k w*_k s_k; the paper's ablation). Default listwise.",
-    )
-    g.add_argument(
-        "--lpo.force_two_pass",
-        action="store_true",
-        default=False,
-        help="always use the two-pass path (no-grad s, then detached surrogate), even when every "
-        "micro-batch holds whole groups (for benchmarks and checks).",
-    )
-    g.add_argument(
-        "--lpo.end_kl",
-        action="store_true",
-        default=False,
-        help="log KL(w*||P) at the end of the update exactly (one extra no-grad forward of the rollout "
-        "batch per step); without it lpo/kl_last uses P from each group's last training visit. Also "
-        "works with group_norm, dr_grpo, maxrl, rloo and reinforce_baseline (metrics only; w* uses "
-        "--lpo.temperature, default the estimator's pairing: std, one, mean, one, one).",
-    )
-    g.add_argument(
-        "--lpo.replay_batches",
-        type=int,
-        default=None,
-        help="listwise replay: keep the last N rollout batches' groups (responses, rewards, behaviour log-probs) "
-        "and train each step on the fresh groups plus --lpo.replay_ratio replayed groups per fresh group, "
-        "through the listwise off-policy target (s_t against each group's own behaviour log-probs). Saved with "
-        "checkpoints. Default 0 (off).",
-    )
-    g.add_argument(
-        "--lpo.replay_ratio",
-        type=float,
-        default=None,
-        help="replayed groups per fresh group (needs --lpo.replay_batches; default 1)",
-    )
-    g.add_argument(
-        "--lpo.replay_max_abs_s",
-        type=float,
-        default=None,
-        help="staleness filter: drop (and count) a replayed group with any |s_t| above this (needs "
-        "--lpo.replay_batches; default: no filter)",
-    )
+    for f in fields(LPOConfig):
+        md = f.metadata
+        if md["type"] is None:  # a switch
+            g.add_argument(f"--lpo.{f.name}", action="store_true", default=False, help=md["help"])
+            continue
+        choices = md["choices"]() if md["choices"] else None
+        g.add_argument(f"--lpo.{f.name}", type=md["type"], default=None, choices=choices, help=md["help"])
 
 
 def _validate_extra_estimators(args: argparse.Namespace) -> None:
@@ -220,9 +136,7 @@ def _validate_extra_estimators(args: argparse.Namespace) -> None:
 
     # ---- lpo: fill defaults, check values
     divergence_given = flag_was_given(args, "lpo.divergence")
-    for key, default in LPO_DEFAULTS.items():
-        if getattr(args.lpo, key) is None:
-            setattr(args.lpo, key, default)
+    LPOConfig.fill_defaults(args.lpo, ("divergence", "temperature", "projection"))
     try:
         args.lpo.temperature = listwise.parse_temperature(args.lpo.temperature)
     except ValueError as e:
@@ -347,8 +261,7 @@ def _validate_research_flags(args: argparse.Namespace, divergence_given: bool) -
                             "--lpo.divergence_schedule with two or more stages, e.g. fwd@0,rev (rev by entropy only)")
     elif lpo.divergence_switch_window is not None:
         raise FlagError("--lpo.divergence_switch_window only applies with --lpo.divergence_switch_entropy")
-    if lpo.divergence_switch_window is None:
-        lpo.divergence_switch_window = 5
+    LPOConfig.fill_defaults(lpo, ("divergence_switch_window",))
     if lpo.divergence_schedule is not None:
         try:
             DivergenceSchedule(parse_schedule(lpo.divergence_schedule), lpo.divergence_switch_entropy,
@@ -358,8 +271,7 @@ def _validate_research_flags(args: argparse.Namespace, divergence_given: bool) -
             raise FlagError(f"{flag}: {e}") from None
     # ---- temperature scale
     _positive(args, "lpo.temperature_scale")
-    if lpo.temperature_scale is None:
-        lpo.temperature_scale = 1.0
+    LPOConfig.fill_defaults(lpo, ("temperature_scale",))
     # ---- listwise replay
     if lpo.replay_batches is not None and lpo.replay_batches < 0:
         raise FlagError(f"--lpo.replay_batches {lpo.replay_batches}: must be >= 0 (0 = no replay)")
@@ -368,10 +280,8 @@ def _validate_research_flags(args: argparse.Namespace, divergence_given: bool) -
         if flag_was_given(args, flag) and not replay:
             raise FlagError(f"--{flag} needs a replay buffer: add --lpo.replay_batches N (N >= 1 rollout batches)")
         _positive(args, flag)
-    lpo.replay_batches = int(lpo.replay_batches or 0)
-    if replay:
-        if lpo.replay_ratio is None:
-            lpo.replay_ratio = 1.0
+    LPOConfig.fill_defaults(lpo, ("replay_batches",) + (("replay_ratio",) if replay else ()))
+    lpo.replay_batches = int(lpo.replay_batches)
     return divergence_given
 
 

@@ -202,6 +202,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     def run(args, stock_train):
         from openrlhf_lpo.cli import plan, preflight
 
+        _check_upstream_or_exit("lpo-train --dry-run" if args.dry_run else "lpo-train", full=not args.dry_run)
         # every input checked before Ray or any model starts (exit 2 naming the file, line or field)
         checked = preflight.preflight_or_exit(args, "lpo-train --dry-run" if args.dry_run else "lpo-train")
         if args.dry_run:
@@ -232,6 +233,20 @@ def main(argv: Optional[List[str]] = None) -> None:
                 raise SystemExit(4) from None
 
     _run_stock(argv, run)
+
+
+def _check_upstream_or_exit(prog: str, full: bool = True) -> None:
+    """The installed OpenRLHF is the version our patch points are written for and (``full``: a run, not a dry
+    run, which imports every patched module) every contract holds (signatures, the source lines a swap relies
+    on): else exit 2 naming the version or the broken contract."""
+    from openrlhf_lpo.openrlhf import patches
+
+    try:
+        patches.check_contracts() if full else patches.check_version()
+    except RuntimeError as e:
+        print(f"{prog}: {e}; openrlhf-lpo extends openrlhf {patches.OPENRLHF_VERSION} only: install it with "
+              f"pip install openrlhf=={patches.OPENRLHF_VERSION} (setup.py pins it)", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
 
 
 def _reward_error_stop(exc: BaseException):

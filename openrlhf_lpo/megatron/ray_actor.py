@@ -160,16 +160,16 @@ def loss_spec_from_args(args, micro_batch_size: int, kl_ctl: float = 0.0) -> Los
                   kl_unbiased_gradient=bool(_get(args, "algo.kl.unbiased_gradient", False)),
                   entropy_coef=float(_get(args, "actor.entropy_coef", 0.0) or 0.0))
     if est == "lpo":
+        from openrlhf_lpo.core.config import LPOConfig
         from openrlhf_lpo.core.offpolicy import correction_from_args
 
-        lpo = args.lpo
+        lpo = LPOConfig.from_args(args)
         level = _get(args, "algo.advantage.is_correction_level", "off")
-        two_pass = bool(getattr(lpo, "force_two_pass", False)) or micro_batch_size % K != 0 \
-            or bool(_get(args, "train.dynamic_batch_enable", False))
+        two_pass = lpo.force_two_pass or micro_batch_size % K != 0 or bool(_get(args, "train.dynamic_batch_enable", False))
         return LossSpec(
             name="listwise_surrogate" if two_pass else "listwise",
             divergence=lpo.divergence,
-            projection=getattr(lpo, "projection", "listwise"),
+            projection=lpo.projection,
             clip_eps=(lo, hi) if lo != hi else lo,
             correction=correction_from_args(args) if level not in (None, "off") else None,
             **common,
@@ -386,7 +386,10 @@ class MegatronPolicyActor:
         self.last_spec = spec  # inspection/tests
         K = spec.group_size
         window = args.train.batch_size // dp
-        force_two_pass = bool(_get(args, "lpo.force_two_pass", False))
+        from openrlhf_lpo.core.config import LPOConfig
+
+        settings = LPOConfig.from_args(args)
+        force_two_pass = settings.force_two_pass
         all_sum, all_max = self._reducers()
         update_index = self.actor.step  # optimizer steps before this update (restored by a resume)
         status: Dict[str, float] = {}
@@ -437,7 +440,7 @@ class MegatronPolicyActor:
         status = {STATUS_KEYS.get(k, k): v / max(n, 1) for k, v in status.items() if k not in ("lr", "next_lr")}
         status["actor_lr"] = last_lr  # as DeepSpeed's: the scheduler's learning rate after the last step
         status["optimizer_steps"] = float(n)
-        end_kl = bool(getattr(getattr(args, "lpo", None), "end_kl", False))
+        end_kl = settings.end_kl
         if lpo:
             from openrlhf_lpo.core.listwise_metrics import update_metrics
 

@@ -58,6 +58,7 @@ from openrlhf_lpo import listwise
 from openrlhf_lpo.core.listwise_metrics import (distributed_listwise_stats, listwise_update_metrics, lpo_group_stats,
                                                 update_metrics)
 from openrlhf_lpo.core import layout, update
+from openrlhf_lpo.core.config import LPOConfig
 from openrlhf_lpo.core.update import WindowMode
 from openrlhf_lpo.openrlhf.experience_maker import LPO_INFO_KEYS
 from openrlhf_lpo.core.offpolicy import BehaviourCorrection, correction_from_args, token_keep_mask
@@ -77,6 +78,8 @@ class LPOMicroBatch:
     target: torch.Tensor  # [B] w*_k, members of a group contiguous when coefficients is None
     groups_norm: float  # global groups in the optimizer window / gas
     group_size: int
+    divergence: str = "fwd"  # the trainer's (it owns the divergence schedule)
+    projection: str = "listwise"
     prev: Optional[torch.Tensor] = None  # [B] s_t = delta_k (offpolicy.py); None = 0
     coefficients: Optional[torch.Tensor] = None  # [B] detached c_k (shortcut / pre-pass / pointwise)
     record: Dict[str, torch.Tensor] = field(default_factory=dict)  # s, c of this pass (detached)
@@ -99,11 +102,8 @@ class LPOPolicyLoss(nn.Module):
     ``advantages`` and the token/sample normalisers are ignored (LPO normalises by groups).
     """
 
-    def __init__(self, divergence: str, projection: str, clip_eps_low: float, clip_eps_high: float,
-                 correction: Optional[BehaviourCorrection] = None):
+    def __init__(self, clip_eps_low: float, clip_eps_high: float, correction: Optional[BehaviourCorrection] = None):
         super().__init__()
-        self.divergence = divergence
-        self.projection = projection
         self.clip_eps = (clip_eps_low, clip_eps_high)
         self.correction = correction
         self.context: Optional[LPOMicroBatch] = None
@@ -129,8 +129,8 @@ class LPOPolicyLoss(nn.Module):
             K = ctx.group_size
             s_g = s.view(-1, K)
             w_g = ctx.target.to(s.device).view(-1, K)
-            total = listwise.listwise_loss(s_g, w_g, self.divergence, self.projection) * s_g.shape[0]
-            coef = listwise.projection_coefficients(s_g, w_g, self.divergence, self.projection).reshape(-1)
+            total = listwise.listwise_loss(s_g, w_g, ctx.divergence, ctx.projection) * s_g.shape[0]
+            coef = listwise.projection_coefficients(s_g, w_g, ctx.divergence, ctx.projection).reshape(-1)
         else:
             coef = ctx.coefficients.to(device=s.device, dtype=s.dtype)
             total = (coef.detach() * s).sum()
@@ -193,11 +193,12 @@ class LPOActorTrainer(ActorPPOTrainer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.is_lpo = self.args.algo.advantage.estimator == "lpo"
+        self.lpo = LPOConfig.from_args(self.args)
+        self.divergence = self.lpo.divergence  # this trainer's; --lpo.divergence_schedule moves it (set_divergence)
         self.correction = correction_from_args(self.args) if self.is_lpo else None
         if self.is_lpo:
             lo, hi = self.args.actor.eps_clip_low_high
-            self.actor_loss_fn = LPOPolicyLoss(self.args.lpo.divergence, self.args.lpo.projection, lo, hi,
-                                               correction=self.correction)
+            self.actor_loss_fn = LPOPolicyLoss(lo, hi, correction=self.correction)
         self.last_window_plan: List[WindowPlan] = []  # for inspection/tests
         self.pass_shapes: List[List[int]] = []  # tokens per no-grad forward of each pass (inspection/tests)
         self._ppo_calls = 0
@@ -206,7 +207,7 @@ class LPOActorTrainer(ActorPPOTrainer):
         """The divergence of the next updates (--lpo.divergence_schedule; the driver calls it through
         ``LPOPolicyActor.set_lpo_divergence`` before each update whose divergence changes)."""
         listwise.parse_divergence(divergence)
-        self.actor_loss_fn.divergence = divergence
+        self.divergence = divergence
 
     # -- distributed helpers
     def _device(self) -> torch.device:
@@ -326,7 +327,7 @@ class LPOActorTrainer(ActorPPOTrainer):
         self.pass_shapes = []
         meta = [{k: it.info.pop(k) for k in LPO_INFO_KEYS if k in it.info} for it in items]
         status = super().ppo_train(kl_ctl)
-        if not (self.args.lpo.end_kl and all("lpo_target" in m for m in meta)):
+        if not (self.lpo.end_kl and all("lpo_target" in m for m in meta)):
             return status
         gids = torch.tensor([int(m["lpo_gid"]) for m in meta], dtype=torch.long)
         target = torch.tensor([float(m["lpo_target"]) for m in meta], dtype=torch.float64)
@@ -362,7 +363,7 @@ class LPOActorTrainer(ActorPPOTrainer):
         update.check_window_count(len(windows), lambda v: self._all_reduce(v, op=dist.ReduceOp.MAX))
         dynamic = bool(args.train.dynamic_batch_enable)
         lengths = [int(it.total_length.reshape(-1)[0].item()) for it in items] if dynamic else None
-        projection = args.lpo.projection
+        projection = self.lpo.projection
         plans = []
         for w, window in enumerate(windows):
             if dynamic:
@@ -376,7 +377,7 @@ class LPOActorTrainer(ActorPPOTrainer):
                 micro = int(self.micro_train_batch_size)
                 micro_batches = layout.fixed_micro_batches(window, micro)
                 whole_groups = micro % K == 0
-            mode = update.choose_mode(projection, whole_groups, epoch == 0 and w == 0, bool(args.lpo.force_two_pass))
+            mode = update.choose_mode(projection, whole_groups, epoch == 0 and w == 0, self.lpo.force_two_pass)
             indices = [i for mb in micro_batches for i in mb]
             n_groups = int(self._all_reduce([float(len(window))])[0])
             plans.append(WindowPlan(micro_batches, n_groups, mode, self._loss_norm(items, indices, gas, dp)))
@@ -394,7 +395,7 @@ class LPOActorTrainer(ActorPPOTrainer):
             raise RuntimeError("LPO: this rank received no samples for the update (the experience maker deals "
                                "every rank whole groups in equal counts)")
         gas = self._gas()
-        div = self.actor_loss_fn.divergence
+        div = self.divergence
 
         # per-sample constants of the rollout batch
         gids = [int(it.info["lpo_gid"]) for it in items]
@@ -433,7 +434,7 @@ class LPOActorTrainer(ActorPPOTrainer):
                 s_win = prev[idx]
             elif plan.mode is WindowMode.PRE_PASS:  # the window's own micro-batches (token budgets when dynamic)
                 s_win = self._log_ratios(items, plan.micro_batches, prev_ctx)
-            coefficients = update.window_coefficients(plan.mode, target[idx], div, self.actor_loss_fn.projection, K,
+            coefficients = update.window_coefficients(plan.mode, target[idx], div, self.lpo.projection, K,
                                                       s=s_win, gids=[gids[int(i)] for i in idx])
             offset = 0
             for m, mb in enumerate(plan.micro_batches):
@@ -443,6 +444,8 @@ class LPOActorTrainer(ActorPPOTrainer):
                     target=target[sel],
                     groups_norm=plan.groups / gas,
                     group_size=K,
+                    divergence=div,
+                    projection=self.lpo.projection,
                     prev=None if prev_ctx is None else prev_ctx[sel],
                     coefficients=None if coefficients is None else coefficients[offset:offset + len(mb)],
                 )
@@ -498,13 +501,13 @@ class LPOActorTrainer(ActorPPOTrainer):
                      prev_ctx):
         K = self.args.rollout.n_samples_per_prompt
         s_end = end = None
-        if self.args.lpo.end_kl:
+        if self.lpo.end_kl:
             batches, extra = self._pass_micro_batches(items, list(range(len(items))))
             order = torch.tensor([i for mb in batches for i in mb], dtype=torch.long)
             s_end = torch.empty(len(items), dtype=torch.float64)
             s_end[order] = self._log_ratios(items, batches, prev_ctx, extra)
         out = update_metrics(gids, target, prev, reward, tau, last_s, abs_coef_sum, coef_count, modes, K,
-                             self.actor_loss_fn.divergence, self._all_reduce,
+                             self.divergence, self._all_reduce,
                              lambda v: self._all_reduce(v, op=dist.ReduceOp.MAX), correction=self.correction is not None,
                              s_end=s_end)
         if s_end is not None:

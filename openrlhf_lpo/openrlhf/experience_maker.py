@@ -49,7 +49,7 @@ from openrlhf.utils.logging_utils import init_logger
 
 from openrlhf_lpo import listwise
 from openrlhf_lpo.core import layout
-from openrlhf_lpo.core.config import dp_size, listwise_metrics_enabled
+from openrlhf_lpo.core.config import LPOConfig, dp_size, listwise_metrics_enabled
 from openrlhf_lpo.core.offpolicy import UNTRUNCATED, behaviour_log_ratio, behaviour_stats, correction_from_args
 from openrlhf_lpo.openrlhf.replay import REPLAY_INFO_KEYS, fingerprint
 from openrlhf_lpo.openrlhf.vlm import group_key
@@ -176,7 +176,7 @@ class LPOExperienceMaker(RemoteExperienceMaker):
         args = self.args
         dp = dp_size(args)
         fresh = self._ranked(self._canonical_groups(rollout_samples))
-        want = int(math.floor(float(args.lpo.replay_ratio) * len(fresh)))
+        want = int(math.floor(float(LPOConfig.from_args(args).replay_ratio) * len(fresh)))
         drawn = self.replay.draw(want, self.replay_step)
         keep = len(drawn) - (len(fresh) + len(drawn)) % dp
         self._replay_counts = {"drawn": len(drawn), "trimmed": len(drawn) - keep}
@@ -228,7 +228,7 @@ class LPOExperienceMaker(RemoteExperienceMaker):
             delta[idx] = d.to(delta.dtype)
             age[idx] = exp.info["lpo_replay_age"].reshape(-1).double()
         d_rep = delta.view(n_groups, K)[n_fresh:]
-        limit = getattr(args.lpo, "replay_max_abs_s", None)
+        limit = LPOConfig.from_args(args).replay_max_abs_s
         stale = (d_rep.abs().amax(-1) > limit) if limit else torch.zeros(d_rep.shape[0], dtype=torch.bool)
         keep = [g for g in range(n_fresh, n_groups) if not bool(stale[g - n_fresh])]
         extra = (n_fresh + len(keep)) % dp_size(args)
@@ -351,9 +351,10 @@ def _attach_targets(experiences: List[Experience], args) -> None:
     rewards[order] = flat
     rewards = rewards.view(-1, K)  # [G, K], prompt-major like the rollout
     lpo = args.algo.advantage.estimator == "lpo"
-    tau = listwise.group_temperature(rewards, args.lpo.temperature)
+    settings = LPOConfig.from_args(args)
+    tau = listwise.group_temperature(rewards, settings.temperature)
     if lpo:  # --lpo.temperature_scale: tau x scale for any temperature mode
-        tau = tau * float(getattr(args.lpo, "temperature_scale", None) or 1.0)
+        tau = tau * float(settings.temperature_scale)
     prev = torch.zeros_like(rewards)
     correction = correction_from_args(args) if lpo else None
     replayed = torch.cat([exp.info["lpo_replayed"].reshape(-1) > 0 if "lpo_replayed" in exp.info else

@@ -24,7 +24,8 @@ import inspect
 from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
-__all__ = ["OPENRLHF_VERSION", "PatchPoint", "PATCH_POINTS", "apply_patches", "rebind", "check_contracts"]
+__all__ = ["OPENRLHF_VERSION", "PatchPoint", "PATCH_POINTS", "apply_patches", "rebind", "check_version",
+           "check_contracts"]
 
 OPENRLHF_VERSION = "0.11.2"
 
@@ -208,8 +209,8 @@ def _params(fn) -> List[str]:
     return [p for p in inspect.signature(fn).parameters if p != "_ray_trace_ctx"]
 
 
-def check_contracts() -> None:
-    """Raise RuntimeError naming the first patch point that does not match openrlhf 0.11.2."""
+def check_version() -> None:
+    """Raise RuntimeError when the installed openrlhf is not the version the patch points are written for."""
     import openrlhf
 
     version = getattr(openrlhf, "__version__", None)
@@ -219,6 +220,11 @@ def check_contracts() -> None:
         version = _v("openrlhf")
     if version != OPENRLHF_VERSION:
         raise RuntimeError(f"openrlhf {version} installed; openrlhf_lpo's patch points are for {OPENRLHF_VERSION}")
+
+
+def check_contracts() -> None:
+    """Raise RuntimeError naming the first patch point that does not match openrlhf 0.11.2."""
+    check_version()
     for point in PATCH_POINTS:
         try:
             _resolve(point)

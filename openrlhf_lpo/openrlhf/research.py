@@ -38,6 +38,7 @@ import ray
 from openrlhf.utils.logging_utils import init_logger
 
 from openrlhf_lpo.openrlhf.replay import ReplayBuffer
+from openrlhf_lpo.core.config import LPOConfig
 from openrlhf_lpo.core.divergence_schedule import DivergenceSchedule, parse_schedule
 
 __all__ = ["TrainerExtensions", "enabled", "CLIENT_STATE_KEY", "REPLAY_DIR"]
@@ -49,21 +50,21 @@ REPLAY_DIR = "_lpo_replay"
 
 
 def enabled(args) -> bool:
-    lpo = getattr(args, "lpo", None)
-    return bool(getattr(lpo, "divergence_schedule", None) or getattr(lpo, "replay_batches", 0))
+    lpo = LPOConfig.from_args(args)
+    return bool(lpo.divergence_schedule or lpo.replay_batches)
 
 
 class TrainerExtensions:
     def __init__(self, trainer):
         self.trainer = trainer
         args = self.args = trainer.args
-        lpo = args.lpo
+        lpo = LPOConfig.from_args(args)
         self.schedule: Optional[DivergenceSchedule] = None
-        if getattr(lpo, "divergence_schedule", None):
+        if lpo.divergence_schedule:
             self.schedule = DivergenceSchedule(parse_schedule(lpo.divergence_schedule), lpo.divergence_switch_entropy,
-                                               lpo.divergence_switch_window or 5)
+                                               lpo.divergence_switch_window)
         self.replay: Optional[ReplayBuffer] = None
-        if getattr(lpo, "replay_batches", 0):
+        if lpo.replay_batches:
             self.replay = ReplayBuffer(lpo.replay_batches, int(args.train.seed))
         trainer.experience_maker.replay = self.replay
         self._active: Optional[str] = None

@@ -69,13 +69,14 @@ def _ref_loss(lp, old, keep, s_t, target, divergence, projection):
 # ----------------------------------------------------------------------------- the two backends
 
 def _deepspeed_window(lp, data, rows_per_micro, mode, coef, divergence, projection, correction):
-    loss_fn = LPOPolicyLoss(divergence, projection, *EPS, correction=correction)
+    loss_fn = LPOPolicyLoss(*EPS, correction=correction)
     n_groups = lp.shape[0] // K
     total = 0.0
     for rows in rows_per_micro:
         r = torch.tensor(rows)
         loss_fn.context = LPOMicroBatch(target=data["target"][r], groups_norm=float(n_groups), group_size=K,
-                                        prev=data["s_t"][r], coefficients=None if coef is None else coef[r])
+                                        divergence=divergence, projection=projection, prev=data["s_t"][r],
+                                        coefficients=None if coef is None else coef[r])
         loss, *_ = loss_fn(lp[r], data["old"][r], None, data["mask"][r], data["rollout"][r], dp_size=1)
         total = total + loss
     return total

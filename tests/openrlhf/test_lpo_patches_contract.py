@@ -155,3 +155,34 @@ def test_check_contracts_detects_upstream_gaining_a_registered_policy_loss_type(
     monkeypatch.setattr(loss.PolicyLoss, "forward", forward)
     with pytest.raises(RuntimeError, match=r"upstream PolicyLoss now implements \['cispo'\]"):
         patches.check_contracts()
+
+
+def test_lpo_train_stops_on_another_openrlhf_or_a_broken_contract(monkeypatch, capsys):
+    """lpo-train checks the installed OpenRLHF at start: another version stops a dry run and a run with exit 2
+    naming it; a run (which imports every patched module) also checks every contract, before Ray starts."""
+    import openrlhf
+    import openrlhf.models.loss as loss
+
+    from openrlhf_lpo.cli.train_ppo_ray import main
+
+    argv = ["--actor.model_name_or_path", "unused", "--actor.num_nodes", "1", "--actor.num_gpus_per_node", "2",
+            "--rollout.n_samples_per_prompt", "4", "--rollout.batch_size", "4", "--train.batch_size", "16",
+            "--train.micro_batch_size", "2", "--vllm.num_engines", "1", "--reward.remote_url", "http://unused",
+            "--algo.advantage.estimator", "lpo", "--preflight", "off"]
+    monkeypatch.setattr(openrlhf, "__version__", "0.11.3", raising=False)
+    with pytest.raises(SystemExit) as e:
+        main(argv + ["--dry-run"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "openrlhf 0.11.3 installed" in err and "pip install openrlhf==0.11.2" in err
+    monkeypatch.setattr(openrlhf, "__version__", patches.OPENRLHF_VERSION, raising=False)
+
+    def forward(self, log_probs, old_log_probs, advantages):
+        raise AssertionError
+
+    monkeypatch.setattr(loss.PolicyLoss, "forward", forward)
+    main(argv + ["--dry-run"])  # a dry run checks the version only
+    assert "flags are valid" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "lpo-train: patch point policy-loss" in err
