@@ -35,7 +35,8 @@ def test_pipeline_argv_is_accepted_by_lpo_train_parser(tmp_path):
 
     cfg = RLConfig(k=8, prompts_per_step=16, steps=40, eval_every=10)
     (tmp_path / "p.jsonl").write_text('{"prompt": "1+1", "label": "2"}\n')
-    upstream = {"grpo": "group_norm", "dr-grpo": "dr_grpo", "maxrl": "maxrl"}
+    upstream = {"grpo": "group_norm", "dr-grpo": "dr_grpo", "maxrl": "maxrl", "rloo": "rloo",
+                "reinforce-pp": "reinforce_baseline"}
     for name, m in METHODS.items():
         args = build_parser_and_parse(pipeline_argv(m, cfg, str(tmp_path), str(tmp_path / "p.jsonl"), tmp_path / name, 5))
         assert args.algo.advantage.estimator == ("lpo" if m.is_lpo else upstream[name])

@@ -308,7 +308,8 @@ def independent_target(rewards, temperature, delta, scale=1.0):
         if r.max() == r.min():
             logits = d.copy()
         else:
-            tau = {"std": lambda: r.std(ddof=1), "one": lambda: 1.0, "mean": lambda: r.mean()}[temperature]() \
+            tau = {"std": lambda: r.std(ddof=1), "one": lambda: 1.0, "mean": lambda: r.mean(),
+                   "loo": lambda: (len(r) - 1) / len(r)}[temperature]() \
                 if isinstance(temperature, str) else float(temperature)
             logits = (r - r.mean()) / (scale * tau) + d
         e = np.exp(logits - logits.max())
@@ -749,7 +750,8 @@ def reference_listwise_stats(actor, experiences, K, temperature, eps_low_high):
         if r.max() == r.min():
             logits = np.zeros(K)
         else:
-            tau = {"std": lambda: r.std(ddof=1), "one": lambda: 1.0, "mean": lambda: r.mean()}[temperature]() \
+            tau = {"std": lambda: r.std(ddof=1), "one": lambda: 1.0, "mean": lambda: r.mean(),
+                   "loo": lambda: (len(r) - 1) / len(r)}[temperature]() \
                 if isinstance(temperature, str) else float(temperature)
             logits = (r - r.mean()) / tau
         w = np.exp(logits - logits.max())

@@ -36,7 +36,7 @@ def _train(cls, args, model_dir, state, exps, lr):
 
 
 @pytest.mark.parametrize("estimator,temperature", [("group_norm", "std"), ("dr_grpo", "one"), ("maxrl", "mean"),
-                                                   ("rloo", "one")])
+                                                   ("rloo", "loo")])
 def test_pg_end_kl_matches_brute_force(tiny_model_dir, gloo_world1, estimator, temperature):
     args = parse_args(tiny_model_dir, estimator=estimator, micro=2, train_batch=8, extra=["--lpo.end_kl"])
     assert args.lpo.temperature == temperature  # the estimator's pairing
