@@ -33,7 +33,7 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "lpo-explain=openrlhf_lpo.explain:main",
+            "lpo-explain=openrlhf_lpo.cli.explain:main",
             "lpo-train=openrlhf_lpo.cli.train_ppo_ray:main",
             "lpo-demo=openrlhf_lpo.demo.cli:main",
             "lpo-eval=evaluation.cli:main",

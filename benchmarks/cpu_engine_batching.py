@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from openrlhf_lpo.engines.cpu_engine import HFBackend  # noqa: E402
-from openrlhf_lpo.tiny import build_tiny_model  # noqa: E402
+from openrlhf_lpo.testing.tiny import build_tiny_model  # noqa: E402
 
 
 def main() -> None:

@@ -52,7 +52,7 @@ def main(argv=None):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    from openrlhf_lpo import cpu_megatron
+    from openrlhf_lpo.cpu import megatron_redirect as cpu_megatron
 
     cpu_megatron.apply()  # megatron-core's accelerator calls answered for the CPU (a no-op on a GPU machine)
     import torch.distributed as dist

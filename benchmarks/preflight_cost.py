@@ -52,7 +52,7 @@ def bpe_model(out: Path, corpus: Path) -> str:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from openrlhf_lpo.tiny import CHAT_TEMPLATE, build_tiny_model
+    from openrlhf_lpo.testing.tiny import CHAT_TEMPLATE, build_tiny_model
 
     path = build_tiny_model(out, seed=0, vocab_size=16384, max_position_embeddings=32768)
     texts = [json.loads(line)["problem"] for line in corpus.read_text().splitlines()]

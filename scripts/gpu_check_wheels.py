@@ -2,7 +2,7 @@
 """Wheels that let ``gpu_check.sh``'s DeepSpeed trainer rows run on a GPU machine without DeepSpeed,
 OpenRLHF, flash-attn or Ray (docs/install.md "Carrying packages to a GPU machine").
 
-The rows (``openrlhf_lpo/trainer_check.py``) import deepspeed, openrlhf, flash-attn's
+The rows (``openrlhf_lpo/checks/trainer_check.py``) import deepspeed, openrlhf, flash-attn's
 Python files and ray (imports only). This builds a folder of wheels for the machine's Python:
 
 * deepspeed 0.19.6: built here from its sdist (``pip wheel --no-deps``; pure Python, ~2 MB);
@@ -133,7 +133,7 @@ def simulate(out: Path) -> int:
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
         env.update(PYTHONPATH=os.pathsep.join([str(REPO), str(target), str(farm)]), OMP_NUM_THREADS="1")
         code = ("import sys; sys.modules['vllm'] = None\n"  # the image has no vLLM either
-                "from openrlhf_lpo import trainer_check as tc\n"
+                "from openrlhf_lpo.checks import trainer_check as tc\n"
                 f"sys.exit(tc.main(['--cpu', '--zero', '2', '--dtype', 'fp32', '--work_dir', {str(Path(tmp) / 'w')!r},"
                 f" '--json', {str(Path(tmp) / 'r.json')!r}]))")
         p = subprocess.run([sys.executable, "-S", "-c", code], env=env)

@@ -26,7 +26,7 @@ import subprocess
 import sys
 from typing import Dict
 
-HEAD_SLOTS = 16  # logical CPU and GPU slots, as openrlhf_lpo.cpu.init_ray's local cluster
+HEAD_SLOTS = 16  # logical CPU and GPU slots, as openrlhf_lpo.cpu.mode.init_ray's local cluster
 HEAD = r"""
 import sys, ray
 # no idle workers started ahead: every actor of a launch needs a worker with its own job's runtime env

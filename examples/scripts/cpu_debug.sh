@@ -38,10 +38,10 @@ if [ "${LPO_PRINT_ARGS:-0}" = "1" ]; then printf '%s\n' "${ARGS[@]}"; exit 0; fi
 source "$ROOT/examples/scripts/lib/python.sh"
 build_model_and_data() {  # the tiny model and a 4-prompt data file of $TASK
   if [ "$TASK" = geometry ]; then
-    [ -f "$MODEL_DIR/config.json" ] || "$PY" -c "from openrlhf_lpo.tiny_vlm import build_tiny_vlm; build_tiny_vlm('$MODEL_DIR')"
+    [ -f "$MODEL_DIR/config.json" ] || "$PY" -c "from openrlhf_lpo.testing.tiny_vlm import build_tiny_vlm; build_tiny_vlm('$MODEL_DIR')"
     [ -f "$DATA_FILE" ] || "$PY" -m openrlhf_lpo.data.prepare geometry --n 4 --seed 0 --template geometry-short --out "$DATA_FILE"
   else
-    [ -f "$MODEL_DIR/config.json" ] || "$PY" -c "from openrlhf_lpo.tiny import build_tiny_model; build_tiny_model('$MODEL_DIR')"
+    [ -f "$MODEL_DIR/config.json" ] || "$PY" -c "from openrlhf_lpo.testing.tiny import build_tiny_model; build_tiny_model('$MODEL_DIR')"
     [ -f "$DATA_FILE" ] || "$PY" -m openrlhf_lpo.data.prepare countdown --n 4 --seed 0 --num-counts 3 --out "$DATA_FILE"
   fi
 }

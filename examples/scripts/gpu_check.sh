@@ -30,11 +30,11 @@ WORK="${WORK:-${TMPDIR:-/tmp}/lpo_gpu_check}"
 mkdir -p "$WORK"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 for arg in "$@"; do
-  if [ "$arg" = "--cpu" ]; then  # megatron-core needs its CPU redirection (openrlhf_lpo/cpu_megatron.py)
+  if [ "$arg" = "--cpu" ]; then  # megatron-core needs its CPU redirection (openrlhf_lpo/cpu/megatron_redirect.py)
     export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-    exec "$PY" -m openrlhf_lpo.cpu_megatron openrlhf_lpo.megatron.gpu_check --work_dir "$WORK" \
+    exec "$PY" -m openrlhf_lpo.cpu.megatron_redirect openrlhf_lpo.checks.gpu_check --work_dir "$WORK" \
       --json "$WORK/gpu_check.json" "$@"
   fi
 done
-exec timeout "${GPU_CHECK_TIMEOUT:-900}" "$PY" -m openrlhf_lpo.megatron.gpu_check --work_dir "$WORK" \
+exec timeout "${GPU_CHECK_TIMEOUT:-900}" "$PY" -m openrlhf_lpo.checks.gpu_check --work_dir "$WORK" \
   --json "$WORK/gpu_check.json" "$@"

@@ -30,21 +30,21 @@ if [ "${LPO_PRINT_ARGS:-0}" = "1" ]; then printf '%s\n' "${ARGS[@]}"; exit 0; fi
 source "$ROOT/examples/scripts/lib/python.sh"
 if [ "${LPO_DRY_RUN:-0}" = "1" ]; then  # validate and print the plan; builds only the tiny model and data
   mkdir -p "$WORK"
-  [ -f "$WORK/tiny-qwen3/config.json" ] || "$PY" -c "from openrlhf_lpo.tiny import build_tiny_model; build_tiny_model('$WORK/tiny-qwen3')"
+  [ -f "$WORK/tiny-qwen3/config.json" ] || "$PY" -c "from openrlhf_lpo.testing.tiny import build_tiny_model; build_tiny_model('$WORK/tiny-qwen3')"
   [ -f "$WORK/countdown.jsonl" ] || "$PY" -m openrlhf_lpo.data.prepare countdown --n 8 --seed 0 --num-counts 3 --out "$WORK/countdown.jsonl"
   exec "$PY" -m openrlhf_lpo.cli.train_ppo_ray "${ARGS[@]}" --dry-run
 fi
 
 "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu_smoke.sh needs a GPU (use examples/scripts/cpu_debug.sh on a CPU)')"
 rm -rf "$WORK"; mkdir -p "$WORK"
-"$PY" -c "from openrlhf_lpo.tiny import build_tiny_model; build_tiny_model('$WORK/tiny-qwen3')"
+"$PY" -c "from openrlhf_lpo.testing.tiny import build_tiny_model; build_tiny_model('$WORK/tiny-qwen3')"
 "$PY" -m openrlhf_lpo.data.prepare countdown --n 8 --seed 0 --num-counts 3 --out "$WORK/countdown.jsonl"
 # steps are read from TensorBoard, which the trainer writes itself (Ray may drop forwarded log lines at exit)
 "$PY" -m openrlhf_lpo.cli.train_ppo_ray "${ARGS[@]}" 2>&1 | tee "$WORK/run_a.log"
-"$PY" -m openrlhf_lpo.tensorboard_rows "$WORK/tb" --steps 1,2 --exact
+"$PY" -m openrlhf_lpo.testing.tensorboard_rows "$WORK/tb" --steps 1,2 --exact
 test -d "$WORK/ckpt/_actor/global_step2"
 "$PY" -m openrlhf_lpo.cli.train_ppo_ray "${ARGS[@]}" --ckpt.load_enable --train.num_episodes 2 \
   --logger.tensorboard_dir "$WORK/tb_resume" 2>&1 | tee "$WORK/run_b.log"
 # the resumed run trains exactly the second episode's steps: it started from the step-2 checkpoint
-"$PY" -m openrlhf_lpo.tensorboard_rows "$WORK/tb_resume" --steps 3,4 --exact
+"$PY" -m openrlhf_lpo.testing.tensorboard_rows "$WORK/tb_resume" --steps 3,4 --exact
 echo "[gpu_smoke] OK: 2 iterations, checkpoint, resume ($METHOD). Logs in $WORK"

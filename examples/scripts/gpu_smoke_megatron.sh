@@ -16,4 +16,4 @@ if [ "${LPO_DRY_RUN:-0}" = "1" ]; then  # what would run, on how many GPUs
   exit 0
 fi
 exec "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" \
-  -m openrlhf_lpo.megatron.smoke --steps "${STEPS:-3}" --tp "${TP:-1}" --pp "${PP:-1}" --dtypes "${DTYPES:-fp32,bf16}"
+  -m openrlhf_lpo.checks.megatron_smoke --steps "${STEPS:-3}" --tp "${TP:-1}" --pp "${PP:-1}" --dtypes "${DTYPES:-fp32,bf16}"

@@ -17,7 +17,7 @@ One place for the estimate: ``lpo-train``'s preflight compares it with the free 
   whole before the oldest is pruned: ``--ckpt.max_num`` + 1 at the peak;
 * one more when ``--eval.dataset`` keeps a best checkpoint (``--ckpt.best_metric_key`` not ``none``);
 * ``--ckpt.save_hf``: one export per save (``global_stepN_hf``, ``--ds.param_dtype``). OpenRLHF 0.11.2
-  never deletes them; here they rotate (``openrlhf_lpo/hf_exports.py``): the ones whose state is kept
+  never deletes them; here they rotate (``openrlhf_lpo/runtime/hf_exports.py``): the ones whose state is kept
   (``--ckpt.max_num``) or ``--ckpt.hf_max_num`` of them, each written before the oldest goes, so one
   more at the peak; ``--ckpt.hf_max_num -1`` keeps one per save;
 * the final model in ``--ckpt.output_dir``.

@@ -377,7 +377,7 @@ register_flag_group(FlagGroup(name="run", add_arguments=_add_run_arguments))
 
 
 def _add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
-    from openrlhf_lpo.reward_errors import DEFAULT_STOP_FRAC, DEFAULT_WINDOW
+    from openrlhf_lpo.rewards.reward_errors import DEFAULT_STOP_FRAC, DEFAULT_WINDOW
 
     g = parser.add_argument_group("lpo-train runtime safety nets (every estimator)")
     g.add_argument("--reward.error_window", type=int, default=DEFAULT_WINDOW,

@@ -34,7 +34,7 @@ docs/install.md) needs none of this: deepspeed records it in ``deepspeed/git_ver
 accelerator is DeepSpeed's GPU one and torch's version and CUDA version equal the recorded ones (else
 it raises). The Megatron backend trains with megatron-core's optimizer (torch AdamW, or Transformer
 Engine's / apex's, which ship compiled): no DeepSpeed op, unless a critic trains on DeepSpeed. ROCm
-builds of torch are not checked. CPU mode (``openrlhf_lpo.cpu``) runs torch's AdamW: nothing to check.
+builds of torch are not checked. CPU mode (``openrlhf_lpo.cpu.mode``) runs torch's AdamW: nothing to check.
 """
 
 from __future__ import annotations
@@ -358,7 +358,7 @@ def check_run_or_exit(args, prog: str = "lpo-train",
         print(f"{prog}: {SKIP_ENV}=1: not checking that the GPU nodes can build DeepSpeed's {op}", flush=True)
         return
     if getattr(getattr(args, "cpu", None), "active", False):
-        return  # CPU mode (decided by openrlhf_lpo.cpu before this check): DeepSpeed runs torch's AdamW
+        return  # CPU mode (decided by openrlhf_lpo.cpu.mode before this check): DeepSpeed runs torch's AdamW
     facts, unanswered = gather()
     for node in unanswered:
         print(f"{prog}: warning: GPU node {node} did not answer the DeepSpeed {op} build check; not checked",

@@ -38,7 +38,7 @@ STOCK_CLI = "openrlhf.cli.train_ppo_ray"
 ESTIMATOR_DEST = "algo.advantage.estimator"
 
 # Modules that register more flag groups (imported if present; owned by other engineers).
-PLUGIN_MODULES = ("openrlhf_lpo.cpu", "openrlhf_lpo.megatron.flags", "openrlhf_lpo.cli.preflight",
+PLUGIN_MODULES = ("openrlhf_lpo.cpu.mode", "openrlhf_lpo.megatron.flags", "openrlhf_lpo.cli.preflight",
                   "openrlhf_lpo.megatron.preflight", "openrlhf_lpo.cli.policy_loss_types")
 
 
@@ -195,7 +195,7 @@ def main(argv: Optional[List[str]] = None) -> None:
 
     if demo_cli.wants_preset(argv):
         return demo_cli.main(argv)
-    from openrlhf_lpo.progress import install
+    from openrlhf_lpo.runtime.progress import install
 
     install()  # progress bars as plain lines when the output is a file
 
@@ -251,7 +251,7 @@ def _check_upstream_or_exit(prog: str, full: bool = True) -> None:
 
 def _reward_error_stop(exc: BaseException):
     """The message of a ``RewardErrorsPersist`` raised in the trainer (through Ray's ``RayTaskError``), or None."""
-    from openrlhf_lpo.reward_errors import RewardErrorsPersist
+    from openrlhf_lpo.rewards.reward_errors import RewardErrorsPersist
 
     seen = set()
     while exc is not None and id(exc) not in seen:
@@ -277,7 +277,7 @@ def _check_cluster(args, plan) -> None:
                 "NCCL_DEBUG": os.environ.get("NCCL_DEBUG", "WARN"),
                 "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": os.environ.get("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", "1"),
             },
-            "worker_process_setup_hook": "openrlhf_lpo.progress.worker_setup",  # plain progress lines in logs
+            "worker_process_setup_hook": "openrlhf_lpo.runtime.progress.worker_setup",  # plain progress lines in logs
         })
     try:
         plan.check_cluster(args, ray.cluster_resources())

@@ -3,7 +3,7 @@
 Each method is one ``python -m openrlhf_lpo.cli.train_ppo_ray`` subprocess (the ``lpo-train``
 console script) in its own session, so the demo can stop it and every process it started (the
 local Ray cluster included) on failure or Ctrl-C. Without a GPU the CLI switches on the CPU
-mode (:mod:`openrlhf_lpo.cpu`): CPU rollout engine, gloo collectives, weight hand-over through
+mode (:mod:`openrlhf_lpo.cpu.mode`): CPU rollout engine, gloo collectives, weight hand-over through
 Ray's object store.
 
 Metrics arrive as they are produced: the PPO trainer actor logs ``Global step N: {...}`` after
@@ -28,7 +28,7 @@ from typing import Callable, Dict, List, Optional
 
 from openrlhf_lpo.demo.loop import RLConfig
 from openrlhf_lpo.demo.methods import Method
-from openrlhf_lpo.tensorboard_rows import train_rows
+from openrlhf_lpo.testing.tensorboard_rows import train_rows
 
 REWARD_FILE = Path(__file__).with_name("reward_func.py")
 

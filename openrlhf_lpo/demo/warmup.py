@@ -37,10 +37,10 @@ class WarmupConfig:
 
     task: str = "addition"
     seed: int = 0
-    # tiny model (openrlhf_lpo.tiny.build_tiny_model)
+    # tiny model (openrlhf_lpo.testing.tiny.build_tiny_model)
     arch: str = "qwen3"
     # 0.4M parameters: learns 2-digit addition in ~250 steps at lr 3e-3 (the 3.2M-parameter
-    # default of openrlhf_lpo.tiny needed ~900 steps at lr 2e-3, see docs/demo.md)
+    # default of openrlhf_lpo.testing.tiny needed ~900 steps at lr 2e-3, see docs/demo.md)
     hidden_size: int = 128
     num_layers: int = 2
     num_heads: int = 4
@@ -124,7 +124,7 @@ def train_warmup(cfg: WarmupConfig, out_dir: Path, progress: bool = True,
 
     from openrlhf_lpo.demo.policy import encode_sft_batch
     from openrlhf_lpo.demo.task import get_task
-    from openrlhf_lpo.tiny import build_tiny_model
+    from openrlhf_lpo.testing.tiny import build_tiny_model
 
     cfg.validate()
     task = get_task(cfg.task)
@@ -225,14 +225,14 @@ def ensure_warmup(cfg: WarmupConfig, progress: bool = True, force: bool = False,
 
 def _bar(total: int, desc: str, enabled: bool):
     """The demo's progress bars (warm-up, every method's steps, held-out evaluation; the benchmarks that
-    reuse them): plain lines when stderr is a file or a pipe (openrlhf_lpo.progress), a bar on a terminal."""
+    reuse them): plain lines when stderr is a file or a pipe (openrlhf_lpo.runtime.progress), a bar on a terminal."""
     if not enabled:
         return None
     try:
         from tqdm.auto import tqdm
     except ImportError:  # tqdm is a dependency of the venv; keep the warm-up usable without it
         return None
-    from openrlhf_lpo.progress import install
+    from openrlhf_lpo.runtime.progress import install
 
     install()
     return tqdm(total=total, desc=desc, dynamic_ncols=True, leave=True)

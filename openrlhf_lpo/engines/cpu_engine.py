@@ -13,7 +13,7 @@ a handful of Ray methods; :class:`CPURolloutEngine` implements the same ones:
   sampling setting per sample when given a list: :mod:`openrlhf_lpo.engines.responses`),
   ``get_num_unfinished_requests``, and no-op ``sleep / wake_up / pause_generation /
   resume_generation / reset_prefix_cache / init_process_group``;
-* for the CPU weight sync (:func:`openrlhf_lpo.cpu.cpu_broadcast_to_engines`):
+* for the CPU weight sync (:func:`openrlhf_lpo.cpu.mode.cpu_broadcast_to_engines`):
   ``update_weights(state_dict)`` and ``log_probs_of(token_ids, temperature, images=None)``.
 
 Backends (``LPO_CPU_ENGINE`` or ``backend=``) are a registry:

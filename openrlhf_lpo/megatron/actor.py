@@ -61,7 +61,7 @@ import torch.distributed as dist
 from openrlhf_lpo.core.update import WindowMode, window_coefficients
 from openrlhf_lpo.megatron import convert, rope
 from openrlhf_lpo.megatron.device import group_device, local_device
-from openrlhf_lpo.megatron.layout import validate_layout
+from openrlhf_lpo.megatron.parallel_layout import validate_layout
 from openrlhf_lpo.megatron.losses import LossSpec, get_policy_loss
 from openrlhf_lpo.megatron.model import attention_span, build_gpt_model, transformer_config_from_hf
 from openrlhf_lpo.megatron.packing import PackedMicroBatch, pack_micro_batch, pad_to_tokens

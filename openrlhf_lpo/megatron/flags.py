@@ -79,7 +79,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 def _validate(args: argparse.Namespace) -> None:
     if getattr(args, "backend", "deepspeed") != "megatron":
         return
-    from openrlhf_lpo.megatron.layout import validate_layout
+    from openrlhf_lpo.megatron.parallel_layout import validate_layout
     from openrlhf_lpo.megatron.model import SUPPORTED_MODEL_TYPES
 
     from openrlhf_lpo.megatron.ray_actor import refuse_unsupported

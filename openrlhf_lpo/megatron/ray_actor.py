@@ -544,7 +544,7 @@ class MegatronPolicyActor:
         actor's (max |diff| <= LPO_CPU_PARITY_TOL, default 1e-4); appended to LPO_CPU_PARITY_LOG."""
         import torch.distributed as dist
 
-        from openrlhf_lpo.parity import check_engine_parity, probe_sequence
+        from openrlhf_lpo.runtime.parity import check_engine_parity, probe_sequence
 
         ids = probe_sequence(self.tokenizer)
         seq = torch.tensor([ids], dtype=torch.long)
@@ -569,7 +569,7 @@ class MegatronPolicyActor:
             self._save_hf(os.path.join(args.ckpt.path, f"{tag}_hf"))
             import torch.distributed as dist
 
-            from openrlhf_lpo.hf_exports import rotate_for_args
+            from openrlhf_lpo.runtime.hf_exports import rotate_for_args
 
             if dist.get_rank() == 0:  # the exports follow the state's rotation (--ckpt.max_num / --ckpt.hf_max_num)
                 rotate_for_args(args.ckpt, CKPT_SUBDIR, keep=[tag])

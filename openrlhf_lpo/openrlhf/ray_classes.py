@@ -7,7 +7,7 @@ classes, which include them:
   ``reward/error_frac`` logged, the run stopped only when errors persist;
 * per-request sampling seeds from the run seed and the prompt/sample position (``request_seeds.py``;
   upstream's vLLM requests carry no seed);
-* HF exports rotated with ``--ckpt.max_num`` (``HFExportRotation``, openrlhf_lpo/hf_exports.py; upstream
+* HF exports rotated with ``--ckpt.max_num`` (``HFExportRotation``, openrlhf_lpo/runtime/hf_exports.py; upstream
   rotates only the DeepSpeed state under ``ckpt.path/_actor``).
 
 Public names (stable):
@@ -46,7 +46,7 @@ from openrlhf.trainer import ppo_trainer_async as _async_mod
 from openrlhf.trainer.ray import ppo_actor as _ppo_actor_mod
 from openrlhf.utils.logging_utils import init_logger
 
-from openrlhf_lpo.hf_exports import rotate_for_args
+from openrlhf_lpo.runtime.hf_exports import rotate_for_args
 from openrlhf_lpo.openrlhf.actor_trainer import LPOActorTrainer
 from openrlhf_lpo.openrlhf.cispo import policy_loss_types
 from openrlhf_lpo.core.config import dp_size

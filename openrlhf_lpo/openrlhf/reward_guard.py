@@ -1,4 +1,4 @@
-"""The trainer's side of reward errors (openrlhf_lpo.reward_errors): every rollout sample counted,
+"""The trainer's side of reward errors (openrlhf_lpo.rewards.reward_errors): every rollout sample counted,
 samples without a reward repaired, the run stopped only when errors persist.
 
 Public names (stable):
@@ -26,7 +26,7 @@ from typing import List
 
 import torch
 
-from openrlhf_lpo.reward_errors import (DEFAULT_STOP_FRAC, DEFAULT_WINDOW, ERROR_KEY, ErrorWindow, ledger_summary,
+from openrlhf_lpo.rewards.reward_errors import (DEFAULT_STOP_FRAC, DEFAULT_WINDOW, ERROR_KEY, ErrorWindow, ledger_summary,
                                         open_ledger)
 
 __all__ = ["RewardErrorGuard", "repair_samples"]

@@ -13,7 +13,7 @@ splitting, batching and the gradient pass. Two LPO places need them too:
   group order (``LPOExperienceMaker.split_rollout_samples``).
 
 Also here: which parameters the CPU-mode weight sync of a VLM sends (:func:`syncs_param`:
-trainable ones only, as upstream; the image parity probe is in :mod:`openrlhf_lpo.parity`) and
+trainable ones only, as upstream; the image parity probe is in :mod:`openrlhf_lpo.runtime.parity`) and
 :func:`save_processor_files` (checkpoints a VLM can be evaluated from).
 
 ``mm_forward_kwargs`` is the one place LPO batches images for an actor forward (the trainer's

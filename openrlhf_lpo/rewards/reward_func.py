@@ -28,7 +28,7 @@ A sample whose reward cannot be computed never ends the run: anything its task's
 sandbox's ``Popen`` hitting EAGAIN/EMFILE, the grader pool failing to start, a label naming an unknown
 task) scores 0 with status ``error``, as does a task that reports status ``error`` itself (the code
 sandbox died or exited early). Each such sample counts in ``reward/error_frac`` and its cause goes to
-the trainer (:mod:`openrlhf_lpo.reward_errors`), which stops the run only when errors persist.
+the trainer (:mod:`openrlhf_lpo.rewards.reward_errors`), which stops the run only when errors persist.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import json
 import os
 from typing import Callable, Dict, List, Tuple
 
-from openrlhf_lpo.reward_errors import ERROR_KEY, cause_text, note_error
+from openrlhf_lpo.rewards.reward_errors import ERROR_KEY, cause_text, note_error
 
 REWARDS: Dict[str, Callable[[str, dict], Tuple[float, str]]] = {}
 

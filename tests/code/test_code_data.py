@@ -135,6 +135,6 @@ def test_prepare_commands(tmp_path, prime_parquet, repo_env):
 
 @pytest.fixture(scope="module")
 def tiny_tokenizer(tmp_path_factory):
-    from openrlhf_lpo.tiny import build_tokenizer
+    from openrlhf_lpo.testing.tiny import build_tokenizer
 
     return build_tokenizer(tmp_path_factory.mktemp("tok"))

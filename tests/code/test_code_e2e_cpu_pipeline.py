@@ -22,7 +22,7 @@ from shared_ray import shared_ray_env
 from openrlhf_lpo.data.code import code_label
 from openrlhf_lpo.data.loaders import write_jsonl
 from openrlhf_lpo.rewards.code import grade_code
-from openrlhf_lpo.tensorboard_rows import scalars as tb_scalars
+from openrlhf_lpo.testing.tensorboard_rows import scalars as tb_scalars
 
 pytestmark = pytest.mark.e2e  # an lpo-train run with sandboxed code rewards
 
@@ -70,7 +70,7 @@ def teach(path: str) -> str:
 
 @pytest.fixture(scope="module")
 def e2e(tmp_path_factory):
-    from openrlhf_lpo.tiny import build_tiny_model
+    from openrlhf_lpo.testing.tiny import build_tiny_model
 
     root = tmp_path_factory.mktemp("code_e2e")
     model = teach(build_tiny_model(root / "tiny-coder", num_layers=2, hidden_size=64, num_heads=2, head_dim=32,

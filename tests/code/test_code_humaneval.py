@@ -182,7 +182,7 @@ def test_lpo_eval_run_on_humaneval_with_a_tiny_model(tmp_path, repo_env, capsys)
     """generate -> score (sandbox) -> report -> show for the code benchmark; a random model scores 0."""
     from evaluation.cli import main
     from openrlhf_lpo.data.templates import CODE_INSTRUCTION, PRIME_SYSTEM_PROMPT
-    from openrlhf_lpo.tiny import build_tiny_model
+    from openrlhf_lpo.testing.tiny import build_tiny_model
 
     ckpt = build_tiny_model(tmp_path / "run" / "global_step_1", num_layers=1, hidden_size=64, num_heads=2,
                             head_dim=32, num_kv_heads=1, intermediate_size=128)

@@ -52,7 +52,7 @@ def test_the_example_checks_itself():
 
 @pytest.mark.e2e
 def test_the_plugin_works_in_lpo_explain_and_lpo_train():
-    proc = _run("-m", "openrlhf_lpo.explain", "--rewards", "1", "0", "0", "1", "--divergence", "renyi:0.5",
+    proc = _run("-m", "openrlhf_lpo.cli.explain", "--rewards", "1", "0", "0", "1", "--divergence", "renyi:0.5",
                 "--log-ratio", "0.1", "0", "-0.1", "0")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "divergence=renyi:0.5" in proc.stdout and "(bound 2)" in proc.stdout

@@ -255,7 +255,7 @@ def test_a_new_family_works_everywhere_a_name_does(capsys):
     """A family registered with a parser: any parameter resolves, through the core functions,
     lpo-train's --lpo.divergence and lpo-explain; its bad parameters get the family's message."""
     from openrlhf_lpo.cli.train_ppo_ray import build_parser_and_parse
-    from openrlhf_lpo.explain import main as explain
+    from openrlhf_lpo.cli.explain import main as explain
 
     def parse_power(text):
         p = float(text)

@@ -38,7 +38,7 @@ def _table(text):
 
 
 def test_readme_table_is_what_lpo_explain_prints_and_it_is_right():
-    out = subprocess.run([sys.executable, "-m", "openrlhf_lpo.explain", *README_CMD], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "openrlhf_lpo.cli.explain", *README_CMD], capture_output=True, text=True,
                          timeout=120, cwd=REPO)
     assert out.returncode == 0, out.stderr
     text = out.stdout
@@ -76,7 +76,7 @@ def test_readme_table_is_what_lpo_explain_prints_and_it_is_right():
     ("0.7", "rev", [2.0, -1.0, 0.5]),
 ])
 def test_other_temperatures_and_divergences(temperature, divergence, rewards, capsys):
-    from openrlhf_lpo.explain import main
+    from openrlhf_lpo.cli.explain import main
 
     main(["--rewards", *map(str, rewards), "--temperature", temperature, "--divergence", divergence])
     text = capsys.readouterr().out
@@ -95,7 +95,7 @@ def test_other_temperatures_and_divergences(temperature, divergence, rewards, ca
 
 
 def test_bad_input_names_the_flag(capsys):
-    from openrlhf_lpo.explain import main
+    from openrlhf_lpo.cli.explain import main
 
     with pytest.raises(SystemExit) as e:
         main(["--rewards", "1", "0", "--temperature", "median"])
@@ -107,7 +107,7 @@ def test_bad_input_names_the_flag(capsys):
 def test_the_divergence_family_with_its_coefficients_and_bound(divergence, bound, capsys):
     """Off-policy (current s given): the printed c equals central finite differences of the divergence's
     definition, computed here in numpy; the summary states the proven bound on sum |c|."""
-    from openrlhf_lpo.explain import main
+    from openrlhf_lpo.cli.explain import main
 
     rewards, s = [1.0, 0.0, 0.0, 0.5], np.array([0.1, 0.0, -0.1, 0.05])
     main(["--rewards", *map(str, rewards), "--divergence", divergence, "--log-ratio", *map(str, s)])
@@ -138,7 +138,7 @@ def test_the_divergence_family_with_its_coefficients_and_bound(divergence, bound
 
 
 def test_bad_divergence_names_the_family(capsys):
-    from openrlhf_lpo.explain import main
+    from openrlhf_lpo.cli.explain import main
 
     with pytest.raises(SystemExit) as e:
         main(["--rewards", "1", "0", "--divergence", "alpha:nan"])

@@ -5,7 +5,7 @@ import sys
 
 SCRIPT = r"""
 import sys, time
-from openrlhf_lpo.progress import install
+from openrlhf_lpo.runtime.progress import install
 assert install()
 from tqdm import tqdm
 for _ in tqdm(range(200), desc="train"):
@@ -26,7 +26,7 @@ def test_progress_lines_when_not_a_tty():
 
 
 def test_terminals_keep_the_normal_bars():
-    code = ("from openrlhf_lpo.progress import install\n"
+    code = ("from openrlhf_lpo.runtime.progress import install\n"
             "class Tty:\n    def isatty(self):\n        return True\n"
             "print(install(Tty()))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -37,7 +37,7 @@ def _lpo_argv(*extra):
 
 def test_new_temperature_end_to_end(capsys):
     from openrlhf_lpo.cli.train_ppo_ray import build_parser_and_parse
-    from openrlhf_lpo.explain import main as explain
+    from openrlhf_lpo.cli.explain import main as explain
 
     def reward_range(rewards):  # tau = max - min (degenerate groups give 0; gibbs_target handles them)
         return rewards.amax(1, keepdim=True) - rewards.amin(1, keepdim=True)

@@ -1,4 +1,4 @@
-"""The TensorBoard step check the GPU smoke script uses (openrlhf_lpo/tensorboard_rows.py), on files written by
+"""The TensorBoard step check the GPU smoke script uses (openrlhf_lpo/testing/tensorboard_rows.py), on files written by
 the writer OpenRLHF's trainer logs with."""
 
 import os
@@ -21,7 +21,7 @@ def _write(tb_dir, steps):
 
 def _check(*argv):
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-m", "openrlhf_lpo.tensorboard_rows", *map(str, argv)], env=env,
+    return subprocess.run([sys.executable, "-m", "openrlhf_lpo.testing.tensorboard_rows", *map(str, argv)], env=env,
                           capture_output=True, text=True, timeout=120)
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from openrlhf_lpo.tiny import build_tiny_model
+from openrlhf_lpo.testing.tiny import build_tiny_model
 
 
 @pytest.fixture(scope="module")

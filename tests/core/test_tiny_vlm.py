@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from openrlhf_lpo.data.geometry import draw_problem
-from openrlhf_lpo.tiny_vlm import IMAGE_PAD, VISION_TOKENS, build_tiny_vlm
+from openrlhf_lpo.testing.tiny_vlm import IMAGE_PAD, VISION_TOKENS, build_tiny_vlm
 
 KW = dict(hidden_size=64, num_heads=2, num_kv_heads=1, intermediate_size=128, vision_hidden_size=32,
           vision_intermediate_size=64)
@@ -34,7 +34,7 @@ def image_chat(proc, text="Find x."):
 
 
 def test_processor_template_and_token_budget(processor):
-    assert type(processor).__module__ == "openrlhf_lpo.tiny_vlm"
+    assert type(processor).__module__ == "openrlhf_lpo.testing.tiny_vlm"
     prompt = image_chat(processor)
     assert prompt == "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Find x.<|im_end|>\n<|im_start|>assistant\n"
     for size, tokens in ((56, 4), (84, 9), (112, 16), (400, 64)):  # one token per 28x28, capped at MAX_PIXELS
@@ -62,7 +62,7 @@ def test_processor_pickles_by_module_path(processor):
     data = pickle.dumps(processor)
     names = [arg for op, arg, _ in pickletools.genops(data) if op.name in ("GLOBAL", "STACK_GLOBAL", "SHORT_BINUNICODE",
                                                                              "BINUNICODE", "UNICODE")]
-    assert "openrlhf_lpo.tiny_vlm" in names and "TinyQwen2_5_VLProcessor" in names
+    assert "openrlhf_lpo.testing.tiny_vlm" in names and "TinyQwen2_5_VLProcessor" in names
     assert not any(isinstance(n, str) and n.startswith("transformers_modules") for n in names)
     again = pickle.loads(data)
     assert again(text=["<|image_pad|>x"], add_special_tokens=False)["input_ids"][0] == \

@@ -32,7 +32,7 @@ def micro_warmup_config():
 @pytest.fixture(scope="module")
 def micro_tiny_model(tmp_path_factory):
     """An untrained micro Qwen3 (the demo's tokenizer), for loop runs that only need rows."""
-    from openrlhf_lpo.tiny import build_tiny_model
+    from openrlhf_lpo.testing.tiny import build_tiny_model
 
     return str(build_tiny_model(tmp_path_factory.mktemp("m") / "micro", seed=3, hidden_size=32, num_layers=1,
                                 num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64))

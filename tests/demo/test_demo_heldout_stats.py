@@ -62,7 +62,7 @@ def test_heldout_config_rejects_k_above_samples():
 def test_evaluate_heldout_is_seeded_and_leaves_training_rng_alone(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from openrlhf_lpo.tiny import build_tiny_model
+    from openrlhf_lpo.testing.tiny import build_tiny_model
 
     path = build_tiny_model(tmp_path / "m", seed=2, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                             head_dim=16, intermediate_size=64)

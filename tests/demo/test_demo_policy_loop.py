@@ -13,7 +13,7 @@ from openrlhf_lpo.demo.policy import encode_prompts, response_mask, sample_respo
 
 @pytest.fixture(scope="module")
 def micro_model(tmp_path_factory):
-    from openrlhf_lpo.tiny import build_tiny_model
+    from openrlhf_lpo.testing.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("m") / "micro", seed=1, hidden_size=32, num_layers=1,
                             num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64)

@@ -62,7 +62,7 @@ def test_trains_once_then_reuses_and_is_deterministic(cache_dir, micro_warmup_co
     for k in w1:
         assert torch.equal(w1[k], w3[k]), k
     # training changed the weights away from the random init of build_tiny_model
-    from openrlhf_lpo.tiny import build_tiny_model
+    from openrlhf_lpo.testing.tiny import build_tiny_model
 
     init = build_tiny_model(cache_dir / "init", seed=cfg.seed, hidden_size=32, num_layers=1, num_heads=2,
                             num_kv_heads=1, head_dim=16, intermediate_size=64)

@@ -31,7 +31,7 @@ def pool():
 
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory) -> str:
-    from openrlhf_lpo.tiny import build_tiny_model
+    from openrlhf_lpo.testing.tiny import build_tiny_model
 
     root = tmp_path_factory.mktemp("ckpts")
     return build_tiny_model(root / "run_x" / "global_step_5", seed=0, num_layers=2, hidden_size=128,

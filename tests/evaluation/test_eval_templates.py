@@ -30,7 +30,7 @@ def test_qwen_boxed_and_cot_exact():
 
 
 def test_chat_templates_use_the_tokenizer(tmp_path):
-    from openrlhf_lpo.tiny import build_tokenizer
+    from openrlhf_lpo.testing.tiny import build_tokenizer
 
     tok = build_tokenizer(tmp_path)
     assert render_prompt("chat", Q, "math", tok) == f"<|im_start|>user\n{Q}\n{MATH_I}<|im_end|>\n<|im_start|>assistant\n"
@@ -50,7 +50,7 @@ def test_chat_templates_use_the_tokenizer(tmp_path):
 
 
 def test_system_prompt_and_chat_template_kwargs(tmp_path):
-    from openrlhf_lpo.tiny import build_tokenizer
+    from openrlhf_lpo.testing.tiny import build_tokenizer
 
     tok = build_tokenizer(tmp_path)
     assert render_prompt("qwen-boxed", Q, "math", system_prompt="Be brief.").startswith(
@@ -71,7 +71,7 @@ def test_system_prompt_and_chat_template_kwargs(tmp_path):
 
 
 def test_default_stop_strings(tmp_path):
-    from openrlhf_lpo.tiny import build_tokenizer
+    from openrlhf_lpo.testing.tiny import build_tokenizer
 
     from evaluation.templates import default_stop
 

@@ -28,7 +28,7 @@ def _experience(tok, prompt: str, response: str, label: str, reward: float, trun
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from openrlhf_lpo.tiny import build_tokenizer
+    from openrlhf_lpo.testing.tiny import build_tokenizer
 
     tok = build_tokenizer(tmp_path_factory.mktemp("tok"))
     math_label = lambda a: json.dumps({"task": "math", "answer": a})  # noqa: E731

@@ -48,7 +48,7 @@ def geo_json_png(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def vlm_ckpt(tmp_path_factory):
-    from openrlhf_lpo.tiny_vlm import build_tiny_vlm
+    from openrlhf_lpo.testing.tiny_vlm import build_tiny_vlm
 
     return build_tiny_vlm(tmp_path_factory.mktemp("vlm_ckpts") / "geo_run" / "global_step_3", seed=0)
 

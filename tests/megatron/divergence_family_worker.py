@@ -20,7 +20,7 @@ torch.set_num_threads(1)
 PORT, OUT = sys.argv[1], sys.argv[2]
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=PORT, RANK="0", WORLD_SIZE="1")
 
-from openrlhf_lpo import cpu_megatron  # noqa: E402
+from openrlhf_lpo.cpu import megatron_redirect as cpu_megatron  # noqa: E402
 
 cpu_megatron.apply()
 import torch.distributed as dist  # noqa: E402
@@ -31,7 +31,7 @@ from openrlhf_lpo import listwise  # noqa: E402
 from openrlhf_lpo.megatron.actor import MegatronActor, MegatronActorConfig  # noqa: E402
 from openrlhf_lpo.megatron.losses import LossSpec  # noqa: E402
 from openrlhf_lpo.megatron.ray_actor import loss_spec_from_args  # noqa: E402
-from openrlhf_lpo.tiny import tiny_config  # noqa: E402
+from openrlhf_lpo.testing.tiny import tiny_config  # noqa: E402
 
 K, G, P, A = 2, 3, 5, 5
 

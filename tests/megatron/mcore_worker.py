@@ -23,7 +23,7 @@ torch.set_num_threads(1)
 RANK, WORLD, PORT, OUT = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=PORT, RANK=str(RANK), WORLD_SIZE=str(WORLD))
 
-from openrlhf_lpo import cpu_megatron  # noqa: E402
+from openrlhf_lpo.cpu import megatron_redirect as cpu_megatron  # noqa: E402
 
 cpu_megatron.apply()
 import torch.distributed as dist  # noqa: E402
@@ -34,7 +34,7 @@ from openrlhf_lpo import listwise  # noqa: E402
 from openrlhf_lpo.megatron import convert  # noqa: E402
 from openrlhf_lpo.megatron.actor import MegatronActor, MegatronActorConfig  # noqa: E402
 from openrlhf_lpo.megatron.losses import LossSpec  # noqa: E402
-from openrlhf_lpo.tiny import tiny_config  # noqa: E402
+from openrlhf_lpo.testing.tiny import tiny_config  # noqa: E402
 
 K, G, P, A = 2, 4, 6, 6
 LR, EPS, CLIP = 1e-3, 1e-4, 0.5
@@ -381,7 +381,7 @@ def check_policy_actor():
     import ray
 
     from openrlhf_lpo.megatron.ray_actor import plain_class
-    from openrlhf_lpo.tiny import build_tiny_model
+    from openrlhf_lpo.testing.tiny import build_tiny_model
 
     ray.put = lambda x: x  # no Ray cluster in this test: the object store is the identity
     ray.get = lambda x: x
@@ -1110,7 +1110,7 @@ def _policy_actor(model_dir, **over):
 
 
 def _tiny_dir():
-    from openrlhf_lpo.tiny import build_tiny_model
+    from openrlhf_lpo.testing.tiny import build_tiny_model
 
     model_dir = os.path.join(OUT, "tiny_train")
     if RANK == 0 and not os.path.exists(os.path.join(model_dir, "config.json")):

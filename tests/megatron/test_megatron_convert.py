@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from openrlhf_lpo.megatron import convert
-from openrlhf_lpo.tiny import tiny_config
+from openrlhf_lpo.testing.tiny import tiny_config
 
 
 @functools.lru_cache(maxsize=None)

@@ -8,7 +8,7 @@ from types import SimpleNamespace as NS
 import pytest
 
 from openrlhf_lpo.core.config import dp_size
-from openrlhf_lpo.tiny import build_tiny_model
+from openrlhf_lpo.testing.tiny import build_tiny_model
 
 
 @pytest.fixture(scope="module")

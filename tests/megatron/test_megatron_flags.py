@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from openrlhf_lpo.tiny import build_tiny_model
+from openrlhf_lpo.testing.tiny import build_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -258,7 +258,7 @@ def test_megatron_group_returns_one_result_per_replica(monkeypatch):
 
 @pytest.fixture(scope="module")
 def tiny_vlm(tmp_path_factory):
-    from openrlhf_lpo.tiny_vlm import build_tiny_vlm
+    from openrlhf_lpo.testing.tiny_vlm import build_tiny_vlm
 
     return build_tiny_vlm(tmp_path_factory.mktemp("vlm") / "qwen2.5-vl")
 

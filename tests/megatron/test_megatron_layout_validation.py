@@ -1,6 +1,6 @@
 import pytest
 
-from openrlhf_lpo.megatron.layout import validate_layout
+from openrlhf_lpo.megatron.parallel_layout import validate_layout
 
 CFG = {"num_attention_heads": 40, "num_key_value_heads": 8, "num_hidden_layers": 40,
        "intermediate_size": 17408, "vocab_size": 151936}  # Qwen3-14B

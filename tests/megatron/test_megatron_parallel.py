@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from openrlhf_lpo.tiny import build_tiny_model
+from openrlhf_lpo.testing.tiny import build_tiny_model
 
 from .test_megatron_flags import _argv as flag_argv
 from .test_megatron_flags import _parse
@@ -200,7 +200,7 @@ def test_parameter_count_equals_the_hf_model(arch, tied):
     from transformers import AutoModelForCausalLM
 
     from openrlhf_lpo.megatron.memory import Shape
-    from openrlhf_lpo.tiny import tiny_config
+    from openrlhf_lpo.testing.tiny import tiny_config
 
     cfg = tiny_config(arch, vocab_size=96, hidden_size=48, num_layers=3, num_heads=6, num_kv_heads=2, head_dim=8,
                       intermediate_size=80, tie_word_embeddings=tied)

@@ -37,7 +37,7 @@ def _run(argv, env, log, timeout=1200):
 @pytest.fixture(scope="module")
 def e2e(tmp_path_factory):
     from openrlhf_lpo.demo.task import get_task, write_prompt_dataset
-    from openrlhf_lpo.tiny import build_tiny_model
+    from openrlhf_lpo.testing.tiny import build_tiny_model
 
     w = tmp_path_factory.mktemp("mega_e2e")
     model = build_tiny_model(w / "model", arch="qwen3", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,

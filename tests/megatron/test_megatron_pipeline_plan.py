@@ -67,7 +67,7 @@ def test_efficiency_is_the_simulated_busy_fraction(M, pp):
 
 @pytest.fixture(scope="module")
 def tiny4(tmp_path_factory):
-    from openrlhf_lpo.tiny import build_tiny_model
+    from openrlhf_lpo.testing.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("pp") / "q3", arch="qwen3", hidden_size=64, num_layers=4,
                             num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128)

@@ -24,7 +24,7 @@ KEEP_OUT = ("MODEL", "EXTRA_ARGS", "METHOD", "BACKEND", "MEGATRON_TP", "MEGATRON
 
 @pytest.fixture(scope="module")
 def layout_model(tmp_path_factory):
-    from openrlhf_lpo.tiny import build_tiny_model
+    from openrlhf_lpo.testing.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tp8") / "q3", arch="qwen3", hidden_size=64, num_layers=4,
                             num_heads=8, num_kv_heads=8, head_dim=8, intermediate_size=128)

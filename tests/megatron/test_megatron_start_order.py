@@ -10,7 +10,7 @@ import pytest
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    from openrlhf_lpo.tiny import build_tiny_model
+    from openrlhf_lpo.testing.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("order") / "q3", arch="qwen3", hidden_size=64, num_layers=2,
                             num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128)

@@ -83,7 +83,7 @@ def _fake_cache(cache: Path, repo: str, src: Path, files):
 
 def test_hub_ids_resolve_offline_from_the_cache(tmp_path, monkeypatch):
     from openrlhf_lpo.megatron.hub import resolve_pretrained
-    from openrlhf_lpo.tiny import build_tiny_model
+    from openrlhf_lpo.testing.tiny import build_tiny_model
 
     src = Path(build_tiny_model(tmp_path / "src", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                                 head_dim=16, intermediate_size=32))
@@ -255,8 +255,8 @@ def _imports(path: Path):
 def test_megatron_room_does_not_import_the_cpu_mode():
     bad = {}
     for f in sorted((REPO / "openrlhf_lpo" / "megatron").glob("*.py")):
-        hits = [m for m in _imports(f) if m in ("openrlhf_lpo.cpu", "openrlhf_lpo.cpu_megatron")
-                or m.startswith(("openrlhf_lpo.cpu.", "openrlhf_lpo.cpu_megatron."))]
+        hits = [m for m in _imports(f) if m in ("openrlhf_lpo.cpu.mode", "openrlhf_lpo.cpu.megatron_redirect")
+                or m.startswith(("openrlhf_lpo.cpu.", "openrlhf_lpo.cpu.megatron_redirect."))]
         if hits:
             bad[f.name] = hits
     assert bad == {}
@@ -267,11 +267,11 @@ def test_cpu_mode_patches_megatron_on_import():
     megatron.core is imported (nothing in the Megatron room asks for it)."""
     code = (
         "import json, sys\n"
-        "from openrlhf_lpo import cpu\n"
+        "from openrlhf_lpo.cpu import mode as cpu\n"
         "cpu.enable_cpu_mode()\n"
-        "assert 'openrlhf_lpo.cpu_megatron' not in sys.modules\n"
+        "assert 'openrlhf_lpo.cpu.megatron_redirect' not in sys.modules\n"
         "import megatron.core\n"
-        "from openrlhf_lpo import cpu_megatron\n"
+        "from openrlhf_lpo.cpu import megatron_redirect as cpu_megatron\n"
         "print(json.dumps({'active': cpu_megatron.is_active()}))\n"
     )
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), LPO_CPU_MODE="1")

@@ -38,7 +38,7 @@ from openrlhf_lpo.cli.train_ppo_ray import build_parser_and_parse
 from openrlhf_lpo.openrlhf.actor_trainer import LPOActorTrainer
 from openrlhf_lpo.openrlhf.experience_maker import LPOExperienceMaker
 from openrlhf_lpo.openrlhf.vlm import mm_forward_kwargs
-from openrlhf_lpo.tiny import build_tiny_model
+from openrlhf_lpo.testing.tiny import build_tiny_model
 
 MODEL_KW = dict(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64)
 

@@ -24,7 +24,7 @@ K, G = 4, 4
 
 def test_bf16_experience_pass_vs_training_pass_shapes(tmp_path):
     """hidden 512 (at hidden 32 the CPU kernels round both shapes alike: a vacuous check)."""
-    from openrlhf_lpo.tiny import build_tiny_model
+    from openrlhf_lpo.testing.tiny import build_tiny_model
 
     model = build_tiny_model(str(tmp_path / "h512"), arch="qwen3", hidden_size=512, intermediate_size=1536,
                              num_layers=2, num_heads=4, num_kv_heads=2, head_dim=128)

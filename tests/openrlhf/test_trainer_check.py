@@ -1,4 +1,4 @@
-"""The DeepSpeed LPO trainer check (``openrlhf_lpo/trainer_check.py``, the
+"""The DeepSpeed LPO trainer check (``openrlhf_lpo/checks/trainer_check.py``, the
 ``deepspeed_lpo_trainer_zero{2,3}`` rows of ``examples/scripts/gpu_check.sh``) in its CPU mode.
 
 The real ``LPOActorTrainer.ppo_train`` with OpenRLHF's real ``DeepspeedStrategy`` (gloo, one rank),
@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 RUN = """
 import sys, json
 sys.modules["vllm"] = None  # as on a GPU machine without vLLM: importing it raises
-from openrlhf_lpo import trainer_check as tc
+from openrlhf_lpo.checks import trainer_check as tc
 {patch}
 code = tc.main({argv!r})
 print("VLLM_IMPORTED", sys.modules.get("vllm") is not None)
@@ -30,7 +30,7 @@ sys.exit(code)
 
 STALE = """
 import torch
-from openrlhf_lpo.cpu import enable_cpu_mode
+from openrlhf_lpo.cpu.mode import enable_cpu_mode
 enable_cpu_mode()
 at = tc.import_trainer()
 # the bug this check must catch: later windows' coefficients from s_t instead of a fresh pre-pass

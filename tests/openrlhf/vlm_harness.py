@@ -1,6 +1,6 @@
 """Image batches for the LPO tests on OpenRLHF 0.11.2's vision-language path (see lpo_harness.py).
 
-A tiny random Qwen2.5-VL built offline (:mod:`openrlhf_lpo.tiny_vlm`) and rollout samples made
+A tiny random Qwen2.5-VL built offline (:mod:`openrlhf_lpo.testing.tiny_vlm`) and rollout samples made
 the way OpenRLHF's engines make them: the chat template renders ``<image>`` as the vision tokens,
 ``openrlhf.utils.vlm_utils.process_prompt_with_images`` expands them and returns the
 ``mm_train_inputs`` (``pixel_values``, ``image_grid_thw``) that ride along with each sample.
@@ -15,7 +15,7 @@ import os
 import torch
 
 from openrlhf_lpo.data.geometry import KINDS, draw_problem, image_to_data_uri
-from openrlhf_lpo.tiny_vlm import VISION_TOKENS, build_tiny_vlm
+from openrlhf_lpo.testing.tiny_vlm import VISION_TOKENS, build_tiny_vlm
 
 VLM_KW = dict(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64,
               vision_depth=2, vision_hidden_size=32, vision_heads=2, vision_intermediate_size=64)

@@ -89,7 +89,7 @@ def run_cli(args: List[str], env: Dict[str, str], log: Path, stop_at_checkpoint:
 
 def tb_scalars(tb_dir: Path) -> Dict[str, Dict[int, float]]:
     """``{tag: {step: value}}`` of a run's TensorBoard files (the product's reader)."""
-    from openrlhf_lpo.tensorboard_rows import scalars
+    from openrlhf_lpo.testing.tensorboard_rows import scalars
 
     return scalars(tb_dir)
 

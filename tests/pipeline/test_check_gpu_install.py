@@ -526,8 +526,8 @@ def test_run_start_check(monkeypatch, capsys):
     assert _run_check(monkeypatch, args, {"10.0.0.3 (gpu-c)": node()}, {"LPO_CPU_MODE": "0"}) == [1]
     assert capsys.readouterr().out == ("lpo-train: DeepSpeed fused_adam: JIT-compiled on 1 with nvcc 13.0 and ninja "
                                        "GPU node(s)\n")
-    # not checked: CPU mode (as openrlhf_lpo.cpu's start decided it), the Megatron backend, the opt-out
-    from openrlhf_lpo import cpu
+    # not checked: CPU mode (as openrlhf_lpo.cpu.mode's start decided it), the Megatron backend, the opt-out
+    from openrlhf_lpo.cpu import mode as cpu
 
     for mode, active in (("off", False), ("auto", True)):  # LPO_CPU_MODE=1: auto is on
         decided = SimpleNamespace(backend="deepspeed", ds=args.ds, critic=args.critic, cpu=SimpleNamespace(mode=mode))

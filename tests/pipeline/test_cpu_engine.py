@@ -252,7 +252,7 @@ def test_engine_batches_concurrent_requests(tiny_model_dir):
 VLLM_PROBE = r"""
 import json, os, sys
 import torch
-from openrlhf_lpo.cpu import enable_cpu_mode
+from openrlhf_lpo.cpu.mode import enable_cpu_mode
 enable_cpu_mode()
 from transformers import AutoModelForCausalLM
 from vllm import SamplingParams
@@ -309,7 +309,7 @@ def test_vllm_cpu_backend_batches_like_hf_and_rebuilds_on_a_weight_sync(tmp_path
     import subprocess
     import sys
 
-    from openrlhf_lpo.tiny import build_tiny_model
+    from openrlhf_lpo.testing.tiny import build_tiny_model
 
     model = build_tiny_model(tmp_path / "hd32", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
                              head_dim=32, intermediate_size=128)

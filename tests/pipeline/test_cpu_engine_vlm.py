@@ -129,7 +129,7 @@ def _fp32_actor(model_dir, **kw):
 
 def test_image_probe_log_probs_equal_the_actor(tiny_vlm_dir, backend):
     """The weight-sync probe: the engine's log-probs through its vision tower == OpenRLHF's Actor."""
-    from openrlhf_lpo.parity import actor_image_log_probs, image_probe
+    from openrlhf_lpo.runtime.parity import actor_image_log_probs, image_probe
 
     actor = _fp32_actor(tiny_vlm_dir)
     ids, images, mm = image_probe(backend.processor)
@@ -298,7 +298,7 @@ def test_engine_serves_image_prompts_through_the_rollout_executor(tiny_vlm_dir, 
 
 VLLM_PROBE = r"""
 import json, sys
-from openrlhf_lpo.cpu import enable_cpu_mode
+from openrlhf_lpo.cpu.mode import enable_cpu_mode
 enable_cpu_mode()
 import torch
 from vllm import SamplingParams

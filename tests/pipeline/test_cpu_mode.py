@@ -1,4 +1,4 @@
-"""CPU mode (openrlhf_lpo/cpu.py): what it patches, that it is lazy and off-switchable, and that
+"""CPU mode (openrlhf_lpo/cpu/mode.py): what it patches, that it is lazy and off-switchable, and that
 the rest of the product names no device. Patching runs in subprocesses so this pytest process
 keeps the real ``torch.cuda``."""
 
@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 PROBE = r"""
 import json, sys, torch
-from openrlhf_lpo import cpu
+from openrlhf_lpo.cpu import mode as cpu
 out = {"active": cpu.enable_cpu_mode()}
 out["lazy"] = "openrlhf.trainer.ray.ppo_actor" not in sys.modules
 out["device"] = str(torch.cuda.current_device())
@@ -61,7 +61,7 @@ print(json.dumps(out))
 OFF = r"""
 import json, os, torch
 os.environ["LPO_CPU_MODE"] = "0"
-from openrlhf_lpo import cpu
+from openrlhf_lpo.cpu import mode as cpu
 active = cpu.enable_cpu_mode()
 try:
     torch.cuda.current_device(); raised = False
@@ -96,7 +96,7 @@ def test_cpu_mode_can_be_switched_off(repo_env):
 def test_adjust_args_rewrites_gpu_only_settings():
     from types import SimpleNamespace
 
-    from openrlhf_lpo.cpu import adjust_args
+    from openrlhf_lpo.cpu.mode import adjust_args
 
     args = SimpleNamespace(ds=SimpleNamespace(attn_implementation="flash_attention_2", packing_samples=True,
                                               enable_sleep=True),
@@ -109,7 +109,7 @@ def test_adjust_args_rewrites_gpu_only_settings():
 
 
 def test_cpu_flag_group_registered():
-    from openrlhf_lpo import cpu  # noqa: F401  (registers the group)
+    from openrlhf_lpo.cpu import mode as cpu  # noqa: F401  (registers the group)
     from openrlhf_lpo.cli import flags
     from openrlhf_lpo.cli.train_ppo_ray import build_parser_and_parse
 
@@ -122,7 +122,7 @@ def test_cpu_flag_group_registered():
 WORKER = r"""
 import json, os, sys
 os.environ["LPO_CPU_MODE"] = "1"  # what the CPU mode's Ray runtime env sets in every worker
-from openrlhf_lpo import cpu
+from openrlhf_lpo.cpu import mode as cpu
 cpu.worker_setup()
 out = {"torch_at_setup": "torch" in sys.modules}
 import torch
@@ -142,7 +142,7 @@ def test_a_ray_worker_applies_the_cpu_mode_without_importing_torch(repo_env):
 def test_the_runtime_env_carries_the_drivers_lpo_settings(monkeypatch):
     """Workers of a cluster the run joins inherit nothing from the driver: every LPO_* variable (a code reward's
     LPO_CODE_*, a reward file's own), OMP_NUM_THREADS and PYTHONPATH travel in the job's runtime env."""
-    from openrlhf_lpo import cpu
+    from openrlhf_lpo.cpu import mode as cpu
 
     monkeypatch.setenv("LPO_CODE_SANDBOX", "bwrap")
     monkeypatch.setenv("LPO_E2E_REWARD_LOG", "/tmp/x.jsonl")
@@ -150,7 +150,7 @@ def test_the_runtime_env_carries_the_drivers_lpo_settings(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     monkeypatch.setenv("NOT_OURS", "1")
     env = cpu.ray_runtime_env({"EXTRA": "y"})
-    assert env["worker_process_setup_hook"] == "openrlhf_lpo.cpu.worker_setup"
+    assert env["worker_process_setup_hook"] == "openrlhf_lpo.cpu.mode.worker_setup"
     got = env["env_vars"]
     assert (got["LPO_CODE_SANDBOX"], got["LPO_E2E_REWARD_LOG"], got["OMP_NUM_THREADS"], got["EXTRA"]) == \
         ("bwrap", "/tmp/x.jsonl", "3", "y")
@@ -164,7 +164,7 @@ def test_a_local_ray_start_that_times_out_is_tried_again(monkeypatch, capsys):
     import pytest
     import ray
 
-    from openrlhf_lpo import cpu
+    from openrlhf_lpo.cpu import mode as cpu
 
     calls = []
 

@@ -20,7 +20,7 @@ time.sleep(600)
 
 DRIVER = r"""
 import json, os, sys
-from openrlhf_lpo.cpu import decide_cpu_mode, init_ray
+from openrlhf_lpo.cpu.mode import decide_cpu_mode, init_ray
 on, reason = decide_cpu_mode("auto", os.environ["RAY_ADDRESS"], local_gpu=False)
 out = {"on": on, "reason": reason, "off_flag": decide_cpu_mode("off", os.environ["RAY_ADDRESS"])[0],
        "on_flag": decide_cpu_mode("on", os.environ["RAY_ADDRESS"])[0]}
@@ -81,7 +81,7 @@ def test_cluster_without_gpus_gets_cpu_mode_and_a_clear_error(ray_head):
 
 
 def test_no_cluster_and_no_gpu_means_cpu_mode():
-    from openrlhf_lpo.cpu import decide_cpu_mode
+    from openrlhf_lpo.cpu.mode import decide_cpu_mode
 
     assert decide_cpu_mode("auto", None, local_gpu=False) == (True, "no GPU here and no Ray cluster to join "
                                                                     "(RAY_ADDRESS unset)")
@@ -94,7 +94,7 @@ def test_no_cluster_and_no_gpu_means_cpu_mode():
 OFF_PROBE = r"""
 import contextlib, io, json, os, sys
 import ray, torch
-from openrlhf_lpo import cpu
+from openrlhf_lpo.cpu import mode as cpu
 from openrlhf_lpo.cli import flags
 from openrlhf_lpo.cli.train_ppo_ray import build_parser_and_parse
 
@@ -142,7 +142,7 @@ def test_cpu_mode_off_leaves_the_run_on_the_gpu_path():
         assert r["mode"] == mode and r["decision"] == [False, reason], r
         assert r["direct"] is True
         assert r["inside"] == {"ray": False, "cpu_patched": False, "engine_env": None}, r
-        assert f"[openrlhf_lpo.cpu] CPU mode off: {reason}" in r["log"]
+        assert f"[openrlhf_lpo.cpu.mode] CPU mode off: {reason}" in r["log"]
     if not __import__("torch").cuda.is_available():
         assert res["cuda"] != "works"  # the real torch.cuda, not the CPU mode's redirection
 
@@ -163,7 +163,7 @@ with contextlib.ExitStack() as stack:
 
     @ray.remote(num_cpus=0)
     def worker():
-        from openrlhf_lpo import progress
+        from openrlhf_lpo.runtime import progress
         print("LPO_WORKER_LINE_REACHES_THE_DRIVER", flush=True)
         keys = ("NCCL_DEBUG", "TOKENIZERS_PARALLELISM", "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS")
         return {k: os.environ.get(k) for k in keys}, progress._STATE["installed"]
@@ -189,8 +189,8 @@ def test_gpu_less_driver_joins_a_gpu_cluster_as_stock_openrlhf_would(ray_head):
     out = subprocess.run([sys.executable, "-c", JOIN], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
-    assert "[openrlhf_lpo.cpu] CPU mode off: the Ray cluster at" in out.stderr and "has 2 GPUs" in out.stderr
+    assert "[openrlhf_lpo.cpu.mode] CPU mode off: the Ray cluster at" in out.stderr and "has 2 GPUs" in out.stderr
     assert res["env"] == {"NCCL_DEBUG": "LPO_TEST_VALUE", "TOKENIZERS_PARALLELISM": env.get("TOKENIZERS_PARALLELISM", "true"),
                           "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}, res
-    assert res["hook"] == "openrlhf_lpo.progress.worker_setup" and res["hooked"] is True
+    assert res["hook"] == "openrlhf_lpo.runtime.progress.worker_setup" and res["hooked"] is True
     assert "LPO_WORKER_LINE_REACHES_THE_DRIVER" in out.stdout + out.stderr  # log_to_driver

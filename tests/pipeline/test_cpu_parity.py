@@ -1,4 +1,4 @@
-"""CPU mode's weight-sync parity check fails the run on a mismatch (openrlhf_lpo/parity.py, cpu.py).
+"""CPU mode's weight-sync parity check fails the run on a mismatch (openrlhf_lpo/runtime/parity.py, cpu.py).
 
 One subprocess (CPU mode, a local Ray, a one-process gloo group) with the real pieces: OpenRLHF's
 ``Actor`` inside a real DeepSpeed engine, trained-looking weights (the checkpoint perturbed), and two
@@ -18,14 +18,14 @@ pytestmark = pytest.mark.e2e  # Ray, a DeepSpeed actor and two CPU engines
 PROBE = r"""
 import json, os, socket, sys
 model_dir, bad_dir, log_path = sys.argv[1:4]
-from openrlhf_lpo import cpu
+from openrlhf_lpo.cpu import mode as cpu
 assert cpu.enable_cpu_mode()
 import ray, torch, deepspeed
 from types import SimpleNamespace as NS
 from openrlhf.models import Actor
 from transformers import AutoTokenizer
 from openrlhf_lpo.engines.cpu_engine import RemoteCPURolloutEngine
-from openrlhf_lpo.parity import check_engine_parity, probe_sequence
+from openrlhf_lpo.runtime.parity import check_engine_parity, probe_sequence
 
 with socket.socket() as s:
     s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]

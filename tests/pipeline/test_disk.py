@@ -1,4 +1,4 @@
-"""Disk: HF exports rotate with the training state (openrlhf_lpo/hf_exports.py), and the one disk estimate
+"""Disk: HF exports rotate with the training state (openrlhf_lpo/runtime/hf_exports.py), and the one disk estimate
 (openrlhf_lpo/cli/disk.py, printed by ``--dry-run`` and checked by the preflight) counts the exports the
 rotation keeps. The rotation inside a real run is checked end to end in test_e2e_reward_errors.py (run A
 saves every step with --ckpt.max_num 1); the printed line in test_preflight.py."""
@@ -9,7 +9,7 @@ import subprocess
 from types import SimpleNamespace
 
 from openrlhf_lpo.cli import disk
-from openrlhf_lpo.hf_exports import rotate_for_args, rotate_hf_exports
+from openrlhf_lpo.runtime.hf_exports import rotate_for_args, rotate_hf_exports
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

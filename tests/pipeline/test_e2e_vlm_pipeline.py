@@ -115,7 +115,7 @@ def test_final_checkpoint_loads_with_its_processor_and_matches_the_engine(vlm_e2
     ids = last["probe_ids"]
     final_dir = str(vlm_e2e["out"] / "final")
     processor = AutoProcessor.from_pretrained(final_dir, trust_remote_code=True)
-    from openrlhf_lpo.parity import image_probe
+    from openrlhf_lpo.runtime.parity import image_probe
 
     probe_ids, images, mm = image_probe(processor)
     assert probe_ids == ids

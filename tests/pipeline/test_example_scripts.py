@@ -182,7 +182,7 @@ def test_megatron_recipe_rejects_a_layout_the_model_cannot_split(megatron_layout
 def test_image_recipe_refuses_the_megatron_backend(tmp_path, capsys):
     """BACKEND=megatron on the Geometry3k recipe: the parse stops with the VLM refusal (a tiny offline
     Qwen2.5-VL stands in for the hub model, whose config the Megatron check reads)."""
-    from openrlhf_lpo.tiny_vlm import build_tiny_vlm
+    from openrlhf_lpo.testing.tiny_vlm import build_tiny_vlm
 
     model = build_tiny_vlm(tmp_path / "vlm")
     argv = script_args("train_geometry_qwen2.5_vl_3b.sh", "lpo_fwd", BACKEND="megatron", MODEL=model)

@@ -17,7 +17,7 @@ from openrlhf_lpo.openrlhf.request_seeds import prompt_seed, sample_seed
 PROBE = r"""
 import json, sys
 from types import SimpleNamespace
-from openrlhf_lpo import cpu
+from openrlhf_lpo.cpu import mode as cpu
 cpu.enable_cpu_mode()
 import ray
 ray.init(num_cpus=2, num_gpus=0, include_dashboard=False, runtime_env=cpu.ray_runtime_env())

@@ -1,5 +1,5 @@
 """A reward that cannot be computed scores 0 with status error and is counted; the run stops only when
-errors persist over a window (openrlhf_lpo/reward_errors.py, rewards/reward_func.py, openrlhf/reward_guard.py).
+errors persist over a window (openrlhf_lpo/rewards/reward_errors.py, rewards/reward_func.py, openrlhf/reward_guard.py).
 The end-to-end runs through lpo-train are in test_e2e_reward_errors.py."""
 
 import errno
@@ -10,7 +10,7 @@ import torch
 
 from openrlhf_lpo.data.countdown import countdown_label
 from openrlhf_lpo.data.templates import countdown_prompt
-from openrlhf_lpo.reward_errors import ERROR_KEY, ErrorWindow, RewardErrorsPersist, stop_message
+from openrlhf_lpo.rewards.reward_errors import ERROR_KEY, ErrorWindow, RewardErrorsPersist, stop_message
 from openrlhf_lpo.rewards import reward_func as rf
 
 KEYS = {"answer_found", "grader_timeout", ERROR_KEY}

@@ -28,7 +28,7 @@ class EngineLike(nn.Module):  # DeepSpeed's engine: the HF model under .module
 def main():
     model_dir, out = sys.argv[1], sys.argv[2]
     os.environ["LPO_CPU_PARITY_LOG"] = out + ".parity.jsonl"
-    from openrlhf_lpo.cpu import cpu_broadcast_to_engines, enable_cpu_mode, init_ray
+    from openrlhf_lpo.cpu.mode import cpu_broadcast_to_engines, enable_cpu_mode, init_ray
 
     enable_cpu_mode()
     import ray
@@ -40,7 +40,7 @@ def main():
     from transformers import AutoProcessor
 
     from openrlhf_lpo.engines.cpu_engine import RemoteCPURolloutEngine
-    from openrlhf_lpo.parity import actor_image_log_probs, image_probe
+    from openrlhf_lpo.runtime.parity import actor_image_log_probs, image_probe
 
     processor = AutoProcessor.from_pretrained(model_dir, trust_remote_code=True)
     ids, images, mm = image_probe(processor)

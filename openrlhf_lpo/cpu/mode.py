@@ -32,7 +32,7 @@ What it does, in the driver and in every Ray worker (through Ray's
 
 Run any OpenRLHF entry point in CPU mode with::
 
-    python -m openrlhf_lpo.cpu openrlhf.cli.train_ppo_ray --actor.model_name_or_path ... (stock flags)
+    python -m openrlhf_lpo.cpu.mode openrlhf.cli.train_ppo_ray --actor.model_name_or_path ... (stock flags)
 
 (``python -m openrlhf_lpo.cli.train_ppo_ray`` applies it automatically when no GPU is present.)
 Environment knobs: ``LPO_CPU_ENGINE`` (``hf`` default, or ``vllm``), ``LPO_CPU_PARITY_TOL``
@@ -247,7 +247,7 @@ def _patch_vllm_engine(module) -> None:
 
 def _patch_megatron_core(module) -> None:
     # megatron-core's hard-coded accelerator calls (the CPU side patches megatron, not the reverse)
-    from openrlhf_lpo.cpu_megatron import apply
+    from openrlhf_lpo.cpu.megatron_redirect import apply
 
     apply()
 
@@ -324,11 +324,11 @@ def enable_cpu_mode(decided: bool = False) -> bool:
 
 
 def worker_setup() -> None:
-    """Ray ``worker_process_setup_hook``: the CPU mode (and line progress, openrlhf_lpo.progress) in
+    """Ray ``worker_process_setup_hook``: the CPU mode (and line progress, openrlhf_lpo.runtime.progress) in
     every worker process. The runtime env that names this hook exists only in CPU mode (it also sets
     ``LPO_CPU_MODE=1``), so the worker does not import torch to ask: a worker Ray starts and never uses
     stays light, and torch is patched when an actor's code imports it."""
-    from openrlhf_lpo.progress import install
+    from openrlhf_lpo.runtime.progress import install
 
     install()
     enable_cpu_mode(decided=os.environ.get("LPO_CPU_MODE") == "1")
@@ -349,7 +349,7 @@ def ray_runtime_env(extra_env: Optional[Dict[str, str]] = None) -> dict:
     env.update({k: v for k, v in os.environ.items() if k.startswith("LPO_") or k in ("OMP_NUM_THREADS", "PYTHONPATH")})
     env["LPO_CPU_MODE"] = "1"
     env.update(extra_env or {})
-    return {"worker_process_setup_hook": "openrlhf_lpo.cpu.worker_setup", "env_vars": env}
+    return {"worker_process_setup_hook": "openrlhf_lpo.cpu.mode.worker_setup", "env_vars": env}
 
 
 def init_ray(num_cpus: Optional[int] = None, num_gpus: Optional[int] = None, **kwargs):
@@ -379,7 +379,7 @@ def init_ray(num_cpus: Optional[int] = None, num_gpus: Optional[int] = None, **k
             if "timed out during startup" not in str(e) or attempt == START_ATTEMPTS - 1:
                 raise
             ray.shutdown()
-            print(f"[openrlhf_lpo.cpu] the local Ray cluster timed out starting (a busy machine: Ray waits 30 s "
+            print(f"[openrlhf_lpo.cpu.mode] the local Ray cluster timed out starting (a busy machine: Ray waits 30 s "
                   f"for its raylet); starting it again ({attempt + 2}/{START_ATTEMPTS})", file=sys.stderr, flush=True)
 
 
@@ -409,7 +409,7 @@ def adjust_args(args) -> List[str]:
 
 
 # the parity check lives in a neutral module (the Megatron actor uses it too)
-from openrlhf_lpo.parity import PROBE_TEXT, check_engine_parity, check_image_parity, probe_sequence  # noqa: E402,F401
+from openrlhf_lpo.runtime.parity import PROBE_TEXT, check_engine_parity, check_image_parity, probe_sequence  # noqa: E402,F401
 
 
 def _actor_log_probs(actor, ids: List[int]):
@@ -469,12 +469,12 @@ def cpu_broadcast_to_engines(self) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """``python -m openrlhf_lpo.cpu MODULE [ARGS...]``: run an entry-point module in CPU mode."""
+    """``python -m openrlhf_lpo.cpu.mode MODULE [ARGS...]``: run an entry-point module in CPU mode."""
     import runpy
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: python -m openrlhf_lpo.cpu MODULE [ARGS...]   e.g. openrlhf.cli.train_ppo_ray --actor...")
+        print("usage: python -m openrlhf_lpo.cpu.mode MODULE [ARGS...]   e.g. openrlhf.cli.train_ppo_ray --actor...")
         return 0 if argv else 2
     module, rest = argv[0], argv[1:]
     if enable_cpu_mode():
@@ -497,7 +497,7 @@ def install_args_adjuster() -> None:
         ns = orig(self, *a, **k)
         if hasattr(ns, "ds") or any(str(key).startswith("ds.") for key in vars(ns)):
             for note in _adjust_flat_or_nested(ns):
-                print(f"[openrlhf_lpo.cpu] {note}", file=sys.stderr)
+                print(f"[openrlhf_lpo.cpu.mode] {note}", file=sys.stderr)
         return ns
 
     parse_args._lpo_cpu = True
@@ -523,7 +523,7 @@ def _adjust_flat_or_nested(ns) -> List[str]:
 
 
 def _add_cpu_arguments(parser) -> None:
-    g = parser.add_argument_group("CPU mode (openrlhf_lpo.cpu; active only when no GPU is present)")
+    g = parser.add_argument_group("CPU mode (openrlhf_lpo.cpu.mode; active only when no GPU is present)")
     g.add_argument("--cpu.mode", type=str, default="auto", choices=["auto", "on", "off"],
                    help="auto (default): CPU mode when this driver sees no GPU and does not join a Ray cluster "
                    "with GPUs (RAY_ADDRESS); on: always (debug a recipe on CPU); off: never")
@@ -557,7 +557,7 @@ def _cpu_before_train(args):
     on, reason = decide_cpu_mode(getattr(cpu_args, "mode", "auto"), ray_address())
     if cpu_args is not None:
         cpu_args.active = on  # read by later start-up checks (cli/gpu_build.py) without importing this module
-    print(f"[openrlhf_lpo.cpu] CPU mode {'on' if on else 'off'}: {reason}", file=sys.stderr)
+    print(f"[openrlhf_lpo.cpu.mode] CPU mode {'on' if on else 'off'}: {reason}", file=sys.stderr)
     if not on:
         return None
     if gpu_available():
@@ -568,7 +568,7 @@ def _cpu_before_train(args):
     os.environ["LPO_CPU_TRUST_REMOTE_CODE"] = "1" if getattr(cpu_args, "trust_remote_code", False) else "0"
     enable_cpu_mode()
     for note in adjust_args(args):
-        print(f"[openrlhf_lpo.cpu] {note}", file=sys.stderr)
+        print(f"[openrlhf_lpo.cpu.mode] {note}", file=sys.stderr)
     return _RaySession()
 
 

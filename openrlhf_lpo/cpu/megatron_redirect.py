@@ -8,10 +8,10 @@ fails although the arithmetic itself runs fine on CPU with gloo.
 
 :func:`apply` redirects those calls to the CPU for the current process. It does nothing when an
 accelerator is present (``torch.cuda.is_available()``). The dependency points one way, from the
-CPU side to megatron: the CPU mode (:mod:`openrlhf_lpo.cpu`) registers :func:`apply` in its import
+CPU side to megatron: the CPU mode (:mod:`openrlhf_lpo.cpu.mode`) registers :func:`apply` in its import
 hook for ``megatron.core``, so every Ray worker of a CPU run that imports megatron gets it, and
-``python -m openrlhf_lpo.cpu_megatron MODULE [ARGS]`` runs any module (a torchrun worker, the
-smoke run, ``openrlhf_lpo.megatron.gpu_check --cpu``) with it applied. Product code under
+``python -m openrlhf_lpo.cpu.megatron_redirect MODULE [ARGS]`` runs any module (a torchrun worker, the
+smoke run, ``openrlhf_lpo.checks.gpu_check --cpu``) with it applied. Product code under
 ``openrlhf_lpo/megatron`` never imports this module and stays device-agnostic; this file is the
 one place (by the project rule for modules whose name contains "cpu") that names the accelerator.
 
@@ -208,13 +208,13 @@ def _patch_megatron() -> None:
 
 
 def main(argv=None) -> int:
-    """``python -m openrlhf_lpo.cpu_megatron MODULE [ARGS...]``: run a module with :func:`apply` active."""
+    """``python -m openrlhf_lpo.cpu.megatron_redirect MODULE [ARGS...]``: run a module with :func:`apply` active."""
     import runpy
     import sys
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: python -m openrlhf_lpo.cpu_megatron MODULE [ARGS...]")
+        print("usage: python -m openrlhf_lpo.cpu.megatron_redirect MODULE [ARGS...]")
         return 0 if argv else 2
     apply()
     sys.argv = [argv[0]] + argv[1:]

@@ -40,7 +40,7 @@ def build_tokenizer(out_dir: str | os.PathLike, extra_special_tokens=(), chat_te
     """Write a character-level fast tokenizer with a chat template to ``out_dir``; return it.
 
     ``extra_special_tokens`` get ids right after the four base specials (the tiny VLM's vision
-    tokens, :mod:`openrlhf_lpo.tiny_vlm`); ``chat_template`` replaces the text-only template.
+    tokens, :mod:`openrlhf_lpo.testing.tiny_vlm`); ``chat_template`` replaces the text-only template.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

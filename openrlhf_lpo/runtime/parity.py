@@ -1,6 +1,6 @@
 """Weight-sync parity: after a sync, the rollout engines must score a probe sequence as the actor does.
 
-Neutral ground for every trainer backend (the DeepSpeed CPU mode in :mod:`openrlhf_lpo.cpu`, the
+Neutral ground for every trainer backend (the DeepSpeed CPU mode in :mod:`openrlhf_lpo.cpu.mode`, the
 Megatron actor in :mod:`openrlhf_lpo.megatron.ray_actor`, the GPU check script): nothing here names
 a device or imports a backend.
 

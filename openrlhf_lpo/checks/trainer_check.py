@@ -25,7 +25,7 @@ cross-entropy computes the fp32 log-probs as in training unless ``--logprobs tor
 imports only (``openrlhf.trainer.ray.ppo_actor``). Without vLLM, ``openrlhf.trainer.ray``'s package
 ``__init__`` (which only re-exports the vLLM engine factory) is skipped: :func:`import_trainer`.
 
-Run: ``python -m openrlhf_lpo.trainer_check --zero 3 [--cpu] [--world 2] --json out.json``.
+Run: ``python -m openrlhf_lpo.checks.trainer_check --zero 3 [--cpu] [--world 2] --json out.json``.
 """
 
 from __future__ import annotations
@@ -383,7 +383,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--logprobs", choices=("auto", "torch"), default="auto",
                    help="auto: OpenRLHF's choice (flash-attn's Triton cross-entropy where it imports); torch: "
                    "OpenRLHF's torch fallback")
-    p.add_argument("--cpu", action="store_true", help="CPU mode (openrlhf_lpo.cpu): gloo")
+    p.add_argument("--cpu", action="store_true", help="CPU mode (openrlhf_lpo.cpu.mode): gloo")
     p.add_argument("--work_dir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "lpo_trainer_check"))
     p.add_argument("--json", required=True, help="rank 0 writes the results (a list, one per stage) here")
     a = p.parse_args(argv)
@@ -395,7 +395,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         p.error(f"--dtype {a.dtype}: give fp32 and/or bf16, e.g. --dtype fp32,bf16")
     if a.cpu:
         os.environ["LPO_CPU_DTYPE"] = "keep"  # run_rank sets the dtype itself (the CPU mode's default is fp32)
-        from openrlhf_lpo.cpu import enable_cpu_mode
+        from openrlhf_lpo.cpu.mode import enable_cpu_mode
 
         enable_cpu_mode()
     if a.logprobs == "torch":  # OpenRLHF falls back to torch when this import fails
@@ -403,13 +403,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     work = Path(a.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     if "LPO_TRAINER_CHECK_MODEL" not in os.environ:
-        from openrlhf_lpo.tiny import build_tiny_model
+        from openrlhf_lpo.testing.tiny import build_tiny_model
 
         model_dir = build_tiny_model(work / "tiny-qwen3-trainer-check", seed=0, **MODEL_SHAPE)
         env = dict(LOCAL_RANK="0", WORLD_SIZE=str(a.world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
                    LPO_TRAINER_CHECK_MODEL=model_dir)
         if a.world > 1:  # the launcher: one process per rank, this one waits
-            cmd = [sys.executable, "-m", "openrlhf_lpo.trainer_check", *(sys.argv[1:] if argv is None else argv)]
+            cmd = [sys.executable, "-m", "openrlhf_lpo.checks.trainer_check", *(sys.argv[1:] if argv is None else argv)]
             procs = [subprocess.Popen(cmd, env={**os.environ, **env, "RANK": str(r), "LOCAL_RANK": str(r)})
                      for r in range(a.world)]
             return max(q.wait() for q in procs)

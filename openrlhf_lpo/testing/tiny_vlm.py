@@ -1,9 +1,9 @@
 """A tiny random Qwen2.5-VL with a character-level tokenizer and an image processor, built offline.
 
-The vision-language counterpart of :mod:`openrlhf_lpo.tiny` for tests and CPU runs of the
+The vision-language counterpart of :mod:`openrlhf_lpo.testing.tiny` for tests and CPU runs of the
 Geometry3k recipe (OpenRLHF 0.11.2's VLM path). No hub and no torchvision are needed:
 
-* tokenizer: :func:`openrlhf_lpo.tiny.build_tokenizer` plus Qwen2.5-VL's five vision tokens, and a
+* tokenizer: :func:`openrlhf_lpo.testing.tiny.build_tokenizer` plus Qwen2.5-VL's five vision tokens, and a
   chat template that renders every ``{"type": "image"}`` item as
   ``<|vision_start|><|image_pad|><|vision_end|>`` (OpenRLHF turns ``<image>`` in a prompt into that item);
 * model: ``Qwen2_5_VLForConditionalGeneration`` (fp32, tied embeddings) from a config with a
@@ -17,7 +17,7 @@ The stock ``Qwen2_5_VLProcessor`` cannot be built or loaded without torchvision 
 processor needs it), hence the subclass. The model directory holds a two-line
 ``processing_tiny_qwen2_5_vl.py`` that re-exports it from this module (``auto_map``), so
 ``AutoProcessor.from_pretrained(path, trust_remote_code=True)`` returns an object whose class
-pickles as ``openrlhf_lpo.tiny_vlm.TinyQwen2_5_VLProcessor`` and loads in any process (OpenRLHF
+pickles as ``openrlhf_lpo.testing.tiny_vlm.TinyQwen2_5_VLProcessor`` and loads in any process (OpenRLHF
 sends the processor to the rollout engines through Ray).
 
     >>> path = build_tiny_vlm("/tmp/tiny-qwen2.5-vl")          # doctest: +SKIP
@@ -29,7 +29,7 @@ import json
 import os
 from pathlib import Path
 
-from openrlhf_lpo.tiny import IM_END, PAD_TOKEN, atomic_directory, build_tokenizer
+from openrlhf_lpo.testing.tiny import IM_END, PAD_TOKEN, atomic_directory, build_tokenizer
 
 __all__ = [
     "VISION_TOKENS",
@@ -65,8 +65,8 @@ VLM_CHAT_TEMPLATE = (
 
 PROCESSOR_MODULE = "processing_tiny_qwen2_5_vl"
 PROCESSOR_SOURCE = (
-    '"""Loads the images-only processor of the tiny offline Qwen2.5-VL (see openrlhf_lpo/tiny_vlm.py)."""\n'
-    "from openrlhf_lpo.tiny_vlm import TinyQwen2_5_VLProcessor\n"
+    '"""Loads the images-only processor of the tiny offline Qwen2.5-VL (see openrlhf_lpo/testing/tiny_vlm.py)."""\n'
+    "from openrlhf_lpo.testing.tiny_vlm import TinyQwen2_5_VLProcessor\n"
 )
 
 

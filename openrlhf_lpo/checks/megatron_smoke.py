@@ -2,8 +2,8 @@
 
 Meant for a machine with an accelerator (``examples/scripts/gpu_smoke_megatron.sh`` runs it
 under ``torchrun``; Transformer Engine's layer spec is used when installed); on a CPU-only
-machine run it through the CPU redirection, ``python -m openrlhf_lpo.cpu_megatron
-openrlhf_lpo.megatron.smoke``, and the same checks run with gloo.
+machine run it through the CPU redirection, ``python -m openrlhf_lpo.cpu.megatron_redirect
+openrlhf_lpo.checks.megatron_smoke``, and the same checks run with gloo.
 
 Checks (non-zero exit status on failure): action log-probs vs the HF model on the same
 weights (fp32: 1e-4, bf16: 0.1 max abs), finite gradient norms, the weights move, and the
@@ -114,7 +114,7 @@ def main(argv=None) -> int:
     import torch.distributed as dist
 
     from openrlhf_lpo.megatron.device import init_default_group, set_local_device
-    from openrlhf_lpo.tiny import build_tiny_model
+    from openrlhf_lpo.testing.tiny import build_tiny_model
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")

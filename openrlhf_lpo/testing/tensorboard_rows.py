@@ -50,11 +50,11 @@ def check_steps(tb_dir: Path, steps, exact: bool = False) -> str:
 
 
 def main(argv=None) -> int:
-    """``python -m openrlhf_lpo.tensorboard_rows TB_DIR --steps 1,2 [--exact]``: exit 1 naming what is missing."""
+    """``python -m openrlhf_lpo.testing.tensorboard_rows TB_DIR --steps 1,2 [--exact]``: exit 1 naming what is missing."""
     import argparse
     import sys
 
-    p = argparse.ArgumentParser(prog="python -m openrlhf_lpo.tensorboard_rows",
+    p = argparse.ArgumentParser(prog="python -m openrlhf_lpo.testing.tensorboard_rows",
                                 description="check the training steps a job logged to TensorBoard")
     p.add_argument("tb_dir")
     p.add_argument("--steps", required=True, help="comma-separated steps that must be there, e.g. 1,2")
