@@ -45,7 +45,7 @@ def test_grade_choice_digits_and_validation():
 @pytest.mark.parametrize(
     "response, expected",
     [
-        # an answer after a qualifier (issue 24)
+        # an answer after a qualifier
         ("So the answer is for sure D.", "D"),
         ("The answer is definitely (B).", "B"),
         ("the correct answer is therefore C", "C"),

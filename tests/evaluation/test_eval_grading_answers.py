@@ -1,4 +1,4 @@
-"""Which answer is graded (issue 24 §1): several boxes that together are the answer, a correction that takes
+"""Which answer is graded: several boxes that together are the answer, a correction that takes
 the last box, a closing "The final answer is $X$", a stray backslash in a box, the box-required policy for
 truncated output, the same rules in the RL reward, and math-verify's own regression cases."""
 

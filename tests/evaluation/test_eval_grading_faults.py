@@ -1,4 +1,4 @@
-"""The grading faults of issue 17, each pinned on real benchmark golds or hand-made cases.
+"""Grading faults found on real benchmark golds, each pinned on real benchmark golds or hand-made cases.
 
 Scientific notation (Minerva), the last-box rule (and the all-boxes option), the fast path never
 changing a verdict, a ``<think>`` opened by the prompt, multiple choice (last explicit answer, hedges,

@@ -1,4 +1,4 @@
-"""The paper's protocol one flag away (issue 24 §2): presets and their overrides, the settings header of every
+"""The paper's protocol one flag away: presets and their overrides, the settings header of every
 report, the Pass@k average over k > 1, loud subsets, MMLU-Pro's extraction chain, GPQA's option orderings."""
 
 import json

@@ -1,4 +1,4 @@
-"""Cluster review F8: a failure on a non-first rank of a Megatron model replica is an error in seconds.
+"""A failure on a non-first rank of a Megatron model replica is an error in seconds.
 
 A real local Ray cluster and two real OpenRLHF ``BaseModelActor`` ranks of one replica (tp*pp = 2) in a
 gloo group. Rank 1 raises inside the batched ``forward`` while rank 0 waits in a gloo all-reduce for it

@@ -1,4 +1,4 @@
-"""Issue 23's training options and issue 21's Megatron items on gloo (the shared 4-rank world of
+"""Training options of the Megatron actor on gloo (the shared 4-rank world of
 conftest.py; the numbers come from tests/megatron/mcore_worker.py, the references are independent):
 
 * KL loss (k1/k2/k3 against reference log-probs) and the entropy bonus: token means over the window,
@@ -9,8 +9,8 @@ conftest.py; the numbers come from tests/megatron/mcore_worker.py, the reference
 * the listwise off-policy target (``--algo.advantage.is_correction_level token``, clip and mask) through
   ``fit``, window by window against the float64 reference, with the first-window shortcut (forwards counted);
 * token-budget micro-batches (TP2 x PP2 and PP2 x DP2 with unequal token totals): counts agreed, exact;
-* F1: a partial GRPO batch dealt 520 vs 512 samples finishes with equal step counts on both replicas;
-* F11: no host syncs of ours inside the schedule, CE / entropy on response rows only, rope fusion with TE.
+* a partial GRPO batch dealt 520 vs 512 samples finishes with equal step counts on both replicas;
+* no host syncs of ours inside the schedule, CE / entropy on response rows only, rope fusion with TE.
 """
 
 import math

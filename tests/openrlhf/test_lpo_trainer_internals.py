@@ -342,7 +342,7 @@ def test_budget_partition_never_exceeds_the_budget():
 
 
 def test_pre_pass_and_end_kl_follow_the_token_budget(tiny_model_dir, gloo_world1):
-    """F12: under --train.dynamic_batch_enable the later windows' no-grad pre-pass runs the window's own
+    """Under --train.dynamic_batch_enable the later windows' no-grad pre-pass runs the window's own
     token-budget micro-batches (the plan's), and the --lpo.end_kl pass budget micro-batches, never over
     --train.max_tokens_per_gpu, instead of one forward per sample at micro 1. Forwards are counted on the
     real actor; the gradient stays exact (the dynamic rows of test_lpo_gradient_exactness)."""

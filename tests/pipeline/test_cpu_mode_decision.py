@@ -178,7 +178,7 @@ with contextlib.ExitStack() as stack:
 
 
 def test_gpu_less_driver_joins_a_gpu_cluster_as_stock_openrlhf_would(ray_head):
-    """F7: after the CPU-mode probe said "off" (the cluster has GPUs), Ray is initialised exactly as the stock
+    """After the CPU-mode probe said "off" (the cluster has GPUs), Ray is initialised exactly as the stock
     train() would: the stock runtime env vars reach the workers, worker output reaches the driver, and the
     project's worker_process_setup_hook runs. (The probe used to leave its own connection up, with
     log_to_driver=False and no runtime env, so the stock ray.init was skipped.)"""

@@ -1,4 +1,4 @@
-"""lpo-train end to end with the research-agenda flags at once (issue 25), and a resume that keeps them.
+"""lpo-train end to end with the research flags at once (divergence schedule, entropy switch, temperature scale, replay), and a resume that keeps them.
 
 Run A: local Ray, OpenRLHF's trainer and actors with the LPO subclasses, DeepSpeed ZeRO-2 on gloo with
 two data-parallel ranks, the CPU rollout engine, a tiny offline Qwen3, the vowel-fraction reward
