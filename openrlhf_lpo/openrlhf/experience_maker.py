@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from typing import Dict, List
 
 import torch
@@ -92,13 +92,28 @@ def rank_experiences(experiences: List[Experience], dp: int) -> List[Experience]
     return out
 
 
+@dataclass
+class ReplayDraw:
+    """What :meth:`LPOExperienceMaker.replay_samples` hands :meth:`~LPOExperienceMaker.after_replay_forward`:
+    the fresh groups as the rollout made them (what the buffer keeps), the replayed groups drawn and trimmed for
+    the layout, and whether the rollout carried behaviour log-probs."""
+
+    snapshot: List[List[Experience]]
+    drawn: int
+    trimmed: int
+    fresh_has_behaviour: bool
+
+
 class LPOExperienceMaker(RemoteExperienceMaker):
     """RemoteExperienceMaker with LPO (group-aligned split, w* per sample) and MaxRL."""
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.replay = None  # ReplayBuffer, set by the trainer with --lpo.replay_batches (replay.py)
+        self.replay_step = 0  # the global step of the batch being made (set by the trainer)
+        self.last_replay_stats: Dict[str, float] = {}  # of the last batch made (read by the trainer)
+
     # ------------------------------------------------------------------ split
-    replay = None  # ReplayBuffer, set by the trainer with --lpo.replay_batches (replay.py)
-    replay_step = 0  # the global step of the batch being made (set by the trainer)
-    last_replay_stats: Dict[str, float] = {}
 
     def _canonical_groups(self, rollout_samples) -> List[List[Experience]]:
         """The rollout's prompt groups (K consecutive samples sharing a prompt), in a canonical order."""
@@ -165,21 +180,22 @@ class LPOExperienceMaker(RemoteExperienceMaker):
     def make_experience_batch(self, rollout_samples) -> List[Experience]:
         if self.advantage_estimator != "lpo" or self.replay is None:
             return super().make_experience_batch(rollout_samples)
-        samples_list, fresh = self.replay_samples(rollout_samples)
+        samples_list, draw = self.replay_samples(rollout_samples)
         experiences = self.make_experience(samples_list)
-        experiences = self.after_replay_forward(experiences, fresh)
+        experiences = self.after_replay_forward(experiences, draw)
         return self.compute_advantages_and_returns(experiences)
 
     def replay_samples(self, rollout_samples):
         """Fresh groups plus ``round down(ratio x fresh groups)`` replayed ones (trimmed so that the total
-        divides over the ranks), dealt like a rollout batch. Returns (forward chunks, fresh groups)."""
+        divides over the ranks), dealt like a rollout batch. Returns (forward chunks, the :class:`ReplayDraw` that
+        :meth:`after_replay_forward` finishes)."""
         args = self.args
         dp = dp_size(args)
         fresh = self._ranked(self._canonical_groups(rollout_samples))
         want = int(math.floor(float(LPOConfig.from_args(args).replay_ratio) * len(fresh)))
         drawn = self.replay.draw(want, self.replay_step)
         keep = len(drawn) - (len(fresh) + len(drawn)) % dp
-        self._replay_counts = {"drawn": len(drawn), "trimmed": len(drawn) - keep}
+        n_drawn = len(drawn)
         drawn = drawn[:keep]
         behaviour = all(m.rollout_log_probs is not None for g in fresh for m in g)
         snapshot = copy.deepcopy(fresh)  # as the rollout made them: what the buffer keeps
@@ -189,11 +205,10 @@ class LPOExperienceMaker(RemoteExperienceMaker):
                 m.info["lpo_replay_age"] = torch.zeros(1)
                 if not behaviour:  # filled with pi_t's log-probs after the forward (the sampling policy in sync mode)
                     m.rollout_log_probs = torch.zeros(m.action_mask.shape, dtype=torch.float32)
-        self._fresh_has_behaviour = behaviour
-        return self._deal(fresh + drawn), snapshot
+        return self._deal(fresh + drawn), ReplayDraw(snapshot, n_drawn, n_drawn - keep, behaviour)
 
     @torch.no_grad()
-    def after_replay_forward(self, experiences: List[Experience], snapshot) -> List[Experience]:
+    def after_replay_forward(self, experiences: List[Experience], draw: "ReplayDraw") -> List[Experience]:
         """After the old-log-prob forward: the fresh groups' behaviour log-probs go into the buffer (the
         engine's when the rollout has them, else the start-of-update actor's), each replayed group's s_t
         is measured against its own behaviour log-probs, groups with any |s_t| above
@@ -201,12 +216,13 @@ class LPOExperienceMaker(RemoteExperienceMaker):
         and the survivors are dealt again. Sets ``last_replay_stats``."""
         args = self.args
         K = args.rollout.n_samples_per_prompt
+        snapshot = draw.snapshot
         n_fresh = len(snapshot)
         rows = {}  # sample index -> (experience, row)
         for exp in experiences:
             for r, i in enumerate(exp.index):
                 rows[i] = (exp, r)
-        if not self._fresh_has_behaviour:
+        if not draw.fresh_has_behaviour:
             for exp in experiences:
                 fresh_rows = exp.info["lpo_replayed"].reshape(-1) == 0
                 exp.rollout_log_probs[fresh_rows] = exp.action_log_probs[fresh_rows].to(exp.rollout_log_probs.dtype)
@@ -238,9 +254,9 @@ class LPOExperienceMaker(RemoteExperienceMaker):
         d_kept = d_rep[kept] if len(keep) else d_rep[:0]
         stats = {
             "lpo/replay_groups": float(len(keep)),
-            "lpo/replay_drawn": float(self._replay_counts["drawn"]),
+            "lpo/replay_drawn": float(draw.drawn),
             "lpo/replay_dropped_stale": float(stale.sum()),
-            "lpo/replay_dropped_layout": float(self._replay_counts["trimmed"] + len(trimmed)),
+            "lpo/replay_dropped_layout": float(draw.trimmed + len(trimmed)),
             "lpo/replay_buffer_groups": float(self.replay.num_groups),
             "lpo/replay_fresh_groups": float(n_fresh),
         }

@@ -612,7 +612,7 @@ def make_replay_experiences(args, strategy, actor, fresh, old_groups, behaviour=
                 lp = actor(m.sequences, m.action_mask, attention_mask=m.attention_mask)
             m.rollout_log_probs = ((lp + behaviour_noise * torch.randn(lp.shape, generator=g, dtype=lp.dtype))
                                    * m.action_mask).float()
-    samples_list, snapshot = maker.replay_samples(fresh)
+    samples_list, draw = maker.replay_samples(fresh)
     for e in samples_list:
         with torch.no_grad():
             lp = actor(e.sequences, e.action_mask, attention_mask=e.attention_mask, **mm_forward_kwargs(actor, e))
@@ -620,7 +620,7 @@ def make_replay_experiences(args, strategy, actor, fresh, old_groups, behaviour=
         e.kl = torch.zeros_like(lp)
         e.values = None
         e.info["kl"] = torch.zeros(len(e.sequences))
-    exps = maker.after_replay_forward(samples_list, snapshot)
+    exps = maker.after_replay_forward(samples_list, draw)
     exps = maker.compute_advantages_and_returns(exps)
     return exps, {"drawn": drawn, "worst": worst, "status": dict(maker.last_replay_stats), "buffer": maker.replay}
 
