@@ -18,7 +18,7 @@ long_context (OpenRLHF's long-context recipe: ``--train.micro_batch_size 1 --tra
 
 It prints the best-of-rounds time ratios and the median of per-round ratios (process CPU time by
 default, so other jobs on a shared machine do not distort them; ``--clock wall`` for wall time). The
-strategy is tests/openrlhf/lpo_harness.CPUStrategy (DeepspeedStrategy with the engine steps in plain
+strategy is tests/openrlhf/lpo_fixtures.CPUStrategy (DeepspeedStrategy with the engine steps in plain
 torch), so this runs on CPU; everything else is the real OpenRLHF code.
 """
 
@@ -65,7 +65,7 @@ def main(argv=None):
         port = s.getsockname()[1]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=1, rank=0)
 
-    import lpo_harness as H
+    import lpo_fixtures as H
     from openrlhf.trainer.ppo_utils.experience import Experience
     from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
     from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer

@@ -10,7 +10,7 @@ interleaved round after round, fp32, one rank, with the same micro-batches and o
                 pre-pass) and window 2 runs one no-grad pre-pass, on both sides
 
 DeepSpeed side: OpenRLHF 0.11.2's training loop with ``LPOActorTrainer.ppo_train`` and the HF actor (sdpa),
-the engine steps done in plain torch by tests/openrlhf/lpo_harness.CPUStrategy (no DeepSpeed engine runs on
+the engine steps done in plain torch by tests/openrlhf/lpo_fixtures.CPUStrategy (no DeepSpeed engine runs on
 a CPU). Megatron side: the Ray policy actor's ``fit`` (``--backend megatron``, TP1, packed THD micro-batches,
 megatron-core's schedule, DDP, optimizer) on gloo. Learning rate 0 on both sides, so every round does the
 same work. It prints the best-of-rounds ratio Megatron / DeepSpeed and the median of the per-round ratios
@@ -61,7 +61,7 @@ def main(argv=None):
         torch.set_num_threads(opts.threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=1, rank=0)
 
-    import lpo_harness as H
+    import lpo_fixtures as H
 
     from openrlhf_lpo.megatron.ray_actor import plain_class
     from openrlhf_lpo.openrlhf.actor_trainer import LPOActorTrainer

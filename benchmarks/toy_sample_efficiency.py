@@ -502,7 +502,9 @@ def plot_research(agg: Dict, runs: Dict[Job, List[Dict]], ks: Sequence[int], see
             if xs:
                 _band(ax, xs, ys, es, METHODS[m].color, m)
         _style(ax, label, col == 0, "fresh rollouts generated")
-    fig.suptitle(f"listwise replay (4 batches, 1 replayed group per fresh group), K={k8} ({title})", fontsize=10)
+    rm = METHODS["lpo-fwd-replay"]
+    fig.suptitle(f"listwise replay (last {rm.replay_batches} batches, {rm.replay_ratio:g} replayed group per fresh "
+                 f"group, |s_t| <= {rm.replay_max_abs_s:g}), K={k8} ({title})", fontsize=10)
     paths.append(_save(fig, out_dir / "replay.png"))
     return paths
 

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from openrlhf_lpo.registry import register_unique
+
 from .io import canonical_json, sha256_text
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -143,12 +145,11 @@ _ALIASES: dict[str, str] = {}
 
 
 def register_benchmark(spec: BenchmarkSpec) -> BenchmarkSpec:
+    taken = {**BENCHMARKS, **_ALIASES}  # a name or an alias names one benchmark; nothing is added on a clash
     for key in (spec.name, *spec.aliases):
-        if key in BENCHMARKS or key in _ALIASES:
-            raise ValueError(f"benchmark name {key!r} is already registered")
+        register_unique(taken, "benchmark name", key, spec.name)
     BENCHMARKS[spec.name] = spec
-    for a in spec.aliases:
-        _ALIASES[a] = spec.name
+    _ALIASES.update(dict.fromkeys(spec.aliases, spec.name))
     return spec
 
 

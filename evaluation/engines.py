@@ -26,6 +26,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
+from openrlhf_lpo.registry import registrar
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -94,13 +96,7 @@ ENGINE_ROUTES: list[Callable[[str, str, bool], str]] = []
 
 
 def register_engine(name: str):
-    def deco(factory):
-        if name in ENGINES:
-            raise ValueError(f"engine {name!r} is already registered")
-        ENGINES[name] = factory
-        return factory
-
-    return deco
+    return registrar(ENGINES, "engine", name)
 
 
 def make_engine(name: str, model_path: str, **kwargs) -> Engine:

@@ -36,13 +36,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from openrlhf_lpo.data.templates import PRIME_SYSTEM_PROMPT
+from openrlhf_lpo.data.templates import PRIME_SYSTEM_PROMPT, VERL_MATH_INSTRUCTION
+from openrlhf_lpo.registry import register_unique
 
-MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+QWEN_MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."  # Qwen2.5-Math CoT
 CHOICE_INSTRUCTION = (
     "Please reason step by step, and put the letter of your final answer choice within \\boxed{} (e.g. \\boxed{A})."
 )
-VERL_MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
 VERL_CHOICE_INSTRUCTION = "Let's think step by step and output the letter of the final answer choice within \\boxed{}."
 QWEN_SYSTEM = "You are a helpful assistant."
 PRIME_MATH_INSTRUCTION = "Present the answer in LaTex format: \\boxed{Your answer}"  # Eurus-2-RL-Data's math rows
@@ -91,7 +91,7 @@ def _chatml(system: str | None, user: str) -> str:
 # Per problem kind: (instruction after the question, the verl-style instruction). A new kind registers its
 # pair here (code: evaluation.code_benchmarks).
 INSTRUCTIONS: dict[str, tuple[str, str]] = {
-    "math": (MATH_INSTRUCTION, VERL_MATH_INSTRUCTION),
+    "math": (QWEN_MATH_INSTRUCTION, VERL_MATH_INSTRUCTION),
     "choice": (CHOICE_INSTRUCTION, VERL_CHOICE_INSTRUCTION),
 }
 
@@ -126,9 +126,7 @@ def register_template(name: str, *, uses_chat_template: bool = False, system_pro
     """Register ``fn(question, kind, ctx) -> prompt`` as template ``name``."""
 
     def deco(fn: Callable[[str, str, PromptContext], str]):
-        if name in TEMPLATES:
-            raise ValueError(f"template {name!r} is already registered")
-        TEMPLATES[name] = Template(name, fn, uses_chat_template, system_prompt, tuple(stop))
+        register_unique(TEMPLATES, "template", name, Template(name, fn, uses_chat_template, system_prompt, tuple(stop)))
         return fn
 
     return deco

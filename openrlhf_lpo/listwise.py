@@ -22,6 +22,8 @@ from typing import Callable, Dict, List, Optional, Union
 import torch
 import torch.nn.functional as F
 
+from openrlhf_lpo.registry import lookup, register_unique, registrar  # stdlib only: the one room listwise imports
+
 Tensor = torch.Tensor
 TemperatureSpec = Union[str, float, int]
 
@@ -102,23 +104,6 @@ def _check_same_shape(a_name: str, a: Tensor, b_name: str, b: Tensor) -> None:
         raise ValueError(f"{a_name} has shape {tuple(a.shape)} but {b_name} has shape {tuple(b.shape)}; they must match")
 
 
-def _lookup(registry: Dict[str, object], kind: str, name: str):
-    try:
-        return registry[name]
-    except (KeyError, TypeError):
-        raise ValueError(f"unknown {kind} {name!r}; valid: {', '.join(sorted(registry))}") from None
-
-
-def _register(registry: Dict[str, object], kind: str, name: str):
-    def deco(obj):
-        if name in registry:
-            raise ValueError(f"{kind} {name!r} is already registered")
-        registry[name] = obj
-        return obj
-
-    return deco
-
-
 def to_groups(values: Tensor, group_size: int) -> Tensor:
     """Reshape flat per-response values [B] (prompt-major, K consecutive) to [B/K, K]."""
     if group_size < 2:
@@ -168,7 +153,7 @@ TEMPERATURES: Dict[str, Callable[[Tensor], Tensor]] = {}
 
 def register_temperature(name: str):
     """Register ``fn(rewards[G,K]) -> tau[G,1]`` under ``name`` (like ``register_kl``)."""
-    return _register(TEMPERATURES, "temperature", name)
+    return registrar(TEMPERATURES, "temperature", name)
 
 
 @register_temperature("std")
@@ -375,7 +360,7 @@ def register_divergence(name: str, bound: Optional[float] = None):
         raise ValueError(f"divergence name {name!r} must not contain ':' (reserved for families such as alpha:<a>)")
 
     def deco(fn):
-        _register(DIVERGENCES, "divergence", name)(Divergence(name, fn, bound=bound))
+        register_unique(DIVERGENCES, "divergence", name, Divergence(name, fn, bound=bound))
         return fn
 
     return deco
@@ -385,7 +370,7 @@ def register_coefficients(name: str):
     """Attach a closed-form ``c = dD/ds`` to an already registered divergence."""
 
     def deco(fn):
-        div = _lookup(DIVERGENCES, "divergence", name)
+        div = lookup(DIVERGENCES, "divergence", name)
         DIVERGENCES[name] = Divergence(div.name, div.value, fn, div.bound)
         return fn
 
@@ -400,7 +385,7 @@ def register_divergence_family(prefix: str, parse: Callable[[str], object], usag
         raise ValueError(f"divergence family prefix {prefix!r} must be non-empty and contain no ':'")
 
     def deco(build):
-        _register(DIVERGENCE_FAMILIES, "divergence family", prefix)(DivergenceFamily(prefix, parse, build, usage))
+        register_unique(DIVERGENCE_FAMILIES, "divergence family", prefix, DivergenceFamily(prefix, parse, build, usage))
         return build
 
     return deco
@@ -623,7 +608,7 @@ PROJECTIONS: Dict[str, Callable[..., Tensor]] = {}
 
 def register_projection(name: str):
     """Register ``fn(log_ratio[G,K], target[G,K], divergence) -> Tensor[G]`` (per-group loss)."""
-    return _register(PROJECTIONS, "projection", name)
+    return registrar(PROJECTIONS, "projection", name)
 
 
 @register_projection("listwise")
@@ -650,7 +635,7 @@ def projection_coefficients(log_ratio: Tensor, target: Tensor, divergence: str =
     """
     if projection == "listwise":
         return listwise_coefficients(log_ratio, target, divergence)
-    fn = _lookup(PROJECTIONS, "projection", projection)
+    fn = lookup(PROJECTIONS, "projection", projection)
     _check_groups("log_ratio", log_ratio)
     _check_same_shape("target", target, "log_ratio", log_ratio)
     if projection == "pointwise":
@@ -665,7 +650,7 @@ def listwise_loss(
     log_ratio: Tensor, target: Tensor, divergence: str = "fwd", projection: str = "listwise"
 ) -> Tensor:
     """LPO loss: the projection's per-group loss averaged over prompts (scalar)."""
-    fn = _lookup(PROJECTIONS, "projection", projection)
+    fn = lookup(PROJECTIONS, "projection", projection)
     return fn(log_ratio, target, divergence).mean()
 
 
@@ -692,7 +677,7 @@ PG_ESTIMATORS: Dict[str, Callable[[Tensor], Tensor]] = {}
 
 def register_pg_estimator(name: str):
     """Register ``fn(rewards[G,K]) -> advantages[G,K]`` under ``name``."""
-    return _register(PG_ESTIMATORS, "PG estimator", name)
+    return registrar(PG_ESTIMATORS, "PG estimator", name)
 
 
 def _normalised_advantage(rewards: Tensor, temperature: str) -> Tensor:
@@ -784,7 +769,7 @@ def pg_advantages(rewards: Tensor, estimator: str = "grpo") -> Tensor:
     temperature, so that w* = softmax(A) on-policy (Prop. 1)."""
     _check_groups("rewards", rewards)
     _check_finite("rewards", rewards)
-    return _lookup(PG_ESTIMATORS, "PG estimator", estimator)(rewards)
+    return lookup(PG_ESTIMATORS, "PG estimator", estimator)(rewards)
 
 
 # ----------------------------------------------------------------------------- metrics

@@ -43,6 +43,8 @@ import types
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from openrlhf_lpo.openrlhf.patches import ContractBroken, module_source, params, patch_point  # stdlib only
+
 K = 4  # responses per prompt
 GROUPS_PER_RANK = 4
 LR = 0.5  # large, so that the later windows see P far from softmax(s_t)
@@ -78,6 +80,74 @@ def _needs_vllm(name: str):
 
     call.__name__ = name
     return call
+
+
+# ----------------------------------------------------------------------------- the check's patch points
+# (registered in openrlhf/patches.py's registry when this module is imported; the contracts import no vLLM)
+
+
+@patch_point("trainer-check-ray-package", "openrlhf.trainer.ray", "create_vllm_engines, batch_vllm_engine_call",
+             "stand-in", "import_trainer registers the package without running its __init__.py where vLLM is absent, "
+             "with stand-ins for the two names that file binds (re-exported from vllm_engine); read from the files, "
+             "which import vLLM", imports=False)
+def _ray_package_contract() -> None:
+    import ast
+
+    stand_ins = {"create_vllm_engines", "batch_vllm_engine_call"}
+    bound = set()
+    for node in ast.parse(module_source("openrlhf.trainer.ray")).body:
+        if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module == "vllm_engine":
+            bound |= {a.asname or a.name for a in node.names}
+        elif isinstance(node, ast.Assign) and [ast.unparse(t) for t in node.targets] == ["__all__"]:
+            continue
+        elif not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)):  # (a docstring)
+            raise ContractBroken(f"openrlhf/trainer/ray/__init__.py now also runs {ast.unparse(node)[:60]!r}")
+    if bound != stand_ins:
+        raise ContractBroken(f"openrlhf/trainer/ray/__init__.py binds {sorted(bound)}, the stand-in "
+                             f"{sorted(stand_ins)}")
+    defs = {n.name for n in ast.parse(module_source("openrlhf.trainer.ray.vllm_engine")).body
+            if isinstance(n, ast.FunctionDef)}
+    if not stand_ins <= defs:
+        raise ContractBroken(f"vllm_engine no longer defines {sorted(stand_ins - defs)}")
+
+
+@patch_point("trainer-check-strategy", "openrlhf.utils.deepspeed",
+             "DeepspeedStrategy.get_ds_train_config, DeepspeedStrategy.optimizer_step", "contract",
+             "the check's SnapshotStrategy overrides both: SGD and fp32 in the train config (its bf16 section), "
+             "a snapshot of the master weights after each optimizer step")
+def _strategy_contract() -> None:
+    import inspect
+
+    from openrlhf.utils.deepspeed import DeepspeedStrategy
+    from openrlhf.utils.deepspeed import deepspeed_utils
+
+    config = inspect.signature(DeepspeedStrategy.get_ds_train_config).parameters
+    max_norm = config.get("max_norm")
+    if list(config) != ["self", "optim_dict", "max_norm"] or max_norm.kind is not max_norm.KEYWORD_ONLY:
+        raise ContractBroken(f"DeepspeedStrategy.get_ds_train_config{list(config)} changed")
+    expected = ["self", "_optimizer", "model", "_scheduler", "name", "kwargs"]
+    if params(DeepspeedStrategy.optimizer_step) != expected:
+        raise ContractBroken(f"DeepspeedStrategy.optimizer_step{params(DeepspeedStrategy.optimizer_step)} != "
+                             f"{expected}")
+    if '"bf16": {' not in inspect.getsource(deepspeed_utils.get_train_ds_config):
+        raise ContractBroken("get_train_ds_config no longer has a bf16 section")
+
+
+@patch_point("trainer-check-dtype", "openrlhf.utils.utils", "convert_to_torch_dtype", "scoped-swap",
+             "run_rank patches it (fp32) around Actor(...): Actor.__init__ imports it from openrlhf.utils.utils at "
+             "call time, so the module attribute is the one it calls")
+def _dtype_contract() -> None:
+    import inspect
+
+    from openrlhf.models import actor as actor_mod
+    from openrlhf.utils import utils
+
+    if params(utils.convert_to_torch_dtype) != ["param_dtype"]:
+        raise ContractBroken(f"convert_to_torch_dtype{params(utils.convert_to_torch_dtype)} != (param_dtype)")
+    if "from openrlhf.utils.utils import convert_to_torch_dtype" not in inspect.getsource(actor_mod.Actor.__init__) \
+            or hasattr(actor_mod, "convert_to_torch_dtype"):
+        raise ContractBroken("Actor.__init__ no longer imports convert_to_torch_dtype from openrlhf.utils.utils at "
+                             "call time")
 
 
 # ----------------------------------------------------------------------------- synthetic rollout

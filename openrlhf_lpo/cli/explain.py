@@ -15,7 +15,8 @@ import torch
 
 from openrlhf_lpo import listwise as lw
 
-PAIRED_ESTIMATOR = {"std": "grpo", "one": "dr_grpo", "mean": "maxrl"}
+# temperature -> the PG estimator it pairs with (listwise.PG_ESTIMATORS; docs/lpo_flags.md, Table 1)
+PAIRED_ESTIMATOR = {"std": "grpo", "one": "dr_grpo", "mean": "maxrl", "loo": "rloo", "batch_std": "reinforce_pp"}
 
 
 def explain(rewards, temperature="std", divergence="fwd", prev_log_ratio=None, log_ratio=None) -> str:
@@ -52,7 +53,8 @@ def explain(rewards, temperature="std", divergence="fwd", prev_log_ratio=None, l
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="lpo-explain", description=__doc__.splitlines()[0])
     ap.add_argument("--rewards", type=float, nargs="+", default=[1, 0, 0, 1, 0, 0, 0, 0])
-    ap.add_argument("--temperature", default="std", help="std | one | mean | <positive float>")
+    ap.add_argument("--temperature", default="std",
+                    help="std | one | mean | loo | batch_std (the --rewards as the whole batch) | <positive float>")
     ap.add_argument("--divergence", default="fwd",
                     help="fwd | rev | js | hellinger | tv | alpha:<a> (any real a) | a registered name")
     ap.add_argument("--log-ratio", type=float, nargs="+", default=None, help="current s (default: on-policy 0)")

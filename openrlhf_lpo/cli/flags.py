@@ -27,6 +27,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, ContextManager, Dict, List, Optional, Tuple
 
+from openrlhf_lpo.registry import register_unique
+
 __all__ = [
     "FlagGroup",
     "FlagError",
@@ -60,10 +62,7 @@ FLAG_GROUPS: Dict[str, FlagGroup] = {}
 
 def register_flag_group(group: FlagGroup) -> FlagGroup:
     """Register ``group`` (name must be new). Returns it, so it can be used at module level."""
-    if group.name in FLAG_GROUPS:
-        raise ValueError(f"flag group {group.name!r} is already registered")
-    FLAG_GROUPS[group.name] = group
-    return group
+    return register_unique(FLAG_GROUPS, "flag group", group.name, group)
 
 
 def flag_groups() -> List[FlagGroup]:
@@ -387,6 +386,13 @@ def _add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--reward.error_stop_frac", type=float, default=DEFAULT_STOP_FRAC,
                    help=f"fraction of failed rewards in the window that stops the run (default {DEFAULT_STOP_FRAC}; "
                    "1: never stop)")
+    g.add_argument("--ckpt.auto_resume", type=int, default=0, metavar="N",
+                   help="restart a run that died (a lost Ray worker, node or driver) from its last complete "
+                   "checkpoint, at most N times in a row from one checkpoint (a restart that reaches a newer "
+                   "checkpoint resets the count); each restart is logged with its cause (docs/pipeline.md). "
+                   "Needs --ckpt.save_steps > 0. Default 0: off")
+    g.add_argument("--ckpt.auto_resume_delay", type=float, default=10.0, metavar="SECONDS",
+                   help="--ckpt.auto_resume: seconds between a death and the restart (default 10)")
     g.add_argument("--ckpt.hf_max_num", type=int, default=None,
                    help="HF exports (<ckpt.path>/<tag>_hf, --ckpt.save_hf) to keep; default: the ones whose "
                    "state --ckpt.max_num keeps; -1 keeps every export (e.g. to evaluate a learning curve)")
@@ -398,8 +404,26 @@ def _validate_runtime(args: argparse.Namespace) -> None:
         raise FlagError(f"--reward.error_window {window}: give a number of samples >= 0 (0 never stops the run)")
     if not 0.0 < frac <= 1.0:
         raise FlagError(f"--reward.error_stop_frac {frac}: give a fraction in (0, 1] (1 never stops the run)")
+    _validate_auto_resume(args)
     if args.ckpt.hf_max_num is not None and args.ckpt.hf_max_num < -1:
         raise FlagError(f"--ckpt.hf_max_num {args.ckpt.hf_max_num}: give a count >= 0, or -1 to keep every export")
+
+
+def _validate_auto_resume(args: argparse.Namespace) -> None:
+    n, ckpt = args.ckpt.auto_resume, args.ckpt
+    if n < 0:
+        raise FlagError(f"--ckpt.auto_resume {n}: give a number of restarts >= 0 (0: off)")
+    if ckpt.auto_resume_delay < 0:
+        raise FlagError(f"--ckpt.auto_resume_delay {ckpt.auto_resume_delay}: give seconds >= 0")
+    if n == 0:
+        return
+    if ckpt.save_steps is None or ckpt.save_steps <= 0:
+        raise FlagError(f"--ckpt.auto_resume {n} restarts from the last checkpoint, but --ckpt.save_steps "
+                        f"{ckpt.save_steps} saves none: add --ckpt.save_steps S (e.g. 20)")
+    if getattr(args, "backend", "deepspeed") == "deepspeed" and ckpt.max_num < 2:
+        raise FlagError(f"--ckpt.auto_resume {n} with --ckpt.max_num {ckpt.max_num}: OpenRLHF deletes the oldest "
+                        "DeepSpeed checkpoint before it writes the next, so a kill during that save would leave "
+                        "nothing to resume: keep at least 2 (--ckpt.max_num 2)")
 
 
 register_flag_group(FlagGroup(name="runtime", add_arguments=_add_runtime_arguments, validate=_validate_runtime))

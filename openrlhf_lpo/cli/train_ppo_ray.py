@@ -31,6 +31,7 @@ from typing import Callable, List, Optional
 from unittest import mock
 
 from openrlhf_lpo.cli import flags as _flags
+from openrlhf_lpo.openrlhf.patches import ContractBroken, params, patch_point  # (the standard library alone)
 
 __all__ = ["main", "build_parser_and_parse", "get_parser", "STOCK_CLI", "PLUGIN_MODULES"]
 
@@ -180,6 +181,78 @@ def get_parser(extended: bool = True) -> argparse.ArgumentParser:
     raise RuntimeError(f"{STOCK_CLI} built no parser with --{ESTIMATOR_DEST}")
 
 
+# ----------------------------------------------------------------------------- the runner's patch points
+# (registered in openrlhf/patches.py's registry; lpo-train checks them with every other point before a run)
+
+
+def _stock_main_block():
+    """The stock CLI's source (the file ``_run_stock`` compiles, read through the same loader; not imported) and
+    the statements of its ``if __name__ == "__main__":`` block."""
+    import ast
+
+    spec = importlib.util.find_spec(STOCK_CLI)
+    source = spec.loader.get_source(STOCK_CLI) if spec is not None else None
+    if not source:
+        raise ContractBroken(f"{STOCK_CLI} has no Python source to execute")
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Compare) and \
+                isinstance(node.test.left, ast.Name) and node.test.left.id == "__name__":
+            return source, node
+    raise ContractBroken(f'{STOCK_CLI} has no `if __name__ == "__main__":` block')
+
+
+def _calls_in(block, match) -> list:
+    import ast
+
+    return [n for n in ast.walk(block) if isinstance(n, ast.Call) and match(n)]
+
+
+@patch_point("stock-cli-parse-args", "argparse", "ArgumentParser.parse_args", "scoped-swap",
+             "_run_stock / get_parser execute openrlhf.cli.train_ppo_ray's code object as __main__ with parse_args "
+             "wrapped: the first parser with --algo.advantage.estimator gets the lpo/maxrl choices and every flag "
+             "group's flags (parser._actions), then parses lpo-train's argv (get_parser captures the parser)")
+def _stock_parse_args_contract() -> None:
+    import ast
+
+    if params(argparse.ArgumentParser.parse_args) != ["self", "args", "namespace"]:
+        raise ContractBroken(f"ArgumentParser.parse_args{params(argparse.ArgumentParser.parse_args)} changed")
+    probe = argparse.ArgumentParser(add_help=False)
+    action = probe.add_argument("--probe.option", choices=["a"])
+    if getattr(probe, "_actions", None) != [action] or action.dest != "probe.option" or action.choices != ["a"]:
+        raise ContractBroken("argparse's parser._actions / action.dest / action.choices changed")
+    _, block = _stock_main_block()
+    if not _calls_in(block, lambda c: isinstance(c.func, ast.Attribute) and c.func.attr == "ArgumentParser"):
+        raise ContractBroken("the __main__ block no longer builds argparse.ArgumentParser()")
+    parses = _calls_in(block, lambda c: isinstance(c.func, ast.Attribute) and c.func.attr == "parse_args")
+    if len(parses) != 1 or parses[0].args or parses[0].keywords:
+        raise ContractBroken("the __main__ block no longer calls parser.parse_args() once, without arguments")
+    options = _calls_in(block, lambda c: isinstance(c.func, ast.Attribute) and c.func.attr == "add_argument" and
+                        c.args and isinstance(c.args[0], ast.Constant) and c.args[0].value == f"--{ESTIMATOR_DEST}")
+    if len(options) != 1 or not any(k.arg == "choices" and isinstance(k.value, ast.List) for k in options[0].keywords):
+        raise ContractBroken(f"the __main__ block no longer adds --{ESTIMATOR_DEST} with a list of choices")
+
+
+@patch_point("stock-cli-train", STOCK_CLI, "train", "scoped-swap",
+             "the __main__ block's train(args), after the stock validation, resolves through the exec namespace "
+             "(_Namespace) to ours: the flag groups' validation, then the stock train or a parse-only return; "
+             "read from the file (the runner executes the code object, it never imports the module)",
+             imports=False)
+def _stock_train_contract() -> None:
+    import ast
+
+    source, block = _stock_main_block()
+    tree = ast.parse(source)
+    train = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "train"), None)
+    if train is None or [a.arg for a in train.args.args] != ["args"] or train.args.vararg or train.args.kwonlyargs:
+        raise ContractBroken(f"{STOCK_CLI}.train(args) changed")
+    calls = _calls_in(block, lambda c: isinstance(c.func, ast.Name) and c.func.id == "train")
+    if len(calls) != 1 or [ast.unparse(a) for a in calls[0].args] != ["args"] or calls[0].keywords:
+        raise ContractBroken("the __main__ block no longer calls train(args)")
+    parse = _calls_in(block, lambda c: isinstance(c.func, ast.Attribute) and c.func.attr == "parse_args")
+    if not parse or parse[0].lineno > calls[0].lineno:
+        raise ContractBroken("the __main__ block no longer parses its flags before train(args)")
+
+
 def build_parser_and_parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
     """Parse ``argv`` like ``lpo-train`` would and return the validated hierarchised namespace.
 
@@ -211,9 +284,15 @@ def main(argv: Optional[List[str]] = None) -> None:
             except (FileNotFoundError, ValueError) as e:
                 print(f"lpo-train --dry-run: {e}", file=sys.stderr)
                 raise SystemExit(2) from None
+            from openrlhf_lpo.cli import auto_resume
+
             print("lpo-train --dry-run: flags are valid; nothing was started")
-            print("\n".join(lines))
+            print("\n".join(lines + [line for line in [auto_resume.plan_line(args)] if line]))
             return
+        from openrlhf_lpo.cli import auto_resume
+
+        if args.ckpt.auto_resume and not auto_resume.is_supervised():  # train in a child, restart it if it dies
+            raise SystemExit(auto_resume.supervise(list(sys.argv[1:] if argv is None else argv), args))
         if checked is not None:
             print("\n".join(preflight.summary_lines(checked)), flush=True)
         with contextlib.ExitStack() as stack:
@@ -242,7 +321,8 @@ def _check_upstream_or_exit(prog: str, full: bool = True) -> None:
     from openrlhf_lpo.openrlhf import patches
 
     try:
-        patches.check_contracts() if full else patches.check_version()
+        # the CPU mode's process-wide patches are checked when it turns on (cpu/mode.py, _cpu_before_train)
+        patches.check_contracts(exclude_kinds=("process-swap",)) if full else patches.check_version()
     except RuntimeError as e:
         print(f"{prog}: {e}; openrlhf-lpo extends openrlhf {patches.OPENRLHF_VERSION} only: install it with "
               f"pip install openrlhf=={patches.OPENRLHF_VERSION} (setup.py pins it)", file=sys.stderr, flush=True)

@@ -18,6 +18,7 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 import torch
 
 from openrlhf_lpo import listwise
+from openrlhf_lpo.registry import registrar
 
 __all__ = ["POLICY_LOSS_TYPES", "register_policy_loss_type", "token_correction", "policy_loss_outputs"]
 
@@ -29,14 +30,7 @@ def register_policy_loss_type(name: str):
     OpenRLHF's own types cannot be shadowed."""
     if name in ("ppo", "gspo"):
         raise ValueError(f"policy loss type {name!r} is OpenRLHF's own; pick another name")
-
-    def deco(fn):
-        if name in POLICY_LOSS_TYPES:
-            raise ValueError(f"policy loss type {name!r} is already registered")
-        POLICY_LOSS_TYPES[name] = fn
-        return fn
-
-    return deco
+    return registrar(POLICY_LOSS_TYPES, "policy loss type", name)
 
 
 @register_policy_loss_type("cispo")

@@ -207,6 +207,50 @@ def _patch_megatron() -> None:
     mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
 
 
+# ----------------------------------------------------------------------------- contracts (patches.py's registry)
+# The CPU mode registers the points (cpu/mode.py: cpu-megatron-core, cpu-megatron-accelerator); their contracts
+# live here, next to what they guard. Neither applies anything.
+
+
+def megatron_contract():
+    """megatron-core's ``tensor_parallel/random.py`` defines ``_get_cuda_rng_state`` and ``_set_cuda_rng_state`` at
+    module level and ``CudaRNGStatesTracker.fork`` calls both by those names (looked up at call time, so
+    :func:`_patch_megatron`'s replacements take). Read from the file: importing megatron.core here would run the CPU
+    mode's import hook where it is installed."""
+    import ast
+
+    from openrlhf_lpo.openrlhf.patches import ContractBroken, module_source
+
+    name = "megatron.core.tensor_parallel.random"
+    tree = ast.parse(module_source(name))
+    helpers = ("_get_cuda_rng_state", "_set_cuda_rng_state")
+    defs = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+    missing = [h for h in helpers if h not in defs]
+    if missing:
+        raise ContractBroken(f"{name} no longer defines {', '.join(missing)}")
+    tracker = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "CudaRNGStatesTracker"), None)
+    fork = tracker and next((n for n in tracker.body if isinstance(n, ast.FunctionDef) and n.name == "fork"), None)
+    if fork is None:
+        raise ContractBroken(f"{name}.CudaRNGStatesTracker.fork is gone")
+    called = {c.func.id for c in ast.walk(fork) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)}
+    if not set(helpers) <= called:
+        raise ContractBroken(f"CudaRNGStatesTracker.fork no longer calls {', '.join(sorted(set(helpers) - called))}")
+    return None
+
+
+def accelerator_contract():
+    """What :func:`apply` replaces in torch exists (the patch point's attributes, looked up by check_contracts) and
+    torch names a CPU tensor's type ``torch.<T>Tensor`` for every dtype of ``_TYPE_NAMES`` (``_tensor_type`` puts
+    the accelerator's name in between, as megatron's dtype assertions expect)."""
+    from openrlhf_lpo.openrlhf.patches import ContractBroken
+
+    for dtype, name in _TYPE_NAMES.items():
+        got = _TENSOR_TYPE(torch.zeros((), dtype=dtype))  # torch's own Tensor.type, also where apply() ran
+        if got != f"torch.{name}":
+            raise ContractBroken(f"Tensor.type() of a CPU {dtype} tensor is {got!r}, not 'torch.{name}'")
+    return None
+
+
 def main(argv=None) -> int:
     """``python -m openrlhf_lpo.cpu.megatron_redirect MODULE [ARGS...]``: run a module with :func:`apply` active."""
     import runpy

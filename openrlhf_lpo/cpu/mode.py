@@ -30,6 +30,9 @@ What it does, in the driver and in every Ray worker (through Ray's
    ``LPO_CPU_THREADS`` threads per process (default 1) so every process computes the same
    numbers for the same input, which the parity check relies on.
 
+Every one of these patches is a patch point of :mod:`openrlhf_lpo.openrlhf.patches` (``cpu-*``, registered below
+with a contract on the upstream code it relies on; ``lpo-train`` checks them before a run).
+
 Run any OpenRLHF entry point in CPU mode with::
 
     python -m openrlhf_lpo.cpu.mode openrlhf.cli.train_ppo_ray --actor.model_name_or_path ... (stock flags)
@@ -43,15 +46,20 @@ Environment knobs: ``LPO_CPU_ENGINE`` (``hf`` default, or ``vllm``), ``LPO_CPU_P
 
 from __future__ import annotations
 
+import importlib
 import importlib.abc
 import importlib.util
+import inspect
 import os
 import sys
 import time
 from typing import Callable, Dict, List, Optional
 
+from openrlhf_lpo.openrlhf.patches import (  # the patch-point registry: the standard library alone at import
+    ContractBroken, module_source, params, patch_point, ray_class)
+
 _DEVICE = "cpu"
-_STATE = {"torch": False, "hook": None}
+_STATE = {"torch": False, "hook": None, "applied": set()}  # applied: the PATCHES keys patched in this process
 
 
 def gpu_available() -> bool:
@@ -264,6 +272,184 @@ PATCHES: Dict[str, Callable] = {
 }
 
 
+# ----------------------------------------------------------------------------- the patch points (patches.py's registry)
+# One point per key of PATCHES (tests/openrlhf/test_lpo_patches_contract.py holds that), plus megatron_redirect's
+# accelerator calls, the flash-attn fallback and the args adjuster. A contract reads upstream as it stands before
+# the CPU mode patches it: in a process where the CPU mode has already patched the module, it says so instead.
+
+
+def _cpu_point(name: str, module: str, attribute: str, why: str, kind: str = "process-swap", **kwargs):
+    """``@_cpu_point(...)`` over a contract registers the CPU-mode patch point ``name``; where this process has
+    already patched ``module``, the contract is not run (it would read our replacement) and says so."""
+
+    def deco(contract):
+        def checked() -> Optional[str]:
+            if module in _STATE["applied"] or (module == "torch" and _STATE["torch"]):
+                return "patched by the CPU mode in this process: not checked"
+            return contract()
+
+        checked.__qualname__ = contract.__qualname__  # (the registry knows a definition by its name and file)
+        patch_point(name, module, attribute, kind, why, **kwargs)(checked)
+        return contract
+
+    return deco
+
+
+@_cpu_point("cpu-torch", "torch",
+            "cuda.set_device, cuda.synchronize, cuda.empty_cache, cuda.current_device, cuda.current_stream, "
+            "set_num_threads",
+            "the CPU mode makes the first three no-ops and current_device() the CPU device, so upstream's "
+            "to_device(torch.cuda.current_device()) keeps data on the CPU; LPO_CPU_THREADS threads per process")
+def _torch_contract() -> None:
+    import torch
+
+    if params(torch.cuda.current_device) != []:
+        raise ContractBroken(f"torch.cuda.current_device{params(torch.cuda.current_device)} takes arguments")
+
+
+@_cpu_point("cpu-megatron-core", "megatron.core",
+            "tensor_parallel.random._get_cuda_rng_state, tensor_parallel.random._set_cuda_rng_state",
+            "megatron_redirect.apply() (the hook's megatron.core patch) points megatron's CUDA-RNG helpers at the "
+            "CPU generator so CudaRNGStatesTracker's forks work; read from the file, since importing megatron.core "
+            "here would run the hook where it is installed", requires="megatron.core", imports=False)
+def _megatron_core_contract() -> None:
+    from openrlhf_lpo.cpu import megatron_redirect
+
+    megatron_redirect.megatron_contract()
+
+
+@_cpu_point("cpu-megatron-accelerator", "torch",
+            "cuda.device_count, cuda.default_stream, cuda.Stream, cuda.Event, cuda.stream, cuda.get_rng_state, "
+            "cuda.set_rng_state, cuda.manual_seed, cuda.random.get_rng_state, cuda.random.set_rng_state, "
+            "cuda.memory_allocated, cuda.max_memory_allocated, cuda.memory_reserved, cuda.nvtx.range_push, "
+            "cuda.nvtx.range_pop, Tensor.cuda, nn.Module.cuda, Tensor.type",
+            "megatron_redirect.apply() redirects megatron-core's accelerator calls (RNG, streams, events, memory "
+            "stats, nvtx, .cuda()) to the CPU and makes Tensor.type() name a CPU tensor as torch.cuda.<T>Tensor")
+def _megatron_accelerator_contract() -> None:
+    from openrlhf_lpo.cpu import megatron_redirect
+
+    megatron_redirect.accelerator_contract()
+
+
+@_cpu_point("cpu-dtype", "openrlhf.utils.utils", "convert_to_torch_dtype",
+            "fp32 parameters (LPO_CPU_DTYPE); openrlhf.models imports it at call time, so the replacement takes")
+def _dtype_contract() -> None:
+    from openrlhf.utils import utils
+
+    if params(utils.convert_to_torch_dtype) != ["param_dtype"]:
+        raise ContractBroken(f"convert_to_torch_dtype{params(utils.convert_to_torch_dtype)} != (param_dtype)")
+
+
+@_cpu_point("cpu-deepspeed-strategy", "openrlhf.utils.deepspeed.deepspeed",
+            "init_device_mesh, get_train_ds_config, get_eval_ds_config, DeepspeedStrategy.moving_average",
+            "the device mesh on the CPU, fp32 and torch's AdamW (no C++ Adam build) in the DeepSpeed configs, EMA "
+            "on the CPU; DeepspeedStrategy looks the three functions up in its module at call time")
+def _deepspeed_strategy_contract() -> None:
+    import re
+
+    from openrlhf.utils.deepspeed import deepspeed as ds_mod
+
+    expected = ["self", "model", "model_ema", "beta", "device"]
+    if params(ds_mod.DeepspeedStrategy.moving_average) != expected:
+        raise ContractBroken(f"DeepspeedStrategy.moving_average{params(ds_mod.DeepspeedStrategy.moving_average)} "
+                             f"!= {expected}")
+    src = inspect.getsource(ds_mod.DeepspeedStrategy)
+    if not re.search(r'init_device_mesh\(\s*"cuda"', src):
+        raise ContractBroken('DeepspeedStrategy no longer calls init_device_mesh("cuda", ...)')
+    for needle in ("get_train_ds_config(", "get_eval_ds_config("):
+        if needle not in src:
+            raise ContractBroken(f"DeepspeedStrategy no longer calls {needle[:-1]}")
+    utils_src = module_source("openrlhf.utils.deepspeed.deepspeed_utils")
+    if '"bf16": {' not in utils_src or '"optimizer"' not in utils_src:
+        raise ContractBroken("the DeepSpeed configs no longer have a bf16 section and an optimizer entry")
+
+
+@_cpu_point("cpu-deepspeed-comm", "deepspeed.comm.torch", "build_shm_op",
+            "TorchBackend.__init__ JIT-compiles a shared-memory all-reduce op (about a minute of C++) that only "
+            "DeepSpeed's inference all-reduce uses; the CPU mode's build_shm_op builds nothing")
+def _deepspeed_comm_contract() -> None:
+    comm = importlib.import_module("deepspeed.comm.torch")  # (deepspeed.comm's attribute `torch` is torch itself)
+    if params(comm.build_shm_op) != []:
+        raise ContractBroken(f"build_shm_op{params(comm.build_shm_op)} takes arguments")
+    if "build_shm_op()" not in inspect.getsource(comm.TorchBackend.__init__):
+        raise ContractBroken("TorchBackend.__init__ no longer calls build_shm_op()")
+
+
+@_cpu_point("cpu-replay-buffer", "openrlhf.trainer.ppo_utils.replay_buffer", "NaiveReplayBuffer.__init__",
+            "upstream sets target_device to the current accelerator; ours lets it format that, then targets the CPU")
+def _replay_buffer_contract() -> None:
+    from openrlhf.trainer.ppo_utils import replay_buffer
+
+    src = inspect.getsource(replay_buffer.NaiveReplayBuffer.__init__)
+    for needle in ("self.target_device = ", "torch.cuda.current_device()"):
+        if needle not in src:
+            raise ContractBroken(f"NaiveReplayBuffer.__init__ no longer has {needle!r}")
+
+
+@_cpu_point("cpu-ppo-actor", "openrlhf.trainer.ray.ppo_actor",
+            "ActorPPOTrainer._init_vllm_sync_group, ActorPPOTrainer.broadcast_to_vllm",
+            "no NCCL group to the engines; the weight sync becomes cpu_broadcast_to_engines (a state dict through "
+            "Ray's object store, then the log-prob parity check), which reads the trainer's strategy, actor, "
+            "vllm_engines and tokenizer")
+def _ppo_actor_contract() -> None:
+    from openrlhf.trainer.ray import ppo_actor
+
+    trainer = ppo_actor.ActorPPOTrainer
+    if params(trainer.broadcast_to_vllm) != ["self"] or params(trainer._init_vllm_sync_group) != ["self", "backend"]:
+        raise ContractBroken(f"ActorPPOTrainer.broadcast_to_vllm{params(trainer.broadcast_to_vllm)} or "
+                             f"_init_vllm_sync_group{params(trainer._init_vllm_sync_group)} changed")
+    init_src = inspect.getsource(trainer.__init__)
+    for needle in ("self._init_vllm_sync_group(", "self.vllm_engines = ", "self.tokenizer = "):
+        if needle not in init_src:
+            raise ContractBroken(f"ActorPPOTrainer.__init__ no longer has {needle!r}")
+    actor = ray_class(ppo_actor.PolicyModelActor)
+    if "self.trainer.broadcast_to_vllm()" not in inspect.getsource(actor.broadcast_to_vllm):
+        raise ContractBroken("PolicyModelActor.broadcast_to_vllm no longer calls self.trainer.broadcast_to_vllm()")
+
+
+@_cpu_point("cpu-vllm-engine", "openrlhf.trainer.ray.vllm_engine", "RolloutRayActor, create_vllm_engines",
+            "create_vllm_engines looks RolloutRayActor up at call time: the CPU rollout engine class "
+            "(engines/cpu_engine.py, the same Ray methods) stands there, whatever name the CLI imported the "
+            "factory under", requires="vllm")
+def _vllm_engine_contract() -> None:
+    from openrlhf.trainer.ray import vllm_engine
+
+    if "RolloutRayActor.options(" not in inspect.getsource(vllm_engine.create_vllm_engines):
+        raise ContractBroken("create_vllm_engines no longer starts RolloutRayActor.options(...).remote(...)")
+
+
+@_cpu_point("cpu-flash-attn-fallback", "openrlhf.models.utils", "log_probs_from_logits",
+            "the CPU mode (and the trainer check's --logprobs torch) make flash-attn's triton cross-entropy "
+            "unimportable (a None entry in sys.modules); upstream then computes fp32 log-probs with torch",
+            kind="contract")
+def _flash_attn_contract() -> None:
+    from openrlhf.models import utils
+
+    src = inspect.getsource(utils.log_probs_from_logits)
+    for needle in ("from flash_attn.ops.triton.cross_entropy import cross_entropy_loss", "except ImportError"):
+        if needle not in src:
+            raise ContractBroken(f"log_probs_from_logits no longer has {needle!r}")
+
+
+@_cpu_point("cpu-args-adjuster", "argparse", "ArgumentParser.parse_args",
+            "python -m openrlhf_lpo.cpu.mode MODULE wraps every parse (install_args_adjuster) to rewrite the stock "
+            "CLI's GPU-only flags (--ds.attn_implementation, --ds.enable_sleep, --vllm.enable_sleep); lpo-train "
+            "rewrites the same flags (adjust_args)")
+def _args_adjuster_contract() -> Optional[str]:
+    import argparse
+
+    parse_args = argparse.ArgumentParser.parse_args
+    if getattr(parse_args, "_lpo_cpu", False):
+        return "patched by the CPU mode in this process: not checked"
+    if params(parse_args) != ["self", "args", "namespace"]:
+        raise ContractBroken(f"ArgumentParser.parse_args{params(parse_args)} changed")
+    src = module_source("openrlhf.cli.train_ppo_ray")  # (read, not imported)
+    for flag in ("--ds.attn_implementation", "--ds.enable_sleep", "--vllm.enable_sleep"):
+        if f'"{flag}"' not in src:
+            raise ContractBroken(f"openrlhf.cli.train_ppo_ray no longer has {flag}")
+    return None
+
+
 class _PatchAfterImport(importlib.abc.MetaPathFinder):
     """Meta-path finder that runs ``PATCHES[name](module)`` right after ``name`` executes."""
 
@@ -291,6 +477,7 @@ class _PatchAfterImport(importlib.abc.MetaPathFinder):
             def exec_module(self, module):
                 inner.exec_module(module)
                 patch(module)
+                _STATE["applied"].add(fullname)
 
         spec.loader = _Loader()
         return spec
@@ -305,6 +492,7 @@ def _install_import_hook() -> None:
     for name, patch in PATCHES.items():  # already imported: patch now
         if name in sys.modules:
             patch(sys.modules[name])
+            _STATE["applied"].add(name)
 
 
 def enable_cpu_mode(decided: bool = False) -> bool:
@@ -501,6 +689,7 @@ def install_args_adjuster() -> None:
         return ns
 
     parse_args._lpo_cpu = True
+    parse_args.__wrapped__ = orig  # (the stock-CLI runner's contract reads argparse's signature through it)
     argparse.ArgumentParser.parse_args = parse_args
 
 
@@ -563,6 +752,13 @@ def _cpu_before_train(args):
     if gpu_available():
         raise RuntimeError("--cpu.mode on but this driver sees a GPU: hide it with CUDA_VISIBLE_DEVICES= (the CPU "
                            "mode replaces CUDA calls) or use --cpu.mode auto")
+    from openrlhf_lpo.openrlhf import patches
+
+    try:  # what the process-wide patches below rely on (their registered points), before any is applied
+        patches.check_contracts(kinds=("process-swap",))
+    except RuntimeError as e:
+        print(f"lpo-train: the CPU mode cannot patch this installation: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     if getattr(cpu_args, "engine", None):
         os.environ["LPO_CPU_ENGINE"] = cpu_args.engine
     os.environ["LPO_CPU_TRUST_REMOTE_CODE"] = "1" if getattr(cpu_args, "trust_remote_code", False) else "0"

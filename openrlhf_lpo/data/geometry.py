@@ -25,6 +25,7 @@ import random
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from openrlhf_lpo.data.templates import render
+from openrlhf_lpo.registry import registrar
 from openrlhf_lpo.rewards.geometry import geometry_label
 
 __all__ = ["KINDS", "register_kind", "draw_problem", "generate_geometry_problems", "image_to_data_uri"]
@@ -35,13 +36,7 @@ PYTHAGOREAN = ((3, 4, 5), (5, 12, 13), (6, 8, 10), (8, 15, 17), (7, 24, 25), (9,
 
 
 def register_kind(name: str):
-    def deco(fn):
-        if name in KINDS:
-            raise ValueError(f"geometry kind {name!r} is already registered")
-        KINDS[name] = fn
-        return fn
-
-    return deco
+    return registrar(KINDS, "geometry kind", name)
 
 
 def _canvas(size: int):

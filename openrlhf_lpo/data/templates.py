@@ -35,7 +35,8 @@ COUNTDOWN_TEMPLATE = (
     "<think>"
 )
 
-MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
+# verl's math instruction (its MATH/GSM8K preprocessing); lpo-eval's verl-style templates use it too
+VERL_MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
 
 # PRIME (Eurus-2-RL-Data) system prompt and code instruction, verbatim (whitespace included).
 PRIME_SYSTEM_PROMPT = (
@@ -84,7 +85,7 @@ def countdown_prompt(nums, target) -> str:
 
 def math_prompt(problem: str) -> str:
     """The user-turn text for a MATH problem (verl template)."""
-    return f"{problem} {MATH_INSTRUCTION}"
+    return f"{problem} {VERL_MATH_INSTRUCTION}"
 
 
 def code_prompt(problem: str) -> str:

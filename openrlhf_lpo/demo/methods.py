@@ -41,6 +41,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
+from openrlhf_lpo.registry import register_unique
+
 # PG estimator of openrlhf_lpo.listwise -> the name lpo-train knows it by (group_norm is OpenRLHF's GRPO)
 _PIPELINE_ESTIMATOR = {"grpo": "group_norm", "dr_grpo": "dr_grpo", "maxrl": "maxrl", "rloo": "rloo",
                        "reinforce_pp": "reinforce_baseline"}
@@ -118,10 +120,7 @@ METHODS: Dict[str, Method] = {}
 
 
 def register_method(method: Method) -> Method:
-    if method.name in METHODS:
-        raise ValueError(f"method {method.name!r} is already registered")
-    METHODS[method.name] = method
-    return method
+    return register_unique(METHODS, "method", method.name, method)
 
 
 register_method(Method("lpo-fwd", "LPO-fwd (KL(w*||P))", "lpo", "fwd", color="C0"))

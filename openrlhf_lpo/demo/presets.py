@@ -13,6 +13,7 @@ from typing import Dict, Tuple
 
 from openrlhf_lpo.demo.loop import RLConfig
 from openrlhf_lpo.demo.warmup import WarmupConfig
+from openrlhf_lpo.registry import register_unique
 
 
 @dataclass(frozen=True)
@@ -35,10 +36,7 @@ PRESETS: Dict[str, Preset] = {}
 
 
 def register_preset(p: Preset) -> Preset:
-    if p.name in PRESETS:
-        raise ValueError(f"preset {p.name!r} is already registered")
-    PRESETS[p.name] = p
-    return p
+    return register_unique(PRESETS, "preset", p.name, p)
 
 
 def get_preset(name: str) -> Preset:

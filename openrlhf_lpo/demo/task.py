@@ -35,6 +35,8 @@ import zlib
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
+from openrlhf_lpo.registry import register_unique
+
 TASKS: Dict[str, "Task"] = {}
 
 SPLITS = ("all", "train", "heldout")
@@ -42,10 +44,7 @@ SPLITS = ("all", "train", "heldout")
 
 def register_task(task: "Task") -> "Task":
     """Add ``task`` to :data:`TASKS`; duplicate names are rejected."""
-    if task.name in TASKS:
-        raise ValueError(f"task {task.name!r} is already registered")
-    TASKS[task.name] = task
-    return task
+    return register_unique(TASKS, "task", task.name, task)
 
 
 def get_task(name: str) -> "Task":

@@ -21,18 +21,13 @@ from types import SimpleNamespace
 from typing import Dict, List, Optional, Sequence
 
 from openrlhf_lpo.engines.responses import vllm_params  # noqa: F401  (re-exported to cpu_vlm)
+from openrlhf_lpo.registry import registrar
 
 BACKENDS: Dict[str, type] = {}
 
 
 def register_backend(name: str):
-    def deco(cls):
-        if name in BACKENDS:
-            raise ValueError(f"engine backend {name!r} is already registered")
-        BACKENDS[name] = cls
-        return cls
-
-    return deco
+    return registrar(BACKENDS, "engine backend", name)
 
 
 def trust_remote_code() -> bool:

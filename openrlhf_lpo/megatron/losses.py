@@ -40,6 +40,7 @@ import torch
 
 from openrlhf_lpo import listwise
 from openrlhf_lpo.core.policy_loss import POLICY_LOSS_TYPES, policy_loss_outputs, token_correction
+from openrlhf_lpo.registry import lookup, registrar
 
 POLICY_LOSSES: Dict[str, Callable] = {}
 
@@ -74,19 +75,11 @@ class LossSpec:
 
 
 def register_policy_loss(name: str):
-    def deco(fn):
-        if name in POLICY_LOSSES:
-            raise ValueError(f"policy loss {name!r} is already registered")
-        POLICY_LOSSES[name] = fn
-        return fn
-
-    return deco
+    return registrar(POLICY_LOSSES, "policy loss", name)
 
 
 def get_policy_loss(name: str):
-    if name not in POLICY_LOSSES:
-        raise ValueError(f"unknown policy loss {name!r}; registered: {sorted(POLICY_LOSSES)}")
-    return POLICY_LOSSES[name]
+    return lookup(POLICY_LOSSES, "policy loss", name)
 
 
 def clip_bounds(clip_eps) -> Tuple[float, float]:

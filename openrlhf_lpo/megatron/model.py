@@ -35,6 +35,8 @@ from typing import Any, Dict, Optional
 import torch
 import torch.nn.functional as F
 
+from openrlhf_lpo.registry import register_unique
+
 
 @dataclass(frozen=True)
 class ArchSpec:
@@ -48,10 +50,7 @@ ARCHITECTURES: Dict[str, ArchSpec] = {}
 
 
 def register_architecture(model_type: str, spec: ArchSpec) -> ArchSpec:
-    if model_type in ARCHITECTURES:
-        raise ValueError(f"architecture {model_type!r} is already registered")
-    ARCHITECTURES[model_type] = spec
-    return spec
+    return register_unique(ARCHITECTURES, "architecture", model_type, spec)
 
 
 register_architecture("qwen2", ArchSpec(qkv_bias=True))  # also DeepSeek-R1-Distill-Qwen

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Optional
 
 from openrlhf_lpo.cli.preflight import PreflightError
 from openrlhf_lpo.cli.preflight.checkpoint import ResumeFormat, register_resume_format
@@ -47,4 +48,14 @@ def check_resume(ctx, root: str, tag_dir: str) -> None:
             f"PP{layout.get('pp')}{vpp} DP{layout.get('dp')}; layout-free: resumes in this layout)")
 
 
-register_resume_format(ResumeFormat("megatron", _is_megatron, check_resume))
+def _megatron_incomplete(tag_dir: str, args) -> Optional[str]:
+    """A Megatron save is renamed into place whole (``<tag>.partial`` until then): only ``meta.json`` is read."""
+    try:
+        with open(os.path.join(tag_dir, "meta.json"), encoding="utf-8") as f:
+            json.load(f)
+    except (OSError, ValueError) as e:
+        return f"meta.json cannot be read ({e})"
+    return None
+
+
+register_resume_format(ResumeFormat("megatron", _is_megatron, check_resume, _megatron_incomplete))

@@ -4,8 +4,8 @@ Public names (stable):
     LPOActorTrainer    subclass of openrlhf's ActorPPOTrainer (0.11.2); owns ``ppo_train`` for
                        ``--algo.advantage.estimator lpo``, stock behaviour for every other estimator
     LPOPolicyLoss      drop-in for ``PolicyLoss`` (same call signature, same 5-tuple) used by the
-                       stock ``training_step``; reads the micro-batch's ``LPOMicroBatch`` context
-    LPOMicroBatch      per-micro-batch context: targets, s_t, optional detached coefficients, normaliser
+                       stock ``training_step``; takes the micro-batch's ``LPOMicroBatch`` as an argument
+    LPOMicroBatch      per-micro-batch input: targets, s_t, optional detached coefficients, normaliser
     WindowPlan         one optimizer window: micro-batches of replay-buffer indices, its pass mode
     lpo_group_stats(s[G,K], w*[G,K]) -> dict of per-group KL / entropies (Figure 5 metrics)
     detached_entropy(logits) -> per-token entropy without an autograd graph (chunked)
@@ -40,6 +40,7 @@ current parameters; s_t and w* are fixed for the rollout batch):
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
@@ -71,9 +72,10 @@ __all__ = ["LPOActorTrainer", "LPOPolicyLoss", "LPOMicroBatch", "WindowPlan", "l
 # ----------------------------------------------------------------------------- loss
 
 
-@dataclass
+@dataclass(frozen=True)
 class LPOMicroBatch:
-    """What the loss needs besides the stock arguments, for one micro-batch (B samples)."""
+    """What the loss needs besides the stock arguments, for one micro-batch (B samples); the loss takes it as
+    its ``micro_batch`` argument and writes this pass's s and c into ``record``."""
 
     target: torch.Tensor  # [B] w*_k, members of a group contiguous when coefficients is None
     groups_norm: float  # global groups in the optimizer window / gas
@@ -98,15 +100,16 @@ class LPOPolicyLoss(nn.Module):
     """The LPO objective in ``PolicyLoss``'s calling convention (Eq. 4, 10, 11).
 
     ``forward(log_probs, old_log_probs, advantages, action_mask, rollout_log_probs, dp_size,
-    batch_num_tokens, global_batch_size) -> (loss, clip_ratio, ppo_kl, None, None)``;
-    ``advantages`` and the token/sample normalisers are ignored (LPO normalises by groups).
+    batch_num_tokens, global_batch_size, *, micro_batch) -> (loss, clip_ratio, ppo_kl, None, None)``;
+    ``advantages`` and the token/sample normalisers are ignored (LPO normalises by groups). The stock
+    ``training_step`` calls ``actor_loss_fn`` without ``micro_batch``: the trainer binds it for that one call
+    (:meth:`LPOActorTrainer._step_with`); the loss keeps no state between calls.
     """
 
     def __init__(self, clip_eps_low: float, clip_eps_high: float, correction: Optional[BehaviourCorrection] = None):
         super().__init__()
         self.clip_eps = (clip_eps_low, clip_eps_high)
         self.correction = correction
-        self.context: Optional[LPOMicroBatch] = None
 
     def forward(
         self,
@@ -118,10 +121,12 @@ class LPOPolicyLoss(nn.Module):
         dp_size: int = 1,
         batch_num_tokens=None,
         global_batch_size=None,
+        *,
+        micro_batch: Optional[LPOMicroBatch] = None,
     ):
-        ctx = self.context
+        ctx = micro_batch
         if ctx is None:
-            raise RuntimeError("LPOPolicyLoss needs a micro-batch context (set by LPOActorTrainer.ppo_train)")
+            raise RuntimeError("LPOPolicyLoss needs its micro_batch argument (LPOActorTrainer.ppo_train binds it)")
         # LPO math in float64 (B scalars): the listwise softmax is exact whatever the layout.
         s = lpo_log_ratio(log_probs, old_log_probs, action_mask, rollout_log_probs, ctx.prev, self.clip_eps,
                           self.correction)
@@ -244,6 +249,15 @@ class LPOActorTrainer(ActorPPOTrainer):
         run shuffles its windows like the uninterrupted one), else the number of ppo_train calls."""
         steps = getattr(self._engine(), "global_steps", None)
         return int(steps) if isinstance(steps, int) else self._ppo_calls
+
+    def _step_with(self, micro_batch: LPOMicroBatch, experience, kl_ctl, step: int, loss_norm):
+        """The stock ``training_step`` on one micro-batch, its ``actor_loss_fn`` call given ``micro_batch``."""
+        loss_fn = self.actor_loss_fn
+        self.actor_loss_fn = functools.partial(loss_fn, micro_batch=micro_batch)
+        try:
+            return self.training_step(experience, kl_ctl, step, loss_norm)
+        finally:
+            self.actor_loss_fn = loss_fn
 
     def _mark_boundary(self, is_boundary: bool) -> None:
         engine = self._engine()
@@ -451,11 +465,7 @@ class LPOActorTrainer(ActorPPOTrainer):
                 )
                 offset += len(mb)
                 self._mark_boundary(m == len(plan.micro_batches) - 1)
-                self.actor_loss_fn.context = ctx
-                try:
-                    status = self.training_step(exp, kl_ctl, step, plan.loss_norm)
-                finally:
-                    self.actor_loss_fn.context = None
+                status = self._step_with(ctx, exp, kl_ctl, step, plan.loss_norm)
                 step += 1
                 last_s[sel] = ctx.record["s"].double().cpu()
                 abs_coef_sum += float(ctx.record["c"].abs().sum())

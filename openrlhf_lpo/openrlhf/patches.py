@@ -1,33 +1,67 @@
-"""Every place where openrlhf_lpo touches OpenRLHF 0.11.2, in one module.
+"""Every place where openrlhf_lpo touches OpenRLHF 0.11.2 (and the libraries under it), in one registry.
 
 Public names (stable):
     OPENRLHF_VERSION         "0.11.2", the only version these patch points are checked against
-    PATCH_POINTS             list of PatchPoint(name, module, attribute, kind, why)
-                             kind "swap": replaced while ``apply_patches(lpo)`` is active (the LPO classes for lpo / maxrl /
-                             --lpo.end_kl runs, else the stock classes plus the runtime safety nets:
-                             reward-error window, HF export rotation; ray_classes.py);
-                             kind "scoped-swap": replaced inside one call by our subclass;
-                             kind "contract": read or called as-is, we rely on its behaviour
+    PATCH_POINTS             the registry: every PatchPoint(name, module, attribute, kind, why, contract), in the
+                             order check_contracts checks them; ``attribute`` is a dotted path in ``module``, or
+                             several separated by commas
+    KINDS                    what a point does to ``module.attribute`` (see below)
+    register_patch_point(p)  add a point (a name is registered once: a second point under a taken name is refused)
+    patch_point(...)         the decorator form: the decorated function is the new point's contract
+    ContractBroken           what a contract raises: what of upstream no longer holds
     apply_patches(lpo=True)  context manager: the "swap" points (restored on exit)
     rebind(namespace)        context manager: names in ``namespace`` (e.g. the stock CLI's globals,
                              imported before the swaps) follow the active swaps
-    check_contracts()        raises RuntimeError naming the first patch point that no longer holds
+    check_contracts()        raises RuntimeError naming the first patch point that no longer holds; returns notes
+                             on the points left unchecked because an optional package is not installed
+    params, module_source, module_file, installed, ray_class: the helpers contracts are written with
 
-The contract test (tests/openrlhf/test_patches_contract.py) runs ``check_contracts`` and more.
+Kinds:
+    "swap"          replaced while ``apply_patches(lpo)`` is active (the LPO classes for lpo / maxrl /
+                    --lpo.end_kl runs, else the stock classes plus the runtime safety nets:
+                    reward-error window, HF export rotation; ray_classes.py)
+    "scoped-swap"   replaced inside one call by ours (a subclass, a wrapper, a name resolved to ours)
+    "contract"      read, called or subclassed as-is: we rely on its behaviour
+    "process-swap"  replaced for the rest of the process, never restored (the CPU mode, cpu/mode.py and
+                    cpu/megatron_redirect.py: only where no GPU is present)
+    "stand-in"      ours stands where upstream's would be when its dependency is absent (checks/trainer_check.py)
+
+Who registers: this module the OpenRLHF points the DeepSpeed backend relies on; ``openrlhf_lpo.cpu.mode`` the
+CPU mode's (one per key of its import hook's ``PATCHES``, and megatron_redirect's); ``openrlhf_lpo.cli.
+train_ppo_ray`` the stock-CLI runner's; ``openrlhf_lpo.checks.trainer_check`` its stand-ins. Each registers when
+imported (those rooms import this one, never the reverse: tests/core/test_product_rules.py); ``lpo-train``
+imports the first three before it checks. A contract checks without a GPU and changes nothing: it looks
+attributes up, reads signatures and source (a module whose import has effects or needs an optional package is
+read from its file, not imported: ``imports=False``); a point whose ``requires`` package is absent is reported
+"not installed" instead of failing.
+
+The contract test (tests/openrlhf/test_lpo_patches_contract.py) runs ``check_contracts`` and more.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import inspect
-from dataclasses import dataclass
-from typing import Dict, List, Tuple
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
-__all__ = ["OPENRLHF_VERSION", "PatchPoint", "PATCH_POINTS", "apply_patches", "rebind", "check_version",
-           "check_contracts"]
+from openrlhf_lpo.registry import register_unique
+
+__all__ = ["OPENRLHF_VERSION", "KINDS", "PatchPoint", "PATCH_POINTS", "ContractBroken", "register_patch_point",
+           "patch_point", "apply_patches", "rebind", "check_version", "check_contracts", "check_point", "params",
+           "module_file", "module_source", "installed", "ray_class"]
 
 OPENRLHF_VERSION = "0.11.2"
+
+KINDS = ("swap", "scoped-swap", "contract", "process-swap", "stand-in")
+
+
+class ContractBroken(RuntimeError):
+    """Raised by a contract: what of upstream no longer holds (check_contracts names the point)."""
 
 
 @dataclass(frozen=True)
@@ -37,105 +71,419 @@ class PatchPoint:
     attribute: str
     kind: str
     why: str
+    # () -> None (holds) or a note; raises ContractBroken. None: the attributes exist, nothing more
+    contract: Optional[Callable[[], Optional[str]]] = field(default=None, compare=False, repr=False)
+    requires: str = ""  # an optional package (e.g. "megatron.core", "vllm"): absent, the point is "not installed"
+    imports: bool = True  # look module.attribute up first (False: the contract reads the module's file instead)
+
+    def attributes(self) -> List[str]:
+        return [a.strip() for a in self.attribute.split(",") if a.strip()]
 
 
-PATCH_POINTS: List[PatchPoint] = [
-    PatchPoint("policy-actor-class", "openrlhf.trainer.ray.ppo_actor", "PolicyModelActor", "swap",
-               "cli/train_ppo_ray.py imports it at module level and builds the actor RayActorGroup from it"),
-    PatchPoint("save-checkpoint", "openrlhf.trainer.ray.ppo_actor", "PolicyModelActor.save_checkpoint", "contract",
-               "writes <ckpt.path>/<tag>_hf with --ckpt.save_hf after the state in <ckpt.path>/_actor; "
-               "HFExportRotation prunes the exports after it returns"),
-    PatchPoint("samples-generator", "openrlhf.trainer.ppo_trainer", "SamplesGenerator", "scoped-swap",
-               "PPOTrainer.__init__ builds it (as GenerateSamplesActor.__init__ does from ppo_trainer_async); "
-               "SeededSamplesGenerator gives every sample its own seed (request_seeds.py)"),
-    PatchPoint("rollout-actor-class", "openrlhf.trainer.ray.vllm_engine", "RolloutRayActor", "swap",
-               "create_vllm_engines looks it up at call time; SeededRolloutRayActor adds per-sample settings to "
-               "generate_responses (openrlhf/seeded_vllm.py); the CPU mode's engine class is left in place"),
-    PatchPoint("dispatch-prompts", "openrlhf.trainer.ppo_utils.samples_generator",
-               "SamplesGenerator._dispatch_prompts_to_vllm", "contract",
-               "one SamplingParams (with a seed field) per dispatch, then per prompt in order "
-               "self.vllm_engines[i].generate_responses.remote(..., sampling_params=, num_samples=) whose "
-               "result is one list of num_samples outputs; SeededSamplesGenerator hands it seeding handles"),
-    PatchPoint("resume-position", "openrlhf.trainer.ppo_trainer", "BasePPOTrainer.init_checkpoint_states", "contract",
-               "returns total_consumed_prompts (the prompt position the seeds continue from on resume; the async "
-               "generator gets it as GenerateSamplesActor.fit(episode, total_consumed_prompts))"),
-    PatchPoint("train-step", "openrlhf.trainer.ppo_trainer", "BasePPOTrainer.train_step", "contract",
-               "called once per rollout batch with every sample before the experience maker; "
-               "RewardErrorGuard counts reward errors there (reward_guard.py)"),
-    PatchPoint("ppo-trainer-class", "openrlhf.trainer.ppo_trainer", "PPOTrainer", "swap",
-               "train() imports it lazily (sync mode) and calls PPOTrainer.remote(...)"),
-    PatchPoint("async-trainer-class", "openrlhf.trainer.ppo_trainer_async", "PPOTrainerAsync", "swap",
-               "train() imports it lazily (--train.async_enable) and calls PPOTrainer.remote(...)"),
-    PatchPoint("async-training-actor", "openrlhf.trainer.ppo_trainer_async", "TrainingActor", "scoped-swap",
-               "PPOTrainerAsync.__init__ looks it up at call time and starts TrainingActor.remote(...)"),
-    PatchPoint("async-samples-actor", "openrlhf.trainer.ppo_trainer_async", "GenerateSamplesActor", "scoped-swap",
-               "PPOTrainerAsync.__init__ starts it; ours seeds the prompt order first"),
-    PatchPoint("evaluate", "openrlhf.trainer.ppo_trainer", "BasePPOTrainer.save_best_checkpoint", "contract",
-               "PPOTrainer.fit calls self.evaluate(global_step, **generate_kwargs) and passes its logs here; "
-               "LPOTrainer.evaluate grades with evaluation.training_eval"),
-    PatchPoint("async-eval-metrics", "openrlhf.trainer.ppo_trainer_async", "compute_eval_metrics", "scoped-swap",
-               "GenerateSamplesActor._run_eval calls it; ours passes the tokenizer to evaluation.training_eval's"),
-    PatchPoint("balance-experiences", "openrlhf.trainer.ppo_trainer", "balance_experiences", "scoped-swap",
-               "BasePPOTrainer.train_step calls it under dynamic batching; lpo hands each rank its own groups"),
-    PatchPoint("entropy", "openrlhf.models.actor", "compute_entropy", "scoped-swap",
-               "Actor.forward calls it for return_entropy; with --actor.entropy_coef 0 it runs without a graph"),
-    PatchPoint("actor-trainer-class", "openrlhf.trainer.ray.ppo_actor", "ActorPPOTrainer", "scoped-swap",
-               "PolicyModelActor.init_model_from_pretrained looks it up at call time"),
-    PatchPoint("experience-maker", "openrlhf.trainer.ppo_trainer", "RemoteExperienceMaker", "contract",
-               "BasePPOTrainer.__init__ builds self.experience_maker; LPOTrainer replaces the instance"),
-    PatchPoint("split-rollout", "openrlhf.trainer.ppo_utils.experience_maker",
-               "RemoteExperienceMaker.split_rollout_samples", "contract",
-               "overridden: group-aligned experiences, E/dp per rank"),
-    PatchPoint("advantages", "openrlhf.trainer.ppo_utils.experience_maker",
-               "RemoteExperienceMaker.compute_advantages_and_returns", "contract",
-               "overridden for lpo/maxrl, super() otherwise"),
-    PatchPoint("actor-group-placement", "openrlhf.trainer.ray.launcher", "RayActorGroup._initiate_actors", "swap",
-               "gives rank r bundle r of a PACK group, which Ray does not keep node-contiguous above 16 bundles; "
-               "ours starts the same actors on the bundles in node-major order (openrlhf/placement.py)"),
-    PatchPoint("dp-chunking", "openrlhf.trainer.ray.launcher", "RayActorGroup.async_run_method_batch", "contract",
-               "hands rank r the r-th run of ceil(E/dp) consecutive experiences"),
-    PatchPoint("replay-items", "openrlhf.trainer.ppo_utils.replay_buffer", "NaiveReplayBuffer.collate_fn", "contract",
-               "single-sample items keep Experience.info; collate_fn re-batches a list of them"),
-    PatchPoint("ppo-train", "openrlhf.trainer.ray.ppo_actor", "ActorPPOTrainer.ppo_train", "contract",
-               "overridden for lpo (group windows), super() otherwise"),
-    PatchPoint("training-step", "openrlhf.trainer.ray.ppo_actor", "ActorPPOTrainer.training_step", "contract",
-               "called per micro-batch; calls self.actor_loss_fn(log_probs, old, adv, action_mask=, "
-               "rollout_log_probs=, **loss_batch_info) and expects a 5-tuple"),
-    PatchPoint("policy-loss", "openrlhf.models.loss", "PolicyLoss.forward", "contract",
-               "LPOPolicyLoss mirrors its signature and return value"),
-    PatchPoint("policy-loss-types", "openrlhf.trainer.ray.ppo_actor", "PolicyLoss", "scoped-swap",
-               "ActorPPOTrainer.__init__ looks it up at call time and builds actor_loss_fn with "
-               "policy_loss_type=--actor.policy_loss_type; cispo.policy_loss_types() swaps in ExtendedPolicyLoss "
-               "(CISPO, openrlhf/cispo.py; ppo/gspo go to the stock forward) around the policy actor's "
-               "init_model_from_pretrained"),
-    PatchPoint("loss-normaliser", "openrlhf.models.loss", "aggregate_loss", "contract",
-               "KL / entropy terms: masked sum / batch_num_tokens * dp_size; lpo passes each window's "
-               "global counts / gas (actor_trainer.LPOActorTrainer._loss_norm)"),
-    PatchPoint("dynamic-step-flags", "openrlhf.trainer.ppo_utils.replay_buffer",
-               "NaiveReplayBuffer.setup_dynamic_batch", "contract",
-               "training_step reads replay_buffer.dynamic_optimizer_step[step]; lpo fills it from its own plan"),
-    PatchPoint("save-logs-and-checkpoints", "openrlhf.trainer.ppo_trainer", "BasePPOTrainer.save_logs_and_checkpoints",
-               "contract", "overridden by the LPO trainers: the divergence schedule's and replay buffer's state joins "
-               "client_states, the replay buffer is written on checkpoint steps (openrlhf/research.py)"),
-    PatchPoint("checkpoint-states", "openrlhf.trainer.ppo_trainer", "BasePPOTrainer.init_checkpoint_states", "contract",
-               "called by the LPO trainers on resume: the actor's client_states of the loaded checkpoint"),
-    PatchPoint("rollout-stats", "openrlhf.trainer.ppo_trainer", "BasePPOTrainer._compute_rollout_stats", "contract",
-               "overridden by the LPO trainers: with listwise replay, rollout/* over the fresh samples only"),
-    PatchPoint("vlm-merge", "openrlhf.utils.vlm_utils", "merge_mm_train_inputs", "contract",
-               "LPO's no-grad passes batch a micro-batch's images as training_step does (openrlhf/vlm.py)"),
-    PatchPoint("vlm-rollout", "openrlhf.utils.agent", "SingleTurnAgentExecutor.execute", "contract",
-               "tokenizes image prompts with the processor (process_prompt_with_images) and calls "
-               "llm_engine.generate(ids, params, multi_modal_data={'image': [...]}) (engines/cpu_vlm.py)"),
-]
-
-_active: Dict[Tuple[str, str], Tuple[object, object]] = {}
+PATCH_POINTS: List[PatchPoint] = []
+_BY_NAME: Dict[str, PatchPoint] = {}
 
 
-def _resolve(point: PatchPoint):
-    obj = importlib.import_module(point.module)
-    for part in point.attribute.split("."):
+def _code_of(fn) -> Tuple[Optional[str], Optional[str]]:
+    return getattr(fn, "__qualname__", None), getattr(getattr(fn, "__code__", None), "co_filename", None)
+
+
+def register_patch_point(point: PatchPoint) -> PatchPoint:
+    """Add ``point`` to the registry; ``ValueError`` for an unknown kind or a name already registered by another
+    point. The same definition again (its module executed twice: ``python -m`` runs it as ``__main__``, and an
+    import may load it under its own name) keeps the first."""
+    if point.kind not in KINDS:
+        raise ValueError(f"patch point {point.name!r}: kind {point.kind!r} is not one of {', '.join(KINDS)}")
+    old = _BY_NAME.get(point.name)
+    if old is not None and old == point and _code_of(old.contract) == _code_of(point.contract):
+        return old
+    register_unique(_BY_NAME, "patch point", point.name, point)
+    PATCH_POINTS.append(point)
+    return point
+
+
+def patch_point(name: str, module: str, attribute: str, kind: str, why: str, *, requires: str = "",
+                imports: bool = True) -> Callable:
+    """``@patch_point(name, module, attribute, kind, why)`` over a function registers the point with that function
+    as its contract and returns the function unchanged."""
+
+    def deco(contract: Callable[[], Optional[str]]):
+        register_patch_point(PatchPoint(name, module, attribute, kind, why, contract=contract, requires=requires,
+                                        imports=imports))
+        return contract
+
+    return deco
+
+
+def _point(name: str, module: str, attribute: str, kind: str, why: str,
+           contract: Optional[Callable[[], Optional[str]]] = None) -> None:
+    register_patch_point(PatchPoint(name, module, attribute, kind, why, contract=contract))
+
+
+# ----------------------------------------------------------------------------- helpers for contracts
+
+
+def _resolve(module: str, attribute: str):
+    obj = importlib.import_module(module)
+    for part in attribute.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def params(fn) -> List[str]:
+    """Parameter names of ``fn`` (Ray's actor decorator adds a tracing parameter to the methods of classes it
+    wraps: left out)."""
+    return [p for p in inspect.signature(fn).parameters if p != "_ray_trace_ctx"]
+
+
+_params = params
+
+
+def ray_class(cls):
+    """The class a Ray actor class wraps (``cls`` itself if it is a plain class)."""
+    return getattr(cls, "__ray_actor_class__", cls)
+
+
+def module_file(name: str) -> Optional[Path]:
+    """The source file of module ``name`` without importing it or its parent packages (None: not installed)."""
+    top, *rest = name.split(".")
+    try:
+        spec = importlib.util.find_spec(top)  # a top-level name: imports nothing
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    if not rest:
+        return Path(spec.origin) if spec.has_location and spec.origin else None
+    for location in spec.submodule_search_locations or ():
+        base = Path(location, *rest)
+        for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+            if candidate.is_file():
+                return candidate
+    return None
+
+
+def installed(name: str) -> bool:
+    """Whether module ``name`` is imported or importable (found without importing it)."""
+    return name in sys.modules or module_file(name) is not None
+
+
+def module_source(name: str) -> str:
+    """The source of module ``name``: through ``inspect`` if it is imported, else read from its file (a check
+    that imports nothing)."""
+    module = sys.modules.get(name)
+    if module is not None:
+        return inspect.getsource(module)
+    path = module_file(name)
+    if path is None:
+        raise ContractBroken(f"{name} is not installed")
+    return path.read_text()
+
+
+def _needles(source: str, needles: Iterable[str], what: str) -> None:
+    for needle in needles:
+        if needle not in source:
+            raise ContractBroken(f"{what} no longer has {needle!r}")
+
+
+def _signature(fn, expected: List[str]) -> None:
+    if params(fn) != expected:
+        raise ContractBroken(f"signature {params(fn)} != {expected}")
+
+
+def _method(module: str, cls: str, name: str):
+    """``module.cls.name``, through the Ray actor class to the class it wraps."""
+    return getattr(ray_class(getattr(importlib.import_module(module), cls)), name)
+
+
+def _calls(module: str, cls: str, name: str, needle: str) -> Callable[[], None]:
+    """A contract: ``module.cls.name`` still calls ``needle`` (looked up at call time, so a swap of it takes)."""
+
+    def contract() -> None:
+        fn = _method(module, cls, name)
+        if needle not in inspect.getsource(fn):
+            raise ContractBroken(f"{fn.__qualname__} no longer calls {needle[:-1]}")
+
+    return contract
+
+
+def _trainer_base():
+    from openrlhf.trainer.ppo_trainer import BasePPOTrainer
+
+    return BasePPOTrainer
+
+
+# ----------------------------------------------------------------------------- the DeepSpeed backend's points
+
+_point("policy-actor-class", "openrlhf.trainer.ray.ppo_actor", "PolicyModelActor", "swap",
+       "cli/train_ppo_ray.py imports it at module level and builds the actor RayActorGroup from it")
+
+
+@patch_point("save-checkpoint", "openrlhf.trainer.ray.ppo_actor", "PolicyModelActor.save_checkpoint", "contract",
+             "writes <ckpt.path>/<tag>_hf with --ckpt.save_hf after the state in <ckpt.path>/_actor; "
+             "HFExportRotation prunes the exports after it returns")
+def _save_checkpoint() -> None:
+    src = inspect.getsource(_method("openrlhf.trainer.ray.ppo_actor", "PolicyModelActor", "save_checkpoint"))
+    if 'f"{tag}_hf"' not in src or '"_actor"' not in src:
+        raise ContractBroken("save_checkpoint no longer writes <tag>_hf beside _actor")
+
+
+@patch_point("samples-generator", "openrlhf.trainer.ppo_trainer", "SamplesGenerator", "scoped-swap",
+             "PPOTrainer.__init__ builds it (as GenerateSamplesActor.__init__ does from ppo_trainer_async); "
+             "SeededSamplesGenerator gives every sample its own seed (request_seeds.py)")
+def _samples_generator() -> None:
+    from openrlhf.trainer import ppo_trainer, ppo_trainer_async
+    from openrlhf.trainer.ppo_utils import samples_generator as sg
+
+    for mod, cls_name in ((ppo_trainer, "PPOTrainer"), (ppo_trainer_async, "GenerateSamplesActor")):
+        init = ray_class(getattr(mod, cls_name)).__init__
+        if "SamplesGenerator(" not in inspect.getsource(init) or mod.SamplesGenerator is not sg.SamplesGenerator:
+            raise ContractBroken(f"{cls_name}.__init__ no longer builds SamplesGenerator")
+
+
+@patch_point("rollout-actor-class", "openrlhf.trainer.ray.vllm_engine", "RolloutRayActor", "swap",
+             "create_vllm_engines looks it up at call time; SeededRolloutRayActor adds per-sample settings to "
+             "generate_responses (openrlhf/seeded_vllm.py); the CPU mode's engine class is left in place")
+def _rollout_actor_class() -> None:
+    from openrlhf.trainer.ray import vllm_engine
+
+    rollout = getattr(vllm_engine.RolloutRayActor, "__ray_actor_class__", None)
+    if rollout is None:  # (the CPU mode's engine class stands there in CPU mode)
+        return
+    if params(rollout.generate_responses) != ["self", "prompt", "label", "sampling_params", "max_length",
+                                              "hf_tokenizer", "num_samples", "images"] or \
+            "self.executor.execute(" not in inspect.getsource(rollout.generate_responses):
+        raise ContractBroken("RolloutRayActor.generate_responses changed")
+
+
+@patch_point("dispatch-prompts", "openrlhf.trainer.ppo_utils.samples_generator",
+             "SamplesGenerator._dispatch_prompts_to_vllm", "contract",
+             "one SamplingParams (with a seed field) per dispatch, then per prompt in order "
+             "self.vllm_engines[i].generate_responses.remote(..., sampling_params=, num_samples=) whose "
+             "result is one list of num_samples outputs; SeededSamplesGenerator hands it seeding handles")
+def _dispatch_prompts() -> None:
+    from openrlhf.trainer.ppo_utils import samples_generator as sg
+
+    dispatch_src = inspect.getsource(sg.SamplesGenerator._dispatch_prompts_to_vllm)
+    _needles(dispatch_src, ("self.vllm_engines[", ".generate_responses.remote(", "sampling_params=sampling_params",
+                            "num_samples=n_samples", "SamplingParams("), "_dispatch_prompts_to_vllm")
+    if "seed" not in getattr(sg.SamplingParams, "__struct_fields__", ()) and \
+            "seed" not in inspect.signature(sg.SamplingParams).parameters:
+        raise ContractBroken("vllm.SamplingParams has no per-request seed")
+
+
+@patch_point("resume-position", "openrlhf.trainer.ppo_trainer", "BasePPOTrainer.init_checkpoint_states", "contract",
+             "returns total_consumed_prompts (the prompt position the seeds continue from on resume; the async "
+             "generator gets it as GenerateSamplesActor.fit(episode, total_consumed_prompts))")
+def _resume_position() -> None:
+    fit = _method("openrlhf.trainer.ppo_trainer_async", "GenerateSamplesActor", "fit")
+    if "total_consumed_prompts" not in inspect.getsource(_trainer_base().init_checkpoint_states) or \
+            params(fit)[:3] != ["self", "episode", "total_consumed_prompts"]:
+        raise ContractBroken("the prompt position is no longer restored as expected")
+
+
+@patch_point("train-step", "openrlhf.trainer.ppo_trainer", "BasePPOTrainer.train_step", "contract",
+             "called once per rollout batch with every sample before the experience maker; "
+             "RewardErrorGuard counts reward errors there (reward_guard.py)")
+def _train_step() -> None:
+    step = _trainer_base().train_step
+    # (Ray's tracing adds a trailing _ray_trace_ctx to methods of classes it made remote)
+    if params(step)[:3] != ["self", "rollout_samples", "global_step"] or \
+            "make_experience_batch(rollout_samples)" not in inspect.getsource(step):
+        raise ContractBroken("BasePPOTrainer.train_step(rollout_samples, global_step) changed")
+
+
+_point("ppo-trainer-class", "openrlhf.trainer.ppo_trainer", "PPOTrainer", "swap",
+       "train() imports it lazily (sync mode) and calls PPOTrainer.remote(...)")
+_point("async-trainer-class", "openrlhf.trainer.ppo_trainer_async", "PPOTrainerAsync", "swap",
+       "train() imports it lazily (--train.async_enable) and calls PPOTrainer.remote(...)")
+_point("async-training-actor", "openrlhf.trainer.ppo_trainer_async", "TrainingActor", "scoped-swap",
+       "PPOTrainerAsync.__init__ looks it up at call time and starts TrainingActor.remote(...)",
+       _calls("openrlhf.trainer.ppo_trainer_async", "PPOTrainerAsync", "__init__", "TrainingActor.remote("))
+_point("async-samples-actor", "openrlhf.trainer.ppo_trainer_async", "GenerateSamplesActor", "scoped-swap",
+       "PPOTrainerAsync.__init__ starts it; ours seeds the prompt order first",
+       _calls("openrlhf.trainer.ppo_trainer_async", "PPOTrainerAsync", "__init__", "GenerateSamplesActor.remote("))
+_point("evaluate", "openrlhf.trainer.ppo_trainer", "BasePPOTrainer.save_best_checkpoint", "contract",
+       "PPOTrainer.fit calls self.evaluate(global_step, **generate_kwargs) and passes its logs here; "
+       "LPOTrainer.evaluate grades with evaluation.training_eval",
+       _calls("openrlhf.trainer.ppo_trainer", "PPOTrainer", "fit", "self.evaluate(global_step"))
+_point("async-eval-metrics", "openrlhf.trainer.ppo_trainer_async", "compute_eval_metrics", "scoped-swap",
+       "GenerateSamplesActor._run_eval calls it; ours passes the tokenizer to evaluation.training_eval's",
+       _calls("openrlhf.trainer.ppo_trainer_async", "GenerateSamplesActor", "_run_eval", "compute_eval_metrics("))
+_point("balance-experiences", "openrlhf.trainer.ppo_trainer", "balance_experiences", "scoped-swap",
+       "BasePPOTrainer.train_step calls it under dynamic batching; lpo hands each rank its own groups",
+       _calls("openrlhf.trainer.ppo_trainer", "BasePPOTrainer", "train_step", "balance_experiences("))
+_point("entropy", "openrlhf.models.actor", "compute_entropy", "scoped-swap",
+       "Actor.forward calls it for return_entropy; with --actor.entropy_coef 0 it runs without a graph",
+       _calls("openrlhf.models.actor", "Actor", "forward", "compute_entropy("))
+
+
+@patch_point("actor-trainer-class", "openrlhf.trainer.ray.ppo_actor", "ActorPPOTrainer", "scoped-swap",
+             "PolicyModelActor.init_model_from_pretrained looks it up at call time")
+def _actor_trainer_class() -> None:
+    init_src = inspect.getsource(_method("openrlhf.trainer.ray.ppo_actor", "PolicyModelActor",
+                                         "init_model_from_pretrained"))
+    if "ActorPPOTrainer(" not in init_src:
+        raise ContractBroken("init_model_from_pretrained no longer builds ActorPPOTrainer")
+
+
+_point("experience-maker", "openrlhf.trainer.ppo_trainer", "RemoteExperienceMaker", "contract",
+       "BasePPOTrainer.__init__ builds self.experience_maker; LPOTrainer replaces the instance")
+_point("split-rollout", "openrlhf.trainer.ppo_utils.experience_maker", "RemoteExperienceMaker.split_rollout_samples",
+       "contract", "overridden: group-aligned experiences, E/dp per rank")
+_point("advantages", "openrlhf.trainer.ppo_utils.experience_maker",
+       "RemoteExperienceMaker.compute_advantages_and_returns", "contract",
+       "overridden for lpo/maxrl, super() otherwise")
+
+
+@patch_point("actor-group-placement", "openrlhf.trainer.ray.launcher", "RayActorGroup._initiate_actors", "swap",
+             "gives rank r bundle r of a PACK group, which Ray does not keep node-contiguous above 16 bundles; "
+             "ours starts the same actors on the bundles in node-major order (openrlhf/placement.py)")
+def _actor_group_placement() -> None:
+    from openrlhf.trainer.ray import launcher
+
+    if params(launcher.RayActorGroup._initiate_actors) != ["self", "pg", "num_gpus_per_actor"] or \
+            not hasattr(launcher, "PlacementGroupSchedulingStrategy"):
+        raise ContractBroken("RayActorGroup._initiate_actors(pg, num_gpus_per_actor) "
+                             "or launcher.PlacementGroupSchedulingStrategy changed")
+    _needles(inspect.getsource(launcher.RayActorGroup._initiate_actors),
+             ("placement_group_bundle_index=0", "placement_group_bundle_index=rank", "if pg:",
+              "self._num_gpus_per_node > 1 and pg is None"), "_initiate_actors")
+
+
+_point("dp-chunking", "openrlhf.trainer.ray.launcher", "RayActorGroup.async_run_method_batch", "contract",
+       "hands rank r the r-th run of ceil(E/dp) consecutive experiences")
+_point("replay-items", "openrlhf.trainer.ppo_utils.replay_buffer", "NaiveReplayBuffer.collate_fn", "contract",
+       "single-sample items keep Experience.info; collate_fn re-batches a list of them")
+
+
+@patch_point("ppo-train", "openrlhf.trainer.ray.ppo_actor", "ActorPPOTrainer.ppo_train", "contract",
+             "overridden for lpo (group windows), super() otherwise")
+def _ppo_train() -> None:
+    from openrlhf.trainer.ray import ppo_actor
+
+    _signature(ppo_actor.ActorPPOTrainer.ppo_train, ["self", "kl_ctl"])
+
+
+@patch_point("training-step", "openrlhf.trainer.ray.ppo_actor", "ActorPPOTrainer.training_step", "contract",
+             "called per micro-batch; calls self.actor_loss_fn(log_probs, old, adv, action_mask=, "
+             "rollout_log_probs=, **loss_batch_info) and expects a 5-tuple")
+def _training_step() -> None:
+    from openrlhf.trainer.ray import ppo_actor
+
+    _signature(ppo_actor.ActorPPOTrainer.training_step, ["self", "experience", "kl_ctl", "step", "loss_batch_info"])
+    src = inspect.getsource(ppo_actor.ActorPPOTrainer.training_step)
+    for needle, why in (("self.actor_loss_fn(", "calls self.actor_loss_fn"),
+                        ("dynamic_optimizer_step[step]", "reads replay_buffer.dynamic_optimizer_step[step]"),
+                        ("**loss_batch_info", "passes loss_batch_info to the loss")):
+        if needle not in src:
+            raise ContractBroken(f"training_step no longer {why}")
+
+
+@patch_point("policy-loss", "openrlhf.models.loss", "PolicyLoss.forward", "contract",
+             "LPOPolicyLoss mirrors its signature and return value")
+def _policy_loss() -> None:
+    from openrlhf.models.loss import PolicyLoss
+
+    _signature(PolicyLoss.forward, ["self", "log_probs", "old_log_probs", "advantages", "action_mask",
+                                    "rollout_log_probs", "dp_size", "batch_num_tokens", "global_batch_size"])
+
+
+@patch_point("policy-loss-types", "openrlhf.trainer.ray.ppo_actor", "PolicyLoss", "scoped-swap",
+             "ActorPPOTrainer.__init__ looks it up at call time and builds actor_loss_fn with "
+             "policy_loss_type=--actor.policy_loss_type; cispo.policy_loss_types() swaps in ExtendedPolicyLoss "
+             "(CISPO, openrlhf/cispo.py; ppo/gspo go to the stock forward) around the policy actor's "
+             "init_model_from_pretrained")
+def _policy_loss_types() -> None:
+    """ExtendedPolicyLoss mirrors PolicyLoss's constructor and forward, the trainer builds its loss from the
+    module-level name with --actor.policy_loss_type, upstream aggregates with aggregate_loss(loss, loss_mask,
+    token_level_loss, dp_size, batch_num_tokens, global_batch_size), and no registered type shadows one that
+    upstream has gained since 0.11.2."""
+    from openrlhf.models import loss as loss_mod
+    from openrlhf.models.loss import PolicyLoss as policy_loss
+    from openrlhf.trainer.ray import ppo_actor
+
+    from openrlhf_lpo.openrlhf.cispo import POLICY_LOSS_TYPES, ExtendedPolicyLoss
+
+    init = ["self", "clip_eps_low", "clip_eps_high", "dual_clip", "token_level_loss", "policy_loss_type",
+            "is_correction_level", "is_correction_mode", "is_correction_gating", "is_correction_threshold"]
+    for fn, ours, expected in ((policy_loss.__init__, ExtendedPolicyLoss.__init__, init),
+                               (policy_loss.forward, ExtendedPolicyLoss.forward, params(policy_loss.forward))):
+        if params(fn) != expected or params(ours) != expected:
+            raise ContractBroken(f"PolicyLoss.{fn.__name__}{params(fn)} != "
+                                 f"ExtendedPolicyLoss.{ours.__name__}{params(ours)}")
+    if params(loss_mod.aggregate_loss) != ["loss", "loss_mask", "token_level_loss", "dp_size", "batch_num_tokens",
+                                          "global_batch_size"]:
+        raise ContractBroken("aggregate_loss's signature changed")
+    src = inspect.getsource(ppo_actor.ActorPPOTrainer.__init__)
+    if "self.actor_loss_fn = PolicyLoss(" not in src or \
+            "policy_loss_type=self.args.actor.policy_loss_type" not in src or ppo_actor.PolicyLoss is not policy_loss:
+        raise ContractBroken("ActorPPOTrainer.__init__ no longer builds "
+                             "PolicyLoss(policy_loss_type=args.actor.policy_loss_type) from ppo_actor's global name")
+    forward_src = inspect.getsource(policy_loss.forward)
+    native = [name for name in POLICY_LOSS_TYPES if f'"{name}"' in forward_src]
+    if native:
+        raise ContractBroken(f"upstream PolicyLoss now implements {native} itself; "
+                             "drop our registration (openrlhf_lpo/openrlhf/cispo.py)")
+
+
+_point("loss-normaliser", "openrlhf.models.loss", "aggregate_loss", "contract",
+       "KL / entropy terms: masked sum / batch_num_tokens * dp_size; lpo passes each window's "
+       "global counts / gas (actor_trainer.LPOActorTrainer._loss_norm)")
+_point("dynamic-step-flags", "openrlhf.trainer.ppo_utils.replay_buffer", "NaiveReplayBuffer.setup_dynamic_batch",
+       "contract", "training_step reads replay_buffer.dynamic_optimizer_step[step]; lpo fills it from its own plan")
+
+
+def _signature_and_needle(method: str, expected: List[str], source_of: Callable, needle: str) -> Callable[[], None]:
+    """A contract: BasePPOTrainer.<method>'s signature, and ``needle`` in the source of ``source_of()``."""
+
+    def contract() -> None:
+        _signature(getattr(_trainer_base(), method), expected)
+        fn = source_of()
+        if needle not in inspect.getsource(fn):
+            raise ContractBroken(f"{fn.__qualname__} no longer contains {needle!r}")
+
+    return contract
+
+
+_point("save-logs-and-checkpoints", "openrlhf.trainer.ppo_trainer", "BasePPOTrainer.save_logs_and_checkpoints",
+       "contract", "overridden by the LPO trainers: the divergence schedule's and replay buffer's state joins "
+       "client_states, the replay buffer is written on checkpoint steps (openrlhf/research.py)",
+       _signature_and_needle("save_logs_and_checkpoints", ["self", "global_step", "logs_dict", "client_states"],
+                             lambda: _trainer_base().save_logs_and_checkpoints, "client_states=client_states"))
+_point("checkpoint-states", "openrlhf.trainer.ppo_trainer", "BasePPOTrainer.init_checkpoint_states", "contract",
+       "called by the LPO trainers on resume: the actor's client_states of the loaded checkpoint",
+       _signature_and_needle("init_checkpoint_states", ["self"], lambda: _trainer_base().init_checkpoint_states,
+                             "get_checkpoint_states"))
+_point("rollout-stats", "openrlhf.trainer.ppo_trainer", "BasePPOTrainer._compute_rollout_stats", "contract",
+       "overridden by the LPO trainers: with listwise replay, rollout/* over the fresh samples only",
+       _signature_and_needle("_compute_rollout_stats", ["self", "experiences"], lambda: _trainer_base().train_step,
+                             "self._compute_rollout_stats("))
+
+
+@patch_point("vlm-merge", "openrlhf.utils.vlm_utils", "merge_mm_train_inputs", "contract",
+             "LPO's no-grad passes batch a micro-batch's images as training_step does (openrlhf/vlm.py)")
+def _vlm_merge() -> None:
+    from openrlhf.utils import vlm_utils
+
+    if params(vlm_utils.merge_mm_train_inputs) != ["mm_train_inputs_list", "device"]:
+        raise ContractBroken("merge_mm_train_inputs(mm_train_inputs_list, device) changed")
+
+
+@patch_point("vlm-rollout", "openrlhf.utils.agent", "SingleTurnAgentExecutor.execute", "contract",
+             "tokenizes image prompts with the processor (process_prompt_with_images) and calls "
+             "llm_engine.generate(ids, params, multi_modal_data={'image': [...]}) (engines/cpu_vlm.py)")
+def _vlm_rollout() -> None:
+    from openrlhf.utils import agent
+
+    exec_src = inspect.getsource(agent.SingleTurnAgentExecutor.execute)
+    if "multi_modal_data=" not in exec_src or "process_prompt_with_images" not in exec_src:
+        raise ContractBroken("the executor no longer hands images to llm_engine.generate")
+
+
+# ----------------------------------------------------------------------------- the swaps
+
+_active: Dict[Tuple[str, str], Tuple[object, object]] = {}
 
 
 @contextlib.contextmanager
@@ -198,15 +546,7 @@ def rebind(namespace: dict):
             namespace[attr] = old
 
 
-def _trainer_base():
-    from openrlhf.trainer.ppo_trainer import BasePPOTrainer
-
-    return BasePPOTrainer
-
-
-def _params(fn) -> List[str]:
-    # Ray's actor decorator adds a tracing parameter to the methods of classes it wraps
-    return [p for p in inspect.signature(fn).parameters if p != "_ray_trace_ctx"]
+# ----------------------------------------------------------------------------- the checks
 
 
 def check_version() -> None:
@@ -222,149 +562,38 @@ def check_version() -> None:
         raise RuntimeError(f"openrlhf {version} installed; openrlhf_lpo's patch points are for {OPENRLHF_VERSION}")
 
 
-def check_contracts() -> None:
-    """Raise RuntimeError naming the first patch point that does not match openrlhf 0.11.2."""
+def check_point(point: PatchPoint) -> Optional[str]:
+    """Check one point: its ``requires`` package is installed (else a "not installed" note), its attributes exist
+    (``imports``), its contract holds; RuntimeError ``patch point <name>: ...`` if not."""
+    if point.requires and not installed(point.requires):
+        return f"{point.requires} not installed: not checked"
+    if point.imports:
+        for attribute in point.attributes():
+            try:
+                _resolve(point.module, attribute)
+            except (ImportError, AttributeError) as e:
+                raise RuntimeError(f"patch point {point.name}: {point.module}.{attribute} is missing ({e})") from e
+    if point.contract is None:
+        return None
+    try:
+        return point.contract()
+    except ContractBroken as e:
+        raise RuntimeError(f"patch point {point.name}: {e}") from None
+    except (ImportError, AttributeError, OSError, SyntaxError, TypeError, ValueError) as e:
+        raise RuntimeError(f"patch point {point.name}: {type(e).__name__}: {e}") from e
+
+
+def check_contracts(kinds: Optional[Sequence[str]] = None, exclude_kinds: Sequence[str] = ()) -> List[str]:
+    """Raise RuntimeError naming the first registered patch point (in registration order) that does not match
+    openrlhf 0.11.2 and the libraries under it; return ``"<name>: <note>"`` for each point not checked (an optional
+    package that is not installed). ``kinds`` / ``exclude_kinds`` select points by kind (``lpo-train`` checks the
+    CPU mode's ``process-swap`` points only when the CPU mode turns on)."""
     check_version()
-    for point in PATCH_POINTS:
-        try:
-            _resolve(point)
-        except (ImportError, AttributeError) as e:
-            raise RuntimeError(f"patch point {point.name}: {point.module}.{point.attribute} is missing ({e})") from e
-
-    from openrlhf.models.loss import PolicyLoss
-    from openrlhf.trainer.ray import ppo_actor
-
-    expected = {
-        "policy-loss": (PolicyLoss.forward, ["self", "log_probs", "old_log_probs", "advantages", "action_mask",
-                                             "rollout_log_probs", "dp_size", "batch_num_tokens", "global_batch_size"]),
-        "training-step": (ppo_actor.ActorPPOTrainer.training_step,
-                          ["self", "experience", "kl_ctl", "step", "loss_batch_info"]),
-        "ppo-train": (ppo_actor.ActorPPOTrainer.ppo_train, ["self", "kl_ctl"]),
-        "save-logs-and-checkpoints": (_trainer_base().save_logs_and_checkpoints,
-                                      ["self", "global_step", "logs_dict", "client_states"]),
-        "checkpoint-states": (_trainer_base().init_checkpoint_states, ["self"]),
-        "rollout-stats": (_trainer_base()._compute_rollout_stats, ["self", "experiences"]),
-    }
-    for name, (fn, params) in expected.items():
-        if _params(fn) != params:
-            raise RuntimeError(f"patch point {name}: signature {_params(fn)} != {params}")
-    from openrlhf.utils import agent, vlm_utils
-
-    if _params(vlm_utils.merge_mm_train_inputs) != ["mm_train_inputs_list", "device"]:
-        raise RuntimeError("patch point vlm-merge: merge_mm_train_inputs(mm_train_inputs_list, device) changed")
-    exec_src = inspect.getsource(agent.SingleTurnAgentExecutor.execute)
-    if "multi_modal_data=" not in exec_src or "process_prompt_with_images" not in exec_src:
-        raise RuntimeError("patch point vlm-rollout: the executor no longer hands images to llm_engine.generate")
-    src = inspect.getsource(ppo_actor.ActorPPOTrainer.training_step)
-    for needle, why in (("self.actor_loss_fn(", "calls self.actor_loss_fn"),
-                        ("dynamic_optimizer_step[step]", "reads replay_buffer.dynamic_optimizer_step[step]"),
-                        ("**loss_batch_info", "passes loss_batch_info to the loss")):
-        if needle not in src:
-            raise RuntimeError(f"patch point training-step: training_step no longer {why}")
-    from openrlhf.models import actor as actor_mod
-    from openrlhf.trainer import ppo_trainer, ppo_trainer_async
-
-    for name, fn, needle in (("balance-experiences", ppo_trainer.BasePPOTrainer.train_step, "balance_experiences("),
-                             ("entropy", actor_mod.Actor.forward, "compute_entropy("),
-                             ("evaluate", getattr(ppo_trainer.PPOTrainer, "__ray_actor_class__",
-                                                  ppo_trainer.PPOTrainer).fit, "self.evaluate(global_step"),
-                             ("async-eval-metrics", getattr(ppo_trainer_async.GenerateSamplesActor,
-                                                            "__ray_actor_class__",
-                                                            ppo_trainer_async.GenerateSamplesActor)._run_eval,
-                              "compute_eval_metrics("),
-                             ("async-training-actor", getattr(ppo_trainer_async.PPOTrainerAsync, "__ray_actor_class__",
-                                                              ppo_trainer_async.PPOTrainerAsync).__init__,
-                              "TrainingActor.remote("),
-                             ("async-samples-actor", getattr(ppo_trainer_async.PPOTrainerAsync, "__ray_actor_class__",
-                                                             ppo_trainer_async.PPOTrainerAsync).__init__,
-                              "GenerateSamplesActor.remote(")):
-        if needle not in inspect.getsource(fn):
-            raise RuntimeError(f"patch point {name}: {fn.__qualname__} no longer calls {needle[:-1]}")
-    save_src = inspect.getsource(getattr(ppo_actor.PolicyModelActor, "__ray_actor_class__",
-                                         ppo_actor.PolicyModelActor).save_checkpoint)
-    if 'f"{tag}_hf"' not in save_src or '"_actor"' not in save_src:
-        raise RuntimeError("patch point save-checkpoint: save_checkpoint no longer writes <tag>_hf beside _actor")
-    step_src = inspect.getsource(ppo_trainer.BasePPOTrainer.train_step)
-    # (Ray's tracing adds a trailing _ray_trace_ctx to methods of classes it made remote)
-    if _params(ppo_trainer.BasePPOTrainer.train_step)[:3] != ["self", "rollout_samples", "global_step"] or \
-            "make_experience_batch(rollout_samples)" not in step_src:
-        raise RuntimeError("patch point train-step: BasePPOTrainer.train_step(rollout_samples, global_step) changed")
-    from openrlhf.trainer.ppo_utils import samples_generator as sg
-
-    from openrlhf.trainer.ray import vllm_engine
-
-    rollout = getattr(vllm_engine.RolloutRayActor, "__ray_actor_class__", None)
-    if rollout is not None:  # (the CPU mode's engine class stands there in CPU mode)
-        if _params(rollout.generate_responses) != ["self", "prompt", "label", "sampling_params", "max_length",
-                                                   "hf_tokenizer", "num_samples", "images"] or \
-                "self.executor.execute(" not in inspect.getsource(rollout.generate_responses):
-            raise RuntimeError("patch point rollout-actor-class: RolloutRayActor.generate_responses changed")
-    dispatch_src = inspect.getsource(sg.SamplesGenerator._dispatch_prompts_to_vllm)
-    for needle in ("self.vllm_engines[", ".generate_responses.remote(", "sampling_params=sampling_params",
-                   "num_samples=n_samples", "SamplingParams("):
-        if needle not in dispatch_src:
-            raise RuntimeError(f"patch point dispatch-prompts: _dispatch_prompts_to_vllm no longer has {needle!r}")
-    if "seed" not in getattr(sg.SamplingParams, "__struct_fields__", ()) and \
-            "seed" not in inspect.signature(sg.SamplingParams).parameters:
-        raise RuntimeError("patch point dispatch-prompts: vllm.SamplingParams has no per-request seed")
-    for mod, cls_name in ((ppo_trainer, "PPOTrainer"), (ppo_trainer_async, "GenerateSamplesActor")):
-        init = getattr(getattr(mod, cls_name), "__ray_actor_class__", getattr(mod, cls_name)).__init__
-        if "SamplesGenerator(" not in inspect.getsource(init) or mod.SamplesGenerator is not sg.SamplesGenerator:
-            raise RuntimeError(f"patch point samples-generator: {cls_name}.__init__ no longer builds SamplesGenerator")
-    if "total_consumed_prompts" not in inspect.getsource(ppo_trainer.BasePPOTrainer.init_checkpoint_states) or \
-            _params(getattr(ppo_trainer_async.GenerateSamplesActor, "__ray_actor_class__",
-                            ppo_trainer_async.GenerateSamplesActor).fit)[:3] != ["self", "episode", "total_consumed_prompts"]:
-        raise RuntimeError("patch point resume-position: the prompt position is no longer restored as expected")
-    for name, fn, needle in (("save-logs-and-checkpoints", _trainer_base().save_logs_and_checkpoints,
-                              "client_states=client_states"),
-                             ("checkpoint-states", _trainer_base().init_checkpoint_states, "get_checkpoint_states"),
-                             ("rollout-stats", ppo_trainer.BasePPOTrainer.train_step, "self._compute_rollout_stats(")):
-        if needle not in inspect.getsource(fn):
-            raise RuntimeError(f"patch point {name}: {fn.__qualname__} no longer contains {needle!r}")
-    from openrlhf.trainer.ray import launcher
-
-    if _params(launcher.RayActorGroup._initiate_actors) != ["self", "pg", "num_gpus_per_actor"] or \
-            not hasattr(launcher, "PlacementGroupSchedulingStrategy"):
-        raise RuntimeError("patch point actor-group-placement: RayActorGroup._initiate_actors(pg, num_gpus_per_actor) "
-                           "or launcher.PlacementGroupSchedulingStrategy changed")
-    place_src = inspect.getsource(launcher.RayActorGroup._initiate_actors)
-    for needle in ("placement_group_bundle_index=0", "placement_group_bundle_index=rank", "if pg:",
-                   "self._num_gpus_per_node > 1 and pg is None"):
-        if needle not in place_src:
-            raise RuntimeError(f"patch point actor-group-placement: _initiate_actors no longer has {needle!r}")
-    init_src = inspect.getsource(getattr(ppo_actor.PolicyModelActor, "__ray_actor_class__",
-                                         ppo_actor.PolicyModelActor).init_model_from_pretrained)
-    if "ActorPPOTrainer(" not in init_src:
-        raise RuntimeError("patch point actor-trainer-class: init_model_from_pretrained no longer builds ActorPPOTrainer")
-    _check_policy_loss_types(PolicyLoss, ppo_actor)
-
-
-def _check_policy_loss_types(policy_loss, ppo_actor) -> None:
-    """Patch point policy-loss-types: ExtendedPolicyLoss mirrors PolicyLoss's constructor and forward, the
-    trainer builds its loss from the module-level name with --actor.policy_loss_type, upstream aggregates
-    with aggregate_loss(loss, loss_mask, token_level_loss, dp_size, batch_num_tokens, global_batch_size), and
-    no registered type shadows one that upstream has gained since 0.11.2."""
-    from openrlhf.models import loss as loss_mod
-
-    from openrlhf_lpo.openrlhf.cispo import POLICY_LOSS_TYPES, ExtendedPolicyLoss
-
-    init = ["self", "clip_eps_low", "clip_eps_high", "dual_clip", "token_level_loss", "policy_loss_type",
-            "is_correction_level", "is_correction_mode", "is_correction_gating", "is_correction_threshold"]
-    for fn, ours, params in ((policy_loss.__init__, ExtendedPolicyLoss.__init__, init),
-                             (policy_loss.forward, ExtendedPolicyLoss.forward, _params(policy_loss.forward))):
-        if _params(fn) != params or _params(ours) != params:
-            raise RuntimeError(f"patch point policy-loss-types: PolicyLoss.{fn.__name__}{_params(fn)} != "
-                               f"ExtendedPolicyLoss.{ours.__name__}{_params(ours)}")
-    if _params(loss_mod.aggregate_loss) != ["loss", "loss_mask", "token_level_loss", "dp_size", "batch_num_tokens",
-                                           "global_batch_size"]:
-        raise RuntimeError("patch point policy-loss-types: aggregate_loss's signature changed")
-    src = inspect.getsource(ppo_actor.ActorPPOTrainer.__init__)
-    if "self.actor_loss_fn = PolicyLoss(" not in src or \
-            "policy_loss_type=self.args.actor.policy_loss_type" not in src or ppo_actor.PolicyLoss is not policy_loss:
-        raise RuntimeError("patch point policy-loss-types: ActorPPOTrainer.__init__ no longer builds "
-                           "PolicyLoss(policy_loss_type=args.actor.policy_loss_type) from ppo_actor's global name")
-    forward_src = inspect.getsource(policy_loss.forward)
-    native = [name for name in POLICY_LOSS_TYPES if f'"{name}"' in forward_src]
-    if native:
-        raise RuntimeError(f"patch point policy-loss-types: upstream PolicyLoss now implements {native} itself; "
-                           "drop our registration (openrlhf_lpo/openrlhf/cispo.py)")
+    notes = []
+    for point in list(PATCH_POINTS):
+        if (kinds is not None and point.kind not in kinds) or point.kind in exclude_kinds:
+            continue
+        note = check_point(point)
+        if note:
+            notes.append(f"{point.name}: {note}")
+    return notes

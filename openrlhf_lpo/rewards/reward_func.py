@@ -37,6 +37,7 @@ import json
 import os
 from typing import Callable, Dict, List, Tuple
 
+from openrlhf_lpo.registry import registrar
 from openrlhf_lpo.rewards.reward_errors import ERROR_KEY, cause_text, note_error
 
 REWARDS: Dict[str, Callable[[str, dict], Tuple[float, str]]] = {}
@@ -44,14 +45,7 @@ REWARDS: Dict[str, Callable[[str, dict], Tuple[float, str]]] = {}
 
 def register_reward(name: str):
     """Register ``fn(response, label_dict) -> (reward, status)`` under a task name."""
-
-    def deco(fn):
-        if name in REWARDS:
-            raise ValueError(f"reward task {name!r} is already registered")
-        REWARDS[name] = fn
-        return fn
-
-    return deco
+    return registrar(REWARDS, "reward task", name)
 
 
 # task -> the parser of its label fields: the task's reward reads the label through it, and lpo-train's
@@ -61,14 +55,7 @@ LABELS: Dict[str, Callable[[dict], object]] = {}
 
 def register_label(name: str):
     """Register ``fn(label_dict) -> fields`` for a task; it raises ValueError naming the bad field."""
-
-    def deco(fn):
-        if name in LABELS:
-            raise ValueError(f"label parser of task {name!r} is already registered")
-        LABELS[name] = fn
-        return fn
-
-    return deco
+    return registrar(LABELS, "label parser of task", name)
 
 
 def _integer(value) -> int:

@@ -74,10 +74,11 @@ def _deepspeed_window(lp, data, rows_per_micro, mode, coef, divergence, projecti
     total = 0.0
     for rows in rows_per_micro:
         r = torch.tensor(rows)
-        loss_fn.context = LPOMicroBatch(target=data["target"][r], groups_norm=float(n_groups), group_size=K,
-                                        divergence=divergence, projection=projection, prev=data["s_t"][r],
-                                        coefficients=None if coef is None else coef[r])
-        loss, *_ = loss_fn(lp[r], data["old"][r], None, data["mask"][r], data["rollout"][r], dp_size=1)
+        micro = LPOMicroBatch(target=data["target"][r], groups_norm=float(n_groups), group_size=K,
+                              divergence=divergence, projection=projection, prev=data["s_t"][r],
+                              coefficients=None if coef is None else coef[r])
+        loss, *_ = loss_fn(lp[r], data["old"][r], None, data["mask"][r], data["rollout"][r], dp_size=1,
+                           micro_batch=micro)
         total = total + loss
     return total
 

@@ -18,7 +18,8 @@ def _reference(r, temperature, divergence, s=None):
     r = np.asarray(r, dtype=np.float64)
     k = len(r)
     s = np.zeros(k) if s is None else np.asarray(s, dtype=np.float64)
-    tau = {"std": np.std(r, ddof=1), "one": 1.0, "mean": np.mean(r)}.get(temperature, temperature)
+    tau = {"std": np.std(r, ddof=1), "one": 1.0, "mean": np.mean(r), "loo": (k - 1) / k,
+           "batch_std": np.sqrt(np.mean((r - r.mean()) ** 2))}.get(temperature, temperature)
     x = (r - r.max()) / tau
     w = np.exp(x) / np.exp(x).sum()
     p = np.exp(s - s.max()) / np.exp(s - s.max()).sum()
@@ -74,6 +75,8 @@ def test_readme_table_is_what_lpo_explain_prints_and_it_is_right():
     ("one", "rev", [0.5, 0.0, 1.0, 0.25]),
     ("mean", "fwd", [1, 0, 0, 0, 1, 0]),
     ("0.7", "rev", [2.0, -1.0, 0.5]),
+    ("loo", "rev", [1, 0, 0, 1, 1]),  # RLOO: A = R - mean of the others
+    ("batch_std", "rev", [0.5, 0.0, 1.0, 0.25]),  # REINFORCE++-baseline on a one-group batch
 ])
 def test_other_temperatures_and_divergences(temperature, divergence, rewards, capsys):
     from openrlhf_lpo.cli.explain import main
@@ -85,10 +88,14 @@ def test_other_temperatures_and_divergences(temperature, divergence, rewards, ca
     table = _table(text)
     np.testing.assert_allclose(table[:, 3], w, atol=0.501e-4, rtol=0)
     np.testing.assert_allclose(table[:, 4], c, atol=0.501e-5, rtol=0)
-    paired = temperature in ("one", "mean")
+    paired = temperature in ("one", "mean", "loo", "batch_std")
     assert table.shape[1] == (6 if paired else 5)  # a PG column only for a paired temperature
     if paired:
         np.testing.assert_allclose(table[:, 5], a, atol=0.501e-4, rtol=0)
+        if temperature == "loo":  # the estimator's own definition: R_k minus the mean of the other K-1
+            r = np.asarray(rewards, dtype=np.float64)
+            loo = r - (r.sum() - r) / (len(r) - 1)
+            np.testing.assert_allclose(table[:, 5], loo, atol=0.501e-4, rtol=0)
         if divergence == "rev":  # Proposition 1, printed and true
             assert "On-policy reverse KL: c_k = -A_k/K (Proposition 1)." in text
             np.testing.assert_allclose(c, -a / len(rewards), atol=1e-12)

@@ -157,3 +157,89 @@ def test_new_pg_estimator():
             lw.pg_advantages(T(R[:, :1]), "test_rloo")
     with pytest.raises(ValueError, match="unknown PG estimator 'test_rloo'"):
         lw.pg_advantages(T(R), "test_rloo")
+
+
+def test_registry_helper():
+    """openrlhf_lpo.registry, the one rule of every named table: a name once, an unknown name lists the valid ones."""
+    from openrlhf_lpo.registry import lookup, register_unique, registrar
+
+    table = {}
+    assert register_unique(table, "widget", "b", 1) == 1
+    assert registrar(table, "widget", "a")(len) is len  # the decorator form returns what it decorates
+    with pytest.raises(ValueError, match="^widget 'a' is already registered$"):
+        register_unique(table, "widget", "a", 2)
+    with pytest.raises(ValueError, match="^widget 'b' is already registered$"):
+        registrar(table, "widget", "b")(print)
+    assert table == {"a": len, "b": 1}  # a refused entry changes nothing
+    assert lookup(table, "widget", "b") == 1
+    with pytest.raises(ValueError, match="^unknown widget 'c'; valid: a, b$"):
+        lookup(table, "widget", "c")
+    with pytest.raises(ValueError, match="^unknown widget"):
+        lookup(table, "widget", ["unhashable"])
+
+
+def _registries():
+    """(table, register an entry under an existing name, that name, the message) for each table on the helper."""
+    import importlib
+
+    def mod(name):
+        return importlib.import_module(f"openrlhf_lpo.{name}" if not name.startswith("evaluation") else name)
+
+    rf, pre = mod("rewards.reward_func"), mod("cli.preflight")
+    task, presets, methods = mod("demo.task"), mod("demo.presets"), mod("demo.methods")
+    model, losses, policy = mod("megatron.model"), mod("megatron.losses"), mod("core.policy_loss")
+    geo, backends = mod("data.geometry"), mod("engines.backends")
+    flags, ckpt = mod("cli.flags"), mod("cli.preflight.checkpoint")
+    engines, bench, templates = mod("evaluation.engines"), mod("evaluation.benchmark_registry"), mod("evaluation.templates")
+    pre.checks()  # imports the modules that register the checks
+    mod("evaluation.benchmarks")  # registers the benchmark families
+    first = lambda table: next(iter(table))  # noqa: E731
+    return [
+        (lw.TEMPERATURES, lambda n: lw.register_temperature(n)(len), "std", "temperature"),
+        (lw.DIVERGENCE_FAMILIES, lambda n: lw.register_divergence_family(n, float, "")(len), "alpha", "divergence family"),
+        (rf.REWARDS, lambda n: rf.register_reward(n)(len), first(rf.REWARDS), "reward task"),
+        (rf.LABELS, lambda n: rf.register_label(n)(len), first(rf.LABELS), "label parser of task"),
+        (pre.CHECKS, lambda n: pre.register_check(n)(len), first(pre.CHECKS), "preflight check"),
+        (task.TASKS, lambda n: task.register_task(task.TASKS[n]), "addition", "task"),
+        (presets.PRESETS, lambda n: presets.register_preset(presets.PRESETS[n]), "cpu-demo", "preset"),
+        (methods.METHODS, lambda n: methods.register_method(methods.METHODS[n]), "grpo", "method"),
+        (model.ARCHITECTURES, lambda n: model.register_architecture(n, model.ArchSpec()), "llama", "architecture"),
+        (losses.POLICY_LOSSES, lambda n: losses.register_policy_loss(n)(len), first(losses.POLICY_LOSSES), "policy loss"),
+        (policy.POLICY_LOSS_TYPES, lambda n: policy.register_policy_loss_type(n)(len), "cispo", "policy loss type"),
+        (geo.KINDS, lambda n: geo.register_kind(n)(len), first(geo.KINDS), "geometry kind"),
+        (backends.BACKENDS, lambda n: backends.register_backend(n)(len), first(backends.BACKENDS), "engine backend"),
+        (engines.ENGINES, lambda n: engines.register_engine(n)(len), first(engines.ENGINES), "engine"),
+        (bench.BENCHMARKS, lambda n: bench.register_benchmark(bench.BENCHMARKS[n]), first(bench.BENCHMARKS),
+         "benchmark name"),
+        (templates.TEMPLATES, lambda n: templates.register_template(n)(len), "qwen-boxed", "template"),
+        (flags.FLAG_GROUPS, lambda n: flags.register_flag_group(flags.FLAG_GROUPS[n]), "lpo", "flag group"),
+        (ckpt.RESUME_FORMATS, lambda n: ckpt.register_resume_format(ckpt.RESUME_FORMATS[n]), "deepspeed",
+         "resume format of backend"),
+    ]
+
+
+def test_every_registry_refuses_a_taken_name():
+    """Each table on the helper refuses a second entry under a name it holds, naming its kind, and keeps the first."""
+    for table, register, name, kind in _registries():
+        before = dict(table)
+        with pytest.raises(ValueError, match=f"^{kind} '{name}' is already registered$"):
+            register(name)
+        assert table == before, kind
+    from openrlhf_lpo.megatron.losses import POLICY_LOSSES, get_policy_loss
+
+    with pytest.raises(ValueError, match=f"^unknown policy loss 'nope'; valid: {', '.join(sorted(POLICY_LOSSES))}$"):
+        get_policy_loss("nope")
+
+
+def test_a_benchmark_alias_is_a_taken_name():
+    from dataclasses import replace
+
+    from evaluation import benchmark_registry as bench
+    from evaluation.benchmarks import BENCHMARKS
+
+    spec = next(s for s in BENCHMARKS.values() if s.aliases)
+    aliases = dict(bench._ALIASES)
+    for clash in (spec.aliases[0], spec.name):  # a new benchmark whose alias is taken (an alias, a name): nothing added
+        with pytest.raises(ValueError, match=f"^benchmark name '{clash}' is already registered$"):
+            bench.register_benchmark(replace(spec, name="test-new-bench", aliases=("test-new-alias", clash)))
+        assert "test-new-bench" not in BENCHMARKS and bench._ALIASES == aliases

@@ -80,7 +80,7 @@ def test_partial_batch_drops_at_most_dp_minus_one_groups(tp8_model):
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "openrlhf"))
-    from lpo_harness import make_rollout_samples
+    from lpo_fixtures import make_rollout_samples
     from openrlhf.trainer.ppo_utils.kl_controller import FixedKLController
 
     from openrlhf_lpo.openrlhf.experience_maker import LPOExperienceMaker

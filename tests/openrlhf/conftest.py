@@ -1,4 +1,4 @@
-"""Fixtures for the LPO-in-OpenRLHF tests (real openrlhf 0.11.2 classes; see lpo_harness.py)."""
+"""Fixtures for the LPO-in-OpenRLHF tests (real openrlhf 0.11.2 classes; see lpo_fixtures.py)."""
 
 import os
 import sys
@@ -15,7 +15,7 @@ from gloo_util import free_port  # noqa: E402
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    from lpo_harness import tiny_model
+    from lpo_fixtures import tiny_model
 
     return tiny_model(str(tmp_path_factory.mktemp("openrlhf_tiny")))
 

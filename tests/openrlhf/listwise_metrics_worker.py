@@ -21,8 +21,9 @@ def main():
     rank, world, port, model_dir, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=world, rank=rank)
-    from lpo_harness import (CPUStrategy, cpu_cuda_queries, make_actor, make_experiences, make_rollout_samples,
-                             make_trainer, parse_args, rank_chunk, reference_listwise_stats)
+    from lpo_fixtures import (CPUStrategy, cpu_cuda_queries, make_actor, make_experiences, make_rollout_samples,
+                              make_trainer, parse_args, rank_chunk)
+    from lpo_references import reference_listwise_stats
     from openrlhf_lpo.openrlhf.actor_trainer import LPOActorTrainer
 
     K, G = 4, 3

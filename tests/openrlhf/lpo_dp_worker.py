@@ -22,7 +22,7 @@ def main():
     rank, world, port, model_dir, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=world, rank=rank)
-    from lpo_harness import gradient_matrix
+    from lpo_matrix import gradient_matrix
 
     kwargs = {}
     if len(sys.argv) > 6 and sys.argv[6] == "vlm":

@@ -14,7 +14,7 @@ import copy
 
 import torch
 
-from lpo_harness import make_actor, make_rollout_samples
+from lpo_fixtures import make_actor, make_rollout_samples
 from openrlhf.trainer.ppo_utils.experience import make_experience_batch, split_experience_batch
 
 from openrlhf_lpo import listwise

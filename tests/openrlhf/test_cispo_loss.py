@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from lpo_harness import (CPUStrategy, cpu_cuda_queries, make_actor, make_experiences, make_rollout_samples,
-                         make_trainer, max_abs, max_abs_diff, parse_args, rollout_sample, run_lpo_step,
-                         equal_length_samples)
+from lpo_fixtures import (CPUStrategy, cpu_cuda_queries, make_actor, make_experiences, make_rollout_samples,
+                          make_trainer, max_abs, max_abs_diff, parse_args, rollout_sample, run_lpo_step,
+                          equal_length_samples)
 from openrlhf.models import PolicyLoss
 from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
 from openrlhf.trainer.ray import ppo_actor

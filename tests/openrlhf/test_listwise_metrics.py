@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from gloo_util import HERE, free_port
-from lpo_harness import (CPUStrategy, cpu_cuda_queries, make_actor, make_experiences, make_rollout_samples,
-                         make_trainer, max_abs, max_abs_diff, parse_args, reference_listwise_stats)
+from lpo_fixtures import (CPUStrategy, cpu_cuda_queries, make_actor, make_experiences, make_rollout_samples,
+                          make_trainer, max_abs, max_abs_diff, parse_args)
+from lpo_references import reference_listwise_stats
 from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
 
 from openrlhf_lpo.listwise import listwise_group_sums, listwise_stats_from_sums

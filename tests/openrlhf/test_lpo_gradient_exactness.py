@@ -7,7 +7,7 @@ and two epochs with SGD (lr 0.5), so the later steps run at updated parameters a
 fresh no-grad pass. Micro-batch sizes 1, K/2, K, 2K; dp 1 (in process) and dp 2 (two gloo
 processes); packing on/off; divergences fwd/rev/js; off-policy data with the token clip and mask
 corrections; temperatures std/one/mean/0.7; dynamic batching with token budgets that split groups or
-keep them whole. The reference (lpo_harness.reference_steps) recomputes
+keep them whole. The reference (lpo_references.reference_steps) recomputes
 the targets and s_t in numpy from the rewards and behaviour log-probs, one autograd call per window.
 """
 
@@ -15,7 +15,7 @@ the targets and s_t in numpy from the rewards and behaviour log-probs, one autog
 import pytest
 
 from gloo_util import collect_dp2_matrix, kill_all, launch_dp2_matrix
-from lpo_harness import check_matrix_row
+from lpo_matrix import check_matrix_row
 
 K = 4
 # OpenRLHF's Actor casts logits to float32, so log-probs recomputed in a batch of another composition
@@ -36,7 +36,7 @@ def dp2_results(tiny_model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def dp1_table(tiny_model_dir, gloo_world1, dp2_results):
     # dp2_results first: its two worker processes import while this process computes.
-    from lpo_harness import gradient_matrix
+    from lpo_matrix import gradient_matrix
 
     return gradient_matrix(tiny_model_dir, dp=1, rank=0, K=K)
 
@@ -48,7 +48,7 @@ def dp2_table(dp2_results):
 
 
 def _cases(dp):
-    from lpo_harness import matrix_cases
+    from lpo_matrix import matrix_cases
 
     return [name for name, _ in matrix_cases(K, dp)]
 

@@ -4,13 +4,16 @@ import inspect
 
 import pytest
 
+from openrlhf_lpo.checks import trainer_check  # noqa: F401  (the rooms that patch register their points when imported)
+from openrlhf_lpo.cli import train_ppo_ray
+from openrlhf_lpo.cpu import mode as cpu_mode
 from openrlhf_lpo.openrlhf import patches
 
 
 def test_installed_openrlhf_matches_every_patch_point():
     patches.check_contracts()
     kinds = {p.kind for p in patches.PATCH_POINTS}
-    assert kinds == {"swap", "scoped-swap", "contract"}
+    assert kinds == set(patches.KINDS)  # swap, scoped-swap, contract; process-swap (CPU mode), stand-in (checks)
     names = [p.name for p in patches.PATCH_POINTS]
     assert len(names) == len(set(names))
 
@@ -186,3 +189,186 @@ def test_lpo_train_stops_on_another_openrlhf_or_a_broken_contract(monkeypatch, c
         main(argv)
     err = capsys.readouterr().err
     assert e.value.code == 2 and "lpo-train: patch point policy-loss" in err
+
+
+# ----------------------------------------------------------------------------- every upstream patch in the registry
+# The CPU mode (cpu/mode.py, cpu/megatron_redirect.py), the stock-CLI runner (cli/train_ppo_ray.py) and the trainer
+# check's stand-ins (checks/trainer_check.py) register their points when imported (lpo-train imports the first two).
+
+NEW_POINTS = {
+    "cpu-torch", "cpu-megatron-core", "cpu-megatron-accelerator", "cpu-dtype", "cpu-deepspeed-strategy",
+    "cpu-deepspeed-comm", "cpu-replay-buffer", "cpu-ppo-actor", "cpu-vllm-engine", "cpu-flash-attn-fallback",
+    "cpu-args-adjuster", "stock-cli-parse-args", "stock-cli-train", "trainer-check-ray-package",
+    "trainer-check-strategy", "trainer-check-dtype",
+}
+
+
+def test_every_registered_point_holds_on_the_installed_packages():
+    """megatron-core and vLLM are installed here: no point is left unchecked."""
+    import argparse
+    import sys
+
+    import torch
+
+    names = [p.name for p in patches.PATCH_POINTS]
+    assert NEW_POINTS <= set(names) and len(names) == len(set(names))
+    assert all(p.kind in patches.KINDS for p in patches.PATCH_POINTS)
+    assert all(p.contract is not None for p in patches.PATCH_POINTS if p.name in NEW_POINTS)
+    megatron_before = "megatron.core" in sys.modules
+    before = (argparse.ArgumentParser.parse_args, torch.cuda.current_device, torch.Tensor.type)
+    assert patches.check_contracts() == []
+    # checking applies nothing: no patch, no import of megatron-core (whose import would run the CPU mode's hook)
+    assert (argparse.ArgumentParser.parse_args, torch.cuda.current_device, torch.Tensor.type) == before
+    assert ("megatron.core" in sys.modules) == megatron_before
+
+
+def test_every_cpu_mode_patch_is_a_registered_point():
+    """A patch added to the CPU mode's import hook without its patch point fails here."""
+    cpu_points = {p.module for p in patches.PATCH_POINTS if p.kind == "process-swap" and p.name.startswith("cpu-")}
+    assert set(cpu_mode.PATCHES) <= cpu_points, set(cpu_mode.PATCHES) - cpu_points
+
+
+def test_the_registry_refuses_a_second_point_under_a_taken_name():
+    count = len(patches.PATCH_POINTS)
+    with pytest.raises(ValueError, match="patch point 'cpu-replay-buffer' is already registered"):
+        patches.register_patch_point(patches.PatchPoint("cpu-replay-buffer", "x", "y", "contract", "another point"))
+    with pytest.raises(ValueError, match="kind 'monkey'"):
+        patches.register_patch_point(patches.PatchPoint("new-point", "x", "y", "monkey", "an unknown kind"))
+    # the same definition again (a module run as __main__ and imported under its name) keeps the first
+    first = next(p for p in patches.PATCH_POINTS if p.name == "stock-cli-train")
+    again = patches.PatchPoint(first.name, first.module, first.attribute, first.kind, first.why,
+                               contract=first.contract, requires=first.requires, imports=first.imports)
+    assert patches.register_patch_point(again) is first and len(patches.PATCH_POINTS) == count
+
+
+def test_optional_packages_absent_are_reported_not_installed(monkeypatch):
+    installed = patches.installed
+    monkeypatch.setattr(patches, "installed",
+                        lambda name: not name.startswith(("megatron", "vllm")) and installed(name))
+    notes = patches.check_contracts()
+    assert notes == ["cpu-megatron-core: megatron.core not installed: not checked",
+                     "cpu-vllm-engine: vllm not installed: not checked"]
+
+
+def test_cpu_mode_contract_detects_a_changed_ema_signature(monkeypatch, capsys):
+    from openrlhf.utils.deepspeed import deepspeed as ds_mod
+
+    def moving_average(self, model, model_ema, beta=0.992):  # no device: the CPU mode's wrapper would pass one
+        raise AssertionError
+
+    monkeypatch.setattr(ds_mod.DeepspeedStrategy, "moving_average", moving_average)
+    with pytest.raises(RuntimeError, match=r"patch point cpu-deepspeed-strategy: DeepspeedStrategy.moving_average"):
+        patches.check_contracts()
+    # a GPU run does not apply the CPU mode's patches: lpo-train's start check leaves them out ...
+    patches.check_contracts(exclude_kinds=("process-swap",))
+    # ... and the CPU mode checks them when it turns on, before it patches anything (exit 2 naming the point)
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(cpu=SimpleNamespace(mode="on", engine=None, trust_remote_code=False, active=None))
+    with pytest.raises(SystemExit) as e:
+        cpu_mode._cpu_before_train(args)
+    assert e.value.code == 2 and args.cpu.active is True
+    assert "openrlhf.utils.deepspeed.deepspeed" not in cpu_mode._STATE["applied"]  # nothing was patched
+    assert "the CPU mode cannot patch this installation: patch point cpu-deepspeed-strategy" in capsys.readouterr().err
+
+
+def test_cpu_mode_contract_detects_a_replay_buffer_that_no_longer_sets_its_device(monkeypatch):
+    from openrlhf.trainer.ppo_utils import replay_buffer
+
+    def __init__(self, sample_batch_size, limit=0, cpu_offload=True, packing_samples=False, dynamic_batch=False):
+        self.items = []
+
+    monkeypatch.setattr(replay_buffer.NaiveReplayBuffer, "__init__", __init__)
+    with pytest.raises(RuntimeError, match="patch point cpu-replay-buffer: .*self.target_device"):
+        patches.check_contracts()
+
+
+def test_cpu_mode_contract_detects_a_missing_upstream_function(monkeypatch):
+    import importlib
+
+    comm = importlib.import_module("deepspeed.comm.torch")  # (`import ... as` would bind deepspeed.comm's `torch`)
+    monkeypatch.delattr(comm, "build_shm_op")
+    with pytest.raises(RuntimeError, match=r"patch point cpu-deepspeed-comm: deepspeed.comm.torch.build_shm_op is "
+                                           r"missing"):
+        patches.check_contracts()
+
+
+def test_megatron_redirect_contract_reads_megatron_without_importing_it(monkeypatch):
+    source = patches.module_source
+
+    def module_source(name):
+        text = source(name)
+        # upstream renames the helper the redirect replaces (and its callers)
+        return text.replace("_set_cuda_rng_state", "_set_device_rng_state") \
+            if name == "megatron.core.tensor_parallel.random" else text
+
+    monkeypatch.setattr(patches, "module_source", module_source)
+    with pytest.raises(RuntimeError, match="patch point cpu-megatron-core: megatron.core.tensor_parallel.random no "
+                                           "longer defines _set_cuda_rng_state"):
+        patches.check_contracts()
+    monkeypatch.setattr(patches, "module_source", lambda name: source(name).replace(
+        "_get_cuda_rng_state(graph_safe=self.use_cudagraphable_rng)", "torch.get_rng_state()"))  # fork: no helper
+    with pytest.raises(RuntimeError, match="patch point cpu-megatron-core: CudaRNGStatesTracker.fork no longer "
+                                           "calls _get_cuda_rng_state"):
+        patches.check_contracts()
+
+
+def _stock_cli_source(monkeypatch, edit):
+    """The stock CLI's file as the runner's loader reads it, edited."""
+    import importlib.machinery
+
+    loader = importlib.machinery.SourceFileLoader
+    get_source = loader.get_source
+
+    def edited(self, name):
+        text = get_source(self, name)
+        return edit(text) if name == train_ppo_ray.STOCK_CLI else text
+
+    monkeypatch.setattr(loader, "get_source", edited)
+
+
+def test_stock_cli_runner_contract_detects_a_main_block_without_train(monkeypatch):
+    _stock_cli_source(monkeypatch, lambda text: text.replace("\n    train(args)\n", "\n    run_training(args)\n"))
+    with pytest.raises(RuntimeError, match=r"patch point stock-cli-train: the __main__ block no longer calls "
+                                           r"train\(args\)"):
+        patches.check_contracts()
+
+
+def test_stock_cli_runner_contract_detects_an_estimator_option_without_choices(monkeypatch):
+    def edit(text):
+        start = text.index('"--algo.advantage.estimator",')
+        choices = text.index("choices=[", start)
+        return text[:choices] + 'metavar="E"' + text[text.index("]", choices) + 1:]  # the choices list, gone
+
+    _stock_cli_source(monkeypatch, edit)
+    with pytest.raises(RuntimeError, match="patch point stock-cli-parse-args: the __main__ block no longer adds "
+                                           "--algo.advantage.estimator with a list of choices"):
+        patches.check_contracts()
+
+
+def test_trainer_check_contract_detects_a_changed_optimizer_step(monkeypatch):
+    from openrlhf.utils.deepspeed import DeepspeedStrategy
+
+    def optimizer_step(self, optimizer, model, scheduler, **kwargs):  # name= gone
+        raise AssertionError
+
+    monkeypatch.setattr(DeepspeedStrategy, "optimizer_step", optimizer_step)
+    with pytest.raises(RuntimeError, match="patch point trainer-check-strategy: DeepspeedStrategy.optimizer_step"):
+        patches.check_contracts()
+
+
+def test_trainer_check_contract_detects_a_ray_package_that_binds_more(monkeypatch):
+    """The stand-in package skips openrlhf/trainer/ray/__init__.py: a name it gains would be missing there."""
+    import sys
+
+    getsource = inspect.getsource
+
+    def source(obj):
+        text = getsource(obj)
+        return text + "from .launcher import RayActorGroup\n" if obj is sys.modules.get("openrlhf.trainer.ray") \
+            else text
+
+    patches.check_contracts()  # (imports the package)
+    monkeypatch.setattr(inspect, "getsource", source)
+    with pytest.raises(RuntimeError, match="patch point trainer-check-ray-package: .*from .launcher import"):
+        patches.check_contracts()

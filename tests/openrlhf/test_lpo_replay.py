@@ -10,8 +10,8 @@ import copy
 import pytest
 import torch
 
-from lpo_harness import (CPUStrategy, make_actor, make_experiences, make_replay_experiences,
-                         make_rollout_samples, parse_args, sample_key)
+from lpo_fixtures import (CPUStrategy, make_actor, make_experiences, make_replay_experiences,
+                          make_rollout_samples, parse_args, sample_key)
 from openrlhf_lpo.openrlhf.replay import ReplayBuffer, fingerprint
 
 K, G = 4, 4

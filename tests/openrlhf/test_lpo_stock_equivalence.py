@@ -5,8 +5,8 @@ import copy
 import pytest
 import torch
 
-from lpo_harness import (CPUStrategy, cpu_cuda_queries, make_actor, make_experiences, make_rollout_samples,
-                         make_trainer, max_abs, max_abs_diff, parse_args, run_lpo_step)
+from lpo_fixtures import (CPUStrategy, cpu_cuda_queries, make_actor, make_experiences, make_rollout_samples,
+                          make_trainer, max_abs, max_abs_diff, parse_args, run_lpo_step)
 from openrlhf.models import PolicyLoss
 from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
 from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
@@ -131,10 +131,16 @@ def test_prop1_on_policy_lpo_rev_equals_grpo(tiny_model_dir, gloo_world1):
 
 
 def test_lpo_policy_loss_mirrors_policy_loss_signature():
+    """The stock parameters in the stock order, then the micro-batch as a keyword-only argument; no state."""
     import inspect
 
-    assert list(inspect.signature(LPOPolicyLoss.forward).parameters) == list(
-        inspect.signature(PolicyLoss.forward).parameters)
+    params = inspect.signature(LPOPolicyLoss.forward).parameters
+    assert list(params)[:-1] == list(inspect.signature(PolicyLoss.forward).parameters)
+    assert list(params)[-1] == "micro_batch" and params["micro_batch"].kind is inspect.Parameter.KEYWORD_ONLY
+    loss = LPOPolicyLoss(0.2, 0.2)
+    assert not hasattr(loss, "context")
+    with pytest.raises(RuntimeError, match="needs its micro_batch argument"):
+        loss(torch.zeros(2, 3), torch.zeros(2, 3), None, torch.ones(2, 3, dtype=torch.bool))
 
 
 def test_packing_path_is_really_packed(tiny_model_dir):

@@ -12,7 +12,7 @@ partial batch trains end to end in tests/pipeline/test_e2e_hybrid.py and test_e2
 
 import pytest
 
-from lpo_harness import CPUStrategy, make_rollout_samples, parse_args
+from lpo_fixtures import CPUStrategy, make_rollout_samples, parse_args
 from openrlhf.trainer import ppo_trainer as ppo_trainer_mod
 from openrlhf.trainer.ppo_utils.kl_controller import FixedKLController
 

@@ -7,9 +7,10 @@ import math
 import pytest
 import torch
 
-from lpo_harness import (CPUStrategy, cpu_cuda_queries, make_actor, make_experiences, make_rollout_samples,
-                         make_trainer, max_abs, max_abs_diff, parse_args, plan_group_windows, rank_chunk,
-                         reference_steps, run_lpo_step)
+from lpo_fixtures import (CPUStrategy, cpu_cuda_queries, make_actor, make_experiences, make_rollout_samples,
+                          make_trainer, max_abs, max_abs_diff, parse_args, plan_group_windows, rank_chunk,
+                          run_lpo_step)
+from lpo_references import reference_steps
 from openrlhf_lpo.core import layout
 from openrlhf_lpo.openrlhf.actor_trainer import LPOActorTrainer, detached_entropy, lpo_group_stats
 
@@ -96,7 +97,8 @@ def test_kl_in_reward_shapes_the_sequence_reward(tiny_model_dir):
     """--algo.kl.init_coef > 0 without use_loss: w* is built from clip(R) - beta * sum_t KL_t."""
     from openrlhf.trainer.ppo_utils.kl_controller import FixedKLController
 
-    from lpo_harness import _Tok, independent_target
+    from lpo_fixtures import _Tok
+    from lpo_references import independent_target
     from openrlhf_lpo.openrlhf.experience_maker import LPOExperienceMaker
 
     args = parse_args(tiny_model_dir, micro=4, extra=["--algo.kl.init_coef", "0.5"])
@@ -141,7 +143,7 @@ def test_window_shuffle_follows_the_engines_step_count(tiny_model_dir, gloo_worl
     """A resumed run shuffles its optimizer windows as the uninterrupted run did at the same step: the
     group order is keyed by the engine's optimizer-step count (DeepSpeed's ``global_steps``, restored by
     its load_checkpoint), not by how many updates this process has run (a resume starts that at 0)."""
-    from lpo_harness import cpu_cuda_queries
+    from lpo_fixtures import cpu_cuda_queries
 
     args = parse_args(tiny_model_dir, G=8, micro=4, train_batch=8)  # 8 groups in 4 windows of 2
     actor = make_actor(tiny_model_dir)
@@ -260,7 +262,7 @@ def test_metrics_match_independent_computation(tiny_model_dir, gloo_world1):
     assert status["lpo/tau_min"] == pytest.approx(float(std[~flat.squeeze(1)].min()), rel=1e-6)
     assert status["lpo/abs_coef_mean"] > 0 and status["lpo/shortcut_windows"] == 1.0
     assert abs(status["lpo/kl_end"] - status["lpo/kl_start"]) > 1e-3
-    from lpo_harness import reference_listwise_stats
+    from lpo_references import reference_listwise_stats
 
     ref = reference_listwise_stats(actor, exps, K, "std", args.actor.eps_clip_low_high)  # brute force, end of update
     assert status["lpo/kl_end"] == pytest.approx(ref["kl"], abs=1e-10)

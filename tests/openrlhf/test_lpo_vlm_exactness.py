@@ -6,7 +6,7 @@ same question text, plus one text-only group), two optimizer windows per rollout
 epochs with SGD (lr 0.5), so later windows run at updated parameters and their no-grad pre-pass must
 see the images. Micro-batch sizes 1, K/2 (groups split across micro-batches), K and 2K, divergences
 fwd/rev/js, off-policy data (clip / mask corrections) and the stock k3 KL loss + entropy bonus composed
-with the listwise loss at dp 1 (in process); fwd at dp 2 (two gloo processes). The reference (lpo_harness.reference_steps) is one autograd call per window through the
+with the listwise loss at dp 1 (in process); fwd at dp 2 (two gloo processes). The reference (lpo_references.reference_steps) is one autograd call per window through the
 same Actor with the window's images, batched by the reference itself (reference_image_inputs), the
 targets and s_t recomputed in numpy. Gradients cover every parameter, the vision tower included.
 """
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from gloo_util import collect_dp2_matrix, kill_all, launch_dp2_matrix
-from lpo_harness import check_matrix_row
+from lpo_matrix import check_matrix_row
 
 K = 4
 # Same tolerance and reason as test_lpo_gradient_exactness.py (float32 logits in OpenRLHF's Actor:
@@ -42,7 +42,7 @@ def vlm_dp2(tiny_vlm_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def vlm_dp1(tiny_vlm_dir, gloo_world1, vlm_dp2):
     # vlm_dp2 first: its two worker processes import while this process computes.
-    from lpo_harness import gradient_matrix
+    from lpo_matrix import gradient_matrix
     from vlm_harness import vlm_matrix_kwargs
 
     return gradient_matrix(tiny_vlm_dir, dp=1, rank=0, **vlm_matrix_kwargs(tiny_vlm_dir, dp=1, K=K))
@@ -69,7 +69,7 @@ def test_vlm_every_step_gradient_equals_window_reference_dp2(vlm_dp2_table, name
 
 
 def test_vlm_gradient_reaches_the_vision_tower(tiny_vlm_dir, vlm_dp1):
-    from lpo_harness import make_actor
+    from lpo_fixtures import make_actor
 
     actor = make_actor(tiny_vlm_dir)
     names = [n for n, p in actor.model.named_parameters() if p.requires_grad]
@@ -89,7 +89,7 @@ def test_print_vlm_error_table(vlm_dp1, vlm_dp2_table, capsys):
 def test_no_grad_pass_sees_the_images(tiny_vlm_dir, gloo_world1):
     """At the rollout policy (old log-probs from the same actor) the pre-pass s (_log_ratio) is exactly
     0 for every image sample; without the images it is not (the bug this guards)."""
-    from lpo_harness import CPUStrategy, cpu_cuda_queries, make_actor, make_experiences, make_trainer, parse_args
+    from lpo_fixtures import CPUStrategy, cpu_cuda_queries, make_actor, make_experiences, make_trainer, parse_args
     from vlm_harness import make_vlm_rollout_samples_for
 
     from openrlhf_lpo.openrlhf.actor_trainer import LPOActorTrainer
@@ -124,7 +124,7 @@ def _group_images(experiences):
 def test_group_check_and_order_use_the_images(tiny_vlm_dir, gloo_world1):
     """Same question text, a different diagram inside one group: the split refuses it. Groups that
     differ only by their diagram get one canonical order whatever order they arrive in."""
-    from lpo_harness import CPUStrategy, parse_args
+    from lpo_fixtures import CPUStrategy, parse_args
     from vlm_harness import make_vlm_rollout_samples_for
 
     from openrlhf_lpo.openrlhf.experience_maker import LPOExperienceMaker

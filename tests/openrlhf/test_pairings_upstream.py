@@ -1,4 +1,4 @@
-"""The 2025 baselines' LPO pairings against upstream itself (real OpenRLHF 0.11.2 classes, lpo_harness.py):
+"""The 2025 baselines' LPO pairings against upstream itself (real OpenRLHF 0.11.2 classes, lpo_fixtures.py):
 
 * the advantages of the stock ``RemoteExperienceMaker`` for ``rloo`` and ``reinforce_baseline`` are the paired
   temperatures' (R - mean)/tau: tau = (K-1)/K (``loo``), tau = the batch std of R - group mean (``batch_std``;
@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from lpo_harness import (CPUStrategy, cpu_cuda_queries, make_actor, make_experiences, make_rollout_samples,
-                         make_trainer, max_abs, max_abs_diff, parse_args, rollout_sample, run_lpo_step,
-                         equal_length_samples)
+from lpo_fixtures import (CPUStrategy, cpu_cuda_queries, make_actor, make_experiences, make_rollout_samples,
+                          make_trainer, max_abs, max_abs_diff, parse_args, rollout_sample, run_lpo_step,
+                          equal_length_samples)
 from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
 from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
 

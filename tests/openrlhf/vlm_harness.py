@@ -1,4 +1,4 @@
-"""Image batches for the LPO tests on OpenRLHF 0.11.2's vision-language path (see lpo_harness.py).
+"""Image batches for the LPO tests on OpenRLHF 0.11.2's vision-language path (see lpo_fixtures.py).
 
 A tiny random Qwen2.5-VL built offline (:mod:`openrlhf_lpo.testing.tiny_vlm`) and rollout samples made
 the way OpenRLHF's engines make them: the chat template renders ``<image>`` as the vision tokens,
@@ -63,10 +63,10 @@ def response_vocab(model_dir: str):
 
 
 def make_vlm_rollout_samples_for(model_dir: str):
-    """``samples_fn(G, K, seed)`` for ``lpo_harness.gradient_matrix`` on image batches."""
+    """``samples_fn(G, K, seed)`` for ``lpo_matrix.gradient_matrix`` on image batches."""
 
     def samples_fn(G, K, seed=0):
-        from lpo_harness import group_rewards, rollout_sample
+        from lpo_fixtures import group_rewards, rollout_sample
 
         vocab = torch.tensor(response_vocab(model_dir))
         gen = torch.Generator().manual_seed(seed)
@@ -85,7 +85,7 @@ def make_vlm_rollout_samples_for(model_dir: str):
 
 
 def vlm_matrix_cases(K: int, dp: int):
-    """(name, kwargs) cases of ``lpo_harness.gradient_matrix`` on image batches: no packing (OpenRLHF
+    """(name, kwargs) cases of ``lpo_matrix.gradient_matrix`` on image batches: no packing (OpenRLHF
     0.11.2 packs no VLM batch, and dynamic batching forces packing); dp 1: micro-batches 1, K/2, K, 2K
     x fwd/rev/js, off-policy data with the token clip and mask corrections, and the stock KL loss + entropy
     bonus composed with the listwise loss (groups split: the pre-pass path); dp 2: 1, K/2, K x fwd."""

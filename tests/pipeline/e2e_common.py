@@ -60,26 +60,16 @@ def run_env(extra: Optional[Dict[str, str]] = None, shared_ray: bool = True) -> 
     return env
 
 
-def run_cli(args: List[str], env: Dict[str, str], log: Path, stop_at_checkpoint: Optional[str] = None):
-    """Run ``python -m openrlhf_lpo.cli.train_ppo_ray``; with ``stop_at_checkpoint`` (a tag such as
-    ``global_step2``) kill the whole run with SIGKILL as soon as that checkpoint is complete (its
-    ``latest`` file names it), like a node that dies mid-run. Returns (returncode, seconds, log text)."""
+def run_cli(args: List[str], env: Dict[str, str], log: Path):
+    """Run ``python -m openrlhf_lpo.cli.train_ppo_ray``. Returns (returncode, seconds, log text)."""
     t0 = time.time()
     with open(log, "w") as f:
         proc = subprocess.Popen([sys.executable, "-m", "openrlhf_lpo.cli.train_ppo_ray", *args], env=env,
                                 stdout=f, stderr=subprocess.STDOUT, cwd=str(REPO), start_new_session=True)
-        latest = None
-        if stop_at_checkpoint:
-            latest = Path(args[args.index("--ckpt.path") + 1]) / "_actor" / "latest"
         try:
-            while proc.poll() is None:
-                if time.time() - t0 > RUN_TIMEOUT_S:
-                    raise TimeoutError(f"lpo-train did not finish in {RUN_TIMEOUT_S} s")
-                if latest is not None and latest.exists() and latest.read_text().strip() == stop_at_checkpoint:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-                    break
-                time.sleep(0.2)
+            proc.wait(timeout=RUN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(f"lpo-train did not finish in {RUN_TIMEOUT_S} s") from None
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -87,20 +77,63 @@ def run_cli(args: List[str], env: Dict[str, str], log: Path, stop_at_checkpoint:
     return proc.returncode, time.time() - t0, log.read_text(errors="replace")
 
 
+def _ray_actor_pids(class_name: str) -> List[int]:
+    """Pids of the Ray worker processes running an actor of ``class_name`` (their title is ``ray::<Class>...``)."""
+    import psutil
+
+    pids = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if cmd.startswith(f"ray::{class_name}"):
+            pids.append(p.info["pid"])
+    return sorted(pids)
+
+
+def run_supervised(args: List[str], env: Dict[str, str], log: Path, worker_class: str, kill_after: str):
+    """Run ``lpo-train`` with ``--ckpt.auto_resume`` and preempt it twice, as a cluster would:
+
+    1. as soon as checkpoint ``kill_after`` is complete (the run goes on with the next step), SIGKILL one Ray
+       worker running a ``worker_class`` actor (a lost worker);
+    2. as soon as the restarted attempt's actors load that checkpoint, SIGKILL its driver process.
+
+    The supervisor must restart it both times and finish. Returns (returncode, seconds, log text, kills)."""
+    t0 = time.time()
+    latest = Path(args[args.index("--ckpt.path") + 1]) / "_actor" / "latest"
+    kills = []
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "openrlhf_lpo.cli.train_ppo_ray", *args], env=env,
+                                stdout=f, stderr=subprocess.STDOUT, cwd=str(REPO), start_new_session=True)
+        try:
+            while proc.poll() is None:
+                now = time.time()
+                if now - t0 > RUN_TIMEOUT_S:
+                    raise TimeoutError(f"lpo-train did not finish in {RUN_TIMEOUT_S} s")
+                text = log.read_text(errors="replace")
+                if not kills:
+                    done = latest.exists() and latest.read_text().strip() == kill_after
+                    pids = _ray_actor_pids(worker_class) if done else []
+                    if pids:  # steps take about a second here: at once, so the kill lands in step 3
+                        os.kill(pids[-1], signal.SIGKILL)
+                        kills.append(("worker", pids[-1], now - t0))
+                elif len(kills) == 1 and "attempt 2: pid" in text:
+                    after = text[text.index("attempt 2: pid"):]
+                    if "Loading the checkpoint" in after:  # the restarted run is resuming from it
+                        pid = int(after.split("attempt 2: pid", 1)[1].split()[0])
+                        os.kill(pid, signal.SIGKILL)
+                        kills.append(("driver", pid, now - t0))
+                time.sleep(0.2)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return proc.returncode, time.time() - t0, log.read_text(errors="replace"), kills
+
+
 def tb_scalars(tb_dir: Path) -> Dict[str, Dict[int, float]]:
     """``{tag: {step: value}}`` of a run's TensorBoard files (the product's reader)."""
     from openrlhf_lpo.testing.tensorboard_rows import scalars
 
     return scalars(tb_dir)
-
-
-def logged_steps(log: str) -> List[int]:
-    """Steps whose "Global step N:" line reached the driver's output. Ray forwards the trainer actor's
-    lines asynchronously and may drop the last ones when the driver exits under load: for a finished run
-    count steps with :func:`tb_steps`, which the trainer writes itself."""
-    import re
-
-    return [int(m) for m in re.findall(r"Global step (\d+):", log)]
 
 
 def tb_steps(scalars: Dict[str, Dict[int, float]]) -> List[int]:

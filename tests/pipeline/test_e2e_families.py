@@ -23,9 +23,9 @@ def families(tiny_model_dir, tmp_path_factory):
         "async": run_family(tiny_model_dir, root, "async", dp=1, extra=[
             *family_flags("async"), "--eval.dataset", str(root / "prompts6.jsonl"), "--eval.steps", "2",
             "--eval.n_samples_per_prompt", "2"]),
-        # a policy-gradient run with the listwise metrics and OpenRLHF's --eval.* path (every 2 steps)
-        # through our grader and the unbiased pass@k
-        "grpo_dp1": run_family(tiny_model_dir, root, "grpo_dp1", dp=1, estimator=("group_norm", "--lpo.end_kl"), extra=[
+        # a policy-gradient run (the RLOO baseline, configs/methods/rloo.sh) with the listwise metrics at its
+        # paired temperature and OpenRLHF's --eval.* path (every 2 steps) through our grader and the unbiased pass@k
+        "rloo_dp1": run_family(tiny_model_dir, root, "rloo_dp1", dp=1, estimator=("rloo", "--lpo.end_kl"), extra=[
             "--eval.dataset", str(root / "prompts6.jsonl"), "--eval.steps", "2", "--eval.n_samples_per_prompt", "2"]),
     }
 
@@ -49,7 +49,7 @@ def test_async_recipe_logs_the_behaviour_correction(families):
 
 
 def test_policy_gradient_run_logs_the_listwise_kl_over_partial_batches(families):
-    run = families["grpo_dp1"]
+    run = families["rloo_dp1"]
     assert tb_steps(run["tb"]) == [1, 2, 3, 4]
     tb = run["tb"]
     assert [tb["train/lpo/groups"][s] for s in (1, 2, 3, 4)] == [4.0, 2.0, 4.0, 2.0]

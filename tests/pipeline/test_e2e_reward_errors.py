@@ -44,8 +44,10 @@ def runs(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("reward_errors")
     # 8 prompts in 2 batches of 4 (K=4): one bad prompt = 4 of the 16 samples of its batch
     once = _data(root / "once.jsonl", [GOOD] * 3 + [BAD] + [GOOD] * 4)
-    rc_a, wall_a, log_a = run_cli(_args(tiny_model_dir, once, root / "a", ["--ckpt.save_hf", "--ckpt.max_num", "1"]),
-                                  run_env(), root / "a.log")
+    # run a trains with the GSPO baseline (configs/methods/gspo.sh): OpenRLHF's sequence-level ratio loss
+    gspo = ("group_norm", "--actor.policy_loss_type", "gspo", "--actor.eps_clip_low_high", "3e-4", "4e-4")
+    rc_a, wall_a, log_a = run_cli(_args(tiny_model_dir, once, root / "a", ["--ckpt.save_hf", "--ckpt.max_num", "1"],
+                                        estimator=gspo), run_env(), root / "a.log")
     persistent = _data(root / "persistent.jsonl", [BAD] * 8)
     rc_b, wall_b, log_b = run_cli(_args(tiny_model_dir, persistent, root / "b", ["--ckpt.save_steps", "-1"],
                                         estimator=("group_norm",)), run_env(), root / "b.log")
@@ -63,6 +65,8 @@ def test_a_failing_reward_costs_its_samples_not_the_run(runs):
     # the bad prompt's 4 samples out of its batch's 16; the other batch has none (seeded prompt order)
     assert sorted(frac.values()) == [0.0, 0.25]
     assert (out / "final" / "config.json").exists()
+    # a GSPO update ran: the stock trainer with the sequence-level loss logged its policy loss at both steps
+    assert "RuntimePPOTrainer" in log and sorted(tb["train/policy_loss"]) == [1, 2]
 
 
 def test_hf_exports_rotate_with_the_training_state(runs):

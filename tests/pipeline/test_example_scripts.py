@@ -148,6 +148,8 @@ def test_recipe_parses_with_paper_settings(script, method, request):
     assert args.actor.adam.weight_decay == 0.1 and tuple(args.actor.eps_clip_low_high) == (0.2, 0.2)
     assert args.rollout.temperature == 1.0 and args.rollout.top_p == 1.0
     assert args.algo.kl.init_coef == 0 and args.algo.kl.use_loss is False
+    # long runs restart on their own after a preemption, from checkpoints every save_steps, >= 2 kept
+    assert args.ckpt.auto_resume == 3 and args.ckpt.load_enable and args.ckpt.save_steps > 0 and args.ckpt.max_num >= 2
     prompts, mini, tokens, model = EXPECTED_TASK[script]
     assert args.rollout.batch_size == prompts and args.train.batch_size == mini * 8
     assert args.rollout.max_new_tokens == tokens and args.actor.model_name_or_path == (model or env["MODEL"])

@@ -4,7 +4,7 @@
 # FAMILY (configs/families/<FAMILY>.sh: OpenRLHF's recipe families long_context and async; default standard).
 # Environment knobs: NNODES, GPUS_PER_NODE, VLLM_ENGINES, VLLM_TP, RAY_ADDRESS, WORKING_DIR, SAVE_ROOT (default
 # ~/lpo_runs: checkpoints, TensorBoard and the final model under $SAVE_ROOT/$RUN_NAME, never inside the checkout),
-# WANDB_KEY, EXTRA_ARGS (appended last, so they override the recipe), LPO_PRINT_ARGS=1 (print the
+# WANDB_KEY, AUTO_RESUME (default 3: --ckpt.auto_resume, 0 turns it off), EXTRA_ARGS (appended last, so they override the recipe), LPO_PRINT_ARGS=1 (print the
 # flags one per line and exit: used by tests/pipeline to parse every recipe with the lpo-train parser),
 # LPO_PRINT_RUNTIME_ENV=1 (print the Ray job's runtime env and exit). A task may set TASK_ENV=(NAME=value ...):
 # environment variables for every Ray worker (e.g. the code reward's LPO_CODE_* settings), also exported here.
@@ -34,6 +34,7 @@ fi
 LOG_ARGS=(
   --ckpt.path "$SAVE_ROOT/$RUN_NAME/ckpt" --ckpt.output_dir "$SAVE_ROOT/$RUN_NAME/final"
   --ckpt.save_steps "${CKPT_SAVE_STEPS:-20}" --ckpt.save_hf --ckpt.max_num "${CKPT_MAX_NUM:-3}" --ckpt.load_enable
+  --ckpt.auto_resume "${AUTO_RESUME:-3}"  # restart after a lost worker, node or driver (docs/pipeline.md)
   --logger.logging_steps 1 --logger.tensorboard_dir "$SAVE_ROOT/$RUN_NAME/tb"
 )
 if [ -n "${WANDB_KEY:-}" ]; then

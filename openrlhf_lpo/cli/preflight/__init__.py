@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
 from openrlhf_lpo.cli import flags as _flags
+from openrlhf_lpo.registry import register_unique
 
 __all__ = ["Check", "PreflightError", "Preflight", "register_check", "checks", "run_preflight",
            "preflight_or_exit", "summary_lines", "looks_like_path", "MODES", "CHECK_MODULES"]
@@ -95,9 +96,7 @@ def register_check(name: str):
     """Register ``fn(ctx)`` as check ``name``."""
 
     def deco(fn):
-        if name in CHECKS:
-            raise ValueError(f"preflight check {name!r} is already registered")
-        CHECKS[name] = Check(name, fn)
+        register_unique(CHECKS, "preflight check", name, Check(name, fn))
         return fn
 
     return deco

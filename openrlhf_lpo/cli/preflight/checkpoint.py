@@ -28,10 +28,12 @@ import glob
 import os
 import re
 import shutil
+import zipfile
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional
 
 from openrlhf_lpo.cli.preflight import PreflightError, register_check
+from openrlhf_lpo.registry import register_unique
 
 _OPTIM = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
 _ZERO3_MODEL = re.compile(r"^zero_pp_rank_\d+_mp_rank_\d+_model_states\.pt$")
@@ -121,6 +123,7 @@ class ResumeFormat:
     backend: str                                      # the --backend that writes and reads it
     detect: Callable[[str], bool]                     # tag folder -> written in this format?
     check: Callable[[Any, str, str], None]            # (ctx, root, tag folder): PreflightError or ctx.say
+    incomplete: Optional[Callable[[str, Any], Optional[str]]] = None  # (tag folder, args) -> why it cannot load
 
 
 RESUME_FORMATS: Dict[str, ResumeFormat] = {}
@@ -128,10 +131,7 @@ RESUME_FORMATS: Dict[str, ResumeFormat] = {}
 
 def register_resume_format(fmt: ResumeFormat) -> ResumeFormat:
     """Register a backend's checkpoint format (the Megatron backend registers its own)."""
-    if fmt.backend in RESUME_FORMATS:
-        raise ValueError(f"resume format of backend {fmt.backend!r} is already registered")
-    RESUME_FORMATS[fmt.backend] = fmt
-    return fmt
+    return register_unique(RESUME_FORMATS, "resume format of backend", fmt.backend, fmt)
 
 
 def _model_shapes(tag_dir: str):
@@ -242,7 +242,106 @@ def _is_deepspeed(tag_dir: str) -> bool:
     return any(n.endswith("_model_states.pt") or _OPTIM.match(n) for n in os.listdir(tag_dir))
 
 
-register_resume_format(ResumeFormat("deepspeed", _is_deepspeed, _check_deepspeed))
+def _torch_file_intact(path: str) -> bool:
+    """A ``torch.save`` file is a zip whose directory is written last: a file cut off mid-write has none."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            return bool(z.namelist())
+    except (zipfile.BadZipFile, OSError):
+        return False
+
+
+def deepspeed_incomplete(tag_dir: str, args) -> Optional[str]:
+    """Why the DeepSpeed checkpoint ``tag_dir`` cannot be loaded whole (None: every file is there and intact).
+
+    Every data-parallel rank of this run wrote its optimizer states (ZeRO-3: and its model states), rank 0 the
+    model states, and no ``.pt`` file was cut off (its zip directory is readable)."""
+    from openrlhf_lpo.core.config import dp_size
+
+    names = os.listdir(tag_dir)
+    if not any(n.endswith("_model_states.pt") for n in names):
+        return "no *_model_states.pt"
+    dp = dp_size(args)
+    ranks = sorted(int(m.group(1)) for n in names for m in [_OPTIM.match(n)] if m)
+    if not getattr(args.ds, "use_universal_ckpt", False) and ranks != list(range(dp)):
+        return f"optimizer states of ranks {ranks}, this run has {dp} data-parallel ranks"
+    if any(_ZERO3_MODEL.match(n) for n in names):
+        zero3 = sorted(int(n.split("_")[2]) for n in names if _ZERO3_MODEL.match(n))
+        if zero3 != ranks:
+            return f"ZeRO-3 model states of ranks {zero3}, optimizer states of ranks {ranks}"
+    broken = [n for n in sorted(names) if n.endswith(".pt") and not _torch_file_intact(os.path.join(tag_dir, n))]
+    if broken:
+        return f"{broken[0]} is cut off (no zip directory)" + (f" and {len(broken) - 1} more" if len(broken) > 1 else "")
+    return None
+
+
+register_resume_format(ResumeFormat("deepspeed", _is_deepspeed, _check_deepspeed, deepspeed_incomplete))
+
+
+# ----------------------------------------------------------------------------- which checkpoint a restart loads
+
+_STEP_TAG = re.compile(r"^global_step(\d+)$")
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """The checkpoint a resume of this run loads (``tag`` None: it starts at step 0)."""
+
+    tag: Optional[str]
+    step: int
+    note: Optional[str] = None  # what was wrong with ``latest`` and what was done about it
+
+
+def _write_latest(root: str, tag: Optional[str]) -> None:
+    path = os.path.join(root, "latest")
+    if tag is None:
+        if os.path.exists(path):
+            os.remove(path)
+        return
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(tag)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def resume_point(args, repair: bool = True) -> ResumePoint:
+    """The last complete checkpoint of ``--ckpt.path``: the one ``latest`` names if it is whole, else the newest
+    whole ``global_step*`` folder. A checkpoint cut off by a kill is never loaded: with ``repair``, ``latest`` is
+    rewritten (atomically) to name the checkpoint chosen, or removed when none is whole (the run starts at step 0).
+    """
+    root = os.path.join(args.ckpt.path, "_actor")
+    if not os.path.isdir(root):
+        return ResumePoint(None, 0)
+    fmt = RESUME_FORMATS.get(getattr(args, "backend", "deepspeed"))
+
+    def why_not(tag: str) -> Optional[str]:
+        folder = os.path.join(root, tag)
+        if not os.path.isdir(folder):
+            return "no such folder"
+        if fmt is None or not fmt.detect(folder):
+            return "not a checkpoint of this backend"
+        return fmt.incomplete(folder, args) if fmt.incomplete is not None else None
+
+    def step_of(tag: str) -> int:
+        m = _STEP_TAG.match(tag)
+        return int(m.group(1)) if m else 0
+
+    named = _latest(root, "latest")
+    problem = why_not(named) if named else "latest is missing or empty"
+    if problem is None:
+        return ResumePoint(named, step_of(named))
+    steps = sorted(((int(m.group(1)), n) for n in os.listdir(root) for m in [_STEP_TAG.match(n)] if m), reverse=True)
+    choice = next((tag for _, tag in steps if tag != named and why_not(tag) is None), None)
+    said = f"{root}/latest names {named!r}: {problem}" if named else f"{root}: {problem}"
+    if choice is None and named is None and not steps:
+        return ResumePoint(None, 0)
+    if repair:
+        _write_latest(root, choice)
+    if choice is None:
+        return ResumePoint(None, 0, f"{said}; no whole checkpoint is left: the run starts at step 0")
+    return ResumePoint(choice, step_of(choice), f"{said}; the newest whole checkpoint {choice} is loaded")
 
 
 @register_check("checkpoint")
