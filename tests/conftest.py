@@ -45,7 +45,7 @@ def demo_ci_run(tmp_path_factory):
 
 # Fixtures that start a pipeline, a Ray cluster or a multi-process world: a test that uses one is an
 # end-to-end test (left out of ``run_tests.sh --quick``).
-HEAVY_FIXTURES = ("demo_ci_run", "mcore_world", "parallel_world", "ray_head", "dry_runs", "multinode")
+HEAVY_FIXTURES = ("demo_ci_run", "mcore_world", "ray_head", "dry_runs", "multinode")
 
 # Under pytest-xdist (``run_tests.sh`` runs 2 workers) a module's tests run on one worker, so a module-scoped
 # fixture starts once; the modules that share a session-scoped heavy fixture are one unit (a session fixture

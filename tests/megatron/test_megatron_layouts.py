@@ -1,13 +1,18 @@
 """Megatron actor on CPU/gloo in TP=2, PP=2, TP2xPP2 and DP2 (distributed optimizer) layouts.
 
-References are independent of megatron (see mcore_worker.py): the HF model in float64 run on
+References are independent of megatron (see mcore_checks/references.py): the HF model in float64 run on
 each unpadded sequence, and a plain torch step (autograd, clip_grad_norm_, AdamW) in float64.
 Also: packed sequences (alone / left-padded by 300 / packed with others), no S x S tensor at
 S=4096, activation recompute, clip-higher, the off-policy target s_t, layout-changing resumes,
 Llama / Mistral, per-rank weight reads, TP groups within nodes, collectives on the group's device.
+Each test first asserts that the world's checks it reads ran ok (``world_checks``: a failure names the
+check and carries its traceback).
 """
 
 import pytest
+
+from .mcore_checks import ORDER
+from .mcore_records import world_checks
 
 pytestmark = pytest.mark.e2e  # the shared 4-rank Megatron gloo world
 
@@ -25,13 +30,9 @@ DEEPSPEED_LPO_METRICS = {
 }
 
 
-def _checks(mcore_world):
-    for r in mcore_world:
-        assert r["ok"], f"rank {r['rank']} failed:\n{r.get('error')}"
-    return [r["checks"] for r in mcore_world]
-
-
-SPECIAL = ("policy_actor", "packing", "no_sxs", "recompute", "offpolicy", "reshard", "nodes", "update_magnitude")
+# the checks whose records are the layouts' (``<model>/tp<T>pp<P>[_distopt]/<loss>/mbs<M>``)
+LAYOUT_CHECKS = ("layouts_qwen3_tied", "checkpoint_export", "layouts_qwen3_untied", "layouts_qwen2_untied",
+                 "layouts_llama_untied", "layouts_mistral_untied")
 
 
 def _is_layout(key):
@@ -39,14 +40,23 @@ def _is_layout(key):
 
 
 def _layout_records(mcore_world):
-    for checks in _checks(mcore_world):
+    for checks in world_checks(mcore_world, *LAYOUT_CHECKS):
         for key, rec in checks.items():
             if _is_layout(key):
                 yield key, rec
 
 
+def test_every_check_has_its_outcome_on_every_rank(mcore_world):
+    """The runner recorded every check of the world on every rank, in order, and the world held together
+    (the barrier after each check passed). A check that raised is its own tests' failure, not this one's."""
+    for r in mcore_world:
+        assert "error" not in r, f"rank {r['rank']} failed before its first check:\n{r['error']}"
+        assert "world_broken" not in r, f"rank {r['rank']}: {r['world_broken']}"
+        assert list(r["status"]) == list(ORDER), (r["rank"], list(r["status"]))
+
+
 def test_every_layout_ran(mcore_world):
-    keys = set(_checks(mcore_world)[0])
+    keys = set(world_checks(mcore_world, *LAYOUT_CHECKS)[0])
     for lay in LAYOUTS_Q3:
         mbs = 4 if lay == "tp2pp2" else 2
         assert f"qwen3_tied/{lay}/listwise/mbs{mbs}" in keys
@@ -56,13 +66,13 @@ def test_every_layout_ran(mcore_world):
               "qwen3_tied/tp2pp1/listwise@pointwise@fwd/mbs2", "qwen3_tied/tp1pp2/listwise@listwise@js/mbs2",
               "qwen3_tied/tp2pp2/listwise_surrogate@pointwise@fwd/mbs1",
               "qwen3_tied/tp1pp2/pg_hi/mbs2", "llama_untied/tp2pp1/listwise/mbs2", "llama_untied/tp1pp2/listwise/mbs2",
-              "mistral_untied/tp2pp1/listwise/mbs2", "mistral_untied/tp1pp2/listwise/mbs2", *SPECIAL):
+              "mistral_untied/tp2pp1/listwise/mbs2", "mistral_untied/tp1pp2/listwise/mbs2"):
         assert k in keys
 
 
 def test_log_probs_match_hf_and_tp1(mcore_world):
     """Every layout and architecture (Llama 3 RoPE scaling, Mistral) against HF float64."""
-    for checks in _checks(mcore_world):
+    for checks in world_checks(mcore_world, *LAYOUT_CHECKS):
         for key, rec in checks.items():
             if not _is_layout(key):
                 continue
@@ -94,7 +104,7 @@ def test_update_is_the_gradient_step_not_only_its_signs(mcore_world):
     minus the float64 plain-torch gradient element by element, and its norm is the gradient's norm,
     which differs between the two losses (a sign-only update, lr * sign(g), would have the same norm
     for both)."""
-    for checks in _checks(mcore_world):
+    for checks in world_checks(mcore_world, "update_magnitude"):
         rec = checks["update_magnitude"]
         for name, r in rec.items():
             assert r["max_grad"] > 1e-2, (name, r)  # a real gradient
@@ -112,7 +122,7 @@ def test_names_and_export_round_trip_bit_exact(mcore_world):
 
 
 def test_wrong_qkv_layout_and_rope_scaling_are_caught(mcore_world):
-    for checks in _checks(mcore_world):
+    for checks in world_checks(mcore_world, "layouts_qwen3_tied", "layouts_llama_untied"):
         assert checks["qwen3_tied/wrong_qkv"]["logp_vs_hf"] > 1e-2
         assert checks["llama_untied/wrong_rope"]["logp_vs_hf"] > 1e-4  # Llama 3.1 RoPE scaling matters
 
@@ -120,7 +130,7 @@ def test_wrong_qkv_layout_and_rope_scaling_are_caught(mcore_world):
 def test_clip_higher_is_honoured(mcore_world):
     """--actor.eps_clip_low_high 0.2 0.28 on ratios in (1.2, 1.28): the step follows the asymmetric
     reference, which differs from the symmetric one."""
-    for checks in _checks(mcore_world):
+    for checks in world_checks(mcore_world, "layouts_qwen3_tied"):
         rec = checks["qwen3_tied/tp1pp2/pg_hi/mbs2"]
         assert abs(rec["grad_norm"] - rec["grad_norm_ref"]) / rec["grad_norm_ref"] < 1e-5
         assert abs(rec["grad_norm_ref"] - rec["grad_norm_sym_ref"]) / rec["grad_norm_ref"] > 1e-2
@@ -131,7 +141,7 @@ def test_packed_sequences_same_alone_left_padded_and_packed(mcore_world):
     """A sequence's log-probs alone, left-padded by 300 tokens and packed with three others agree
     to 1e-5 (and with HF float64) in TP1, TP2 and PP2; each rank read exactly its own shard of the
     safetensors checkpoint (a fraction of the model when tp*pp > 1)."""
-    for checks in _checks(mcore_world):
+    for checks in world_checks(mcore_world, "packing"):
         rec = checks["packing"]
         for lay in ("tp1pp1", "tp2pp1", "tp1pp2"):
             r = rec[lay]
@@ -146,15 +156,15 @@ def test_packed_sequences_same_alone_left_padded_and_packed(mcore_world):
 def test_no_s_by_s_tensor_at_4096_tokens(mcore_world):
     """No op output with two dimensions >= S in the log-prob pass and a training step at S=4096;
     the monitor does flag megatron's stock masked attention (negative control, rank 0)."""
-    for checks in _checks(mcore_world):
+    for checks in world_checks(mcore_world, "no_sxs"):
         rec = checks["no_sxs"]
         assert rec["hits"] == [] and rec["S"] == 4096
         assert rec["max_numel"] < 4096 * 4096 // 8
-    assert _checks(mcore_world)[0]["no_sxs"]["control_hits"] > 0
+    assert world_checks(mcore_world, "no_sxs")[0]["no_sxs"]["control_hits"] > 0
 
 
 def test_gradient_checkpointing_maps_to_megatron_recompute(mcore_world):
-    for checks in _checks(mcore_world):
+    for checks in world_checks(mcore_world, "recompute"):
         off, on = checks["recompute"]["recompute=False"], checks["recompute"]["recompute=True"]
         assert off["granularity"] is None and on["granularity"] == "full"
         assert on["layer_calls"] == 2 * off["layer_calls"] > 0  # every layer re-run in the backward
@@ -164,7 +174,7 @@ def test_gradient_checkpointing_maps_to_megatron_recompute(mcore_world):
 def test_off_policy_target_composes(mcore_world):
     """w* = softmax(R/tau + s_t) with s against the behaviour log-probs: zero gradient for equal
     rewards at the start of the update (not without s_t); brute-force step with informative rewards."""
-    for checks in _checks(mcore_world):
+    for checks in world_checks(mcore_world, "offpolicy"):
         rec = checks["offpolicy"]
         assert rec["s_t_abs_max"] > 0.02
         assert rec["equal_rewards_grad_norm"] < 1e-5 < 1e-2 < rec["without_s_t_grad_norm"]
@@ -176,7 +186,7 @@ def test_checkpoints_resume_in_another_layout(mcore_world):
     """TP2 -> TP1 and PP2 (distributed optimizer) -> TP2 continue the uninterrupted run (Adam
     moments restored: without them step 2 differs); TP1 -> PP2 restores the tied output layer;
     --ckpt.max_num 1 keeps one directory; a crash mid-save leaves 'latest' on the last whole one."""
-    for checks in _checks(mcore_world):
+    for checks in world_checks(mcore_world, "reshard"):
         for name in ("tp2_to_tp1", "pp2_to_tp2"):
             r = checks["reshard"][name]
             assert r["client_ok"] and r["step"] == 2
@@ -192,7 +202,7 @@ def test_checkpoints_resume_in_another_layout(mcore_world):
 
 
 def test_tp_groups_must_stay_inside_a_node(mcore_world):
-    for checks in _checks(mcore_world):
+    for checks in world_checks(mcore_world, "nodes"):
         rec = checks["nodes"]
         assert rec["AABB_tp2"] == "ok"
         assert "ranks [0, 1, 2, 3] spans nodes ['A', 'B']" in rec["AABB_tp4"]
@@ -202,13 +212,13 @@ def test_tp_groups_must_stay_inside_a_node(mcore_world):
 def test_collective_tensors_on_the_group_device(mcore_world):
     """Every tensor handed to a torch.distributed collective during the whole run (megatron's own,
     the actor's stats and --lpo.end_kl metrics, checkpoint gathers) sits on its group's device."""
-    for r in mcore_world:
-        assert r["collectives"]["calls"] > 1000
-        assert r["collectives"]["mismatches"] == []
+    for checks in world_checks(mcore_world, "census"):
+        assert checks["collectives"]["calls"] > 1000
+        assert checks["collectives"]["mismatches"] == []
 
 
 def test_checkpoint_resume_reproduces_step_two(mcore_world):
-    for checks in _checks(mcore_world):
+    for checks in world_checks(mcore_world, "checkpoint_export"):
         rec = checks["qwen3_tied/tp1pp2_distopt/listwise/mbs2"]
         assert rec["resume_client_state"] == 1
         assert rec["step2_moved"] > rec["weights_moved"]  # step 2 happened
@@ -219,7 +229,7 @@ def test_checkpoint_resume_reproduces_step_two(mcore_world):
 def test_checkpoint_writers_alone_hold_full_tensors_and_tp2_pp2_resumes(mcore_world):
     """TP2 x PP2: each rank holds, during the save, exactly the full fp32 tensors it writes (gathered to it, not
     all-gathered to every TP rank), the two TP ranks of a stage share the writing, and the run resumes."""
-    per_rank = [checks["qwen3_tied/tp2pp2/listwise/mbs4"] for checks in _checks(mcore_world)]
+    per_rank = [checks["qwen3_tied/tp2pp2/listwise/mbs4"] for checks in world_checks(mcore_world, "checkpoint_export")]
     assert len(per_rank) == 4
     total = per_rank[0]["save_accounting"]["checkpoint_tensors"]
     for rec in per_rank:
@@ -237,7 +247,8 @@ def test_weight_stream_reaches_rank0_once_per_tensor(mcore_world):
     """TP2 x PP2 (rank = tp + 2 pp): the stream to rank 0 gives it the same tensors bit for bit as the stream to
     every rank, with no PP broadcast; stage 1's TP rank 0 sends each of its tensors once, rank 0 receives them,
     the TP rank 1s and the other ranks receive nothing."""
-    acc = [checks["qwen3_tied/tp2pp2/listwise/mbs4"]["export_accounting"] for checks in _checks(mcore_world)]
+    acc = [checks["qwen3_tied/tp2pp2/listwise/mbs4"]["export_accounting"]
+           for checks in world_checks(mcore_world, "checkpoint_export")]
     assert len(acc) == 4 and acc[0]["same_tensors"]
     old, new = [a["all_ranks"] for a in acc], [a["rank0"] for a in acc]
     n = old[0]["tensors"]
@@ -253,7 +264,8 @@ def test_weight_stream_reaches_rank0_once_per_tensor(mcore_world):
 def test_policy_actor_wrapper_fit_sync_resume(mcore_world):
     """The Ray policy-actor class (driven without a Ray cluster, TP2 x DP2): two fit()
     iterations, weight sync into an HF rollout stand-in, checkpoint + HF save, resume."""
-    for checks in _checks(mcore_world):
+    per_rank = world_checks(mcore_world, "policy_actor")
+    for checks in per_rank:
         rec = checks["policy_actor"]
         assert rec["fit_steps"] == 1.0 and rec["fit_grad_norm"] > 0
         assert rec["resume_states"] == {"episode": 1}
@@ -262,7 +274,7 @@ def test_policy_actor_wrapper_fit_sync_resume(mcore_world):
         assert rec["iter2_moved"] > 5e-4
         assert rec["resume_iter2_diff"] < 1e-6
         assert abs(rec["grad_norm_iter2"][0] - rec["grad_norm_iter2"][1]) < 1e-6
-    rank0 = _checks(mcore_world)[0]["policy_actor"]
+    rank0 = per_rank[0]["policy_actor"]
     assert rank0["engine_updates"] == 1
     assert rank0["engine_vs_actor"] < 1e-5  # the engine scores with the actor's weights
     # --lpo.end_kl over the DP group (each DP rank holds half the groups) vs brute force on HF
@@ -287,7 +299,7 @@ def test_policy_actor_wrapper_fit_sync_resume(mcore_world):
 def test_weight_stream_to_vllm_engines(mcore_world):
     """Towards vLLM engines: bf16 (the engines' dtype, whatever the actor's), the exported values,
     prefix caches reset once after the last tensor; --vllm.sync_with_ray uses Ray collectives."""
-    rec = _checks(mcore_world)[0]["policy_actor"]
+    rec = world_checks(mcore_world, "policy_actor")[0]["policy_actor"]
     assert rec["vllm_names_ok"] and rec["vllm_values_ok"]
     assert rec["vllm_dtypes"] == ["torch.bfloat16"]
     assert rec["vllm_reset_last"]
@@ -299,7 +311,7 @@ def test_layout_changes_release_their_process_groups(mcore_world):
     """Every layout change re-initialises megatron's parallel state; the groups of the old layout are shut
     down (each gloo group's TCP loop keeps polling otherwise). At the end only WORLD, the last layout's
     groups and the few a check makes itself may be live, not one set per layout change."""
-    for rank in mcore_world:
-        g = rank["groups"]
+    for checks in world_checks(mcore_world, "census"):
+        g = checks["groups"]
         assert g["held"] > 0
         assert g["live"] <= g["held"] + 1 + 4, g

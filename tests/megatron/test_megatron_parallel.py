@@ -1,9 +1,11 @@
 """Sequence parallelism, virtual pipeline stages, the context-parallel and MoE refusals, and the
 32B / 70B recipes (cluster, dry run, memory table).
 
-The shared gloo world (4 ranks; ``mcore_parallel_worker.py``'s checks after the layouts) checks against independent references: HF in
+The shared gloo world (4 ranks; the checks of ``mcore_checks/parallel.py``, ``sp_vpp_layouts`` and
+``vpp_checkpoints``, after the others) checks against independent references: HF in
 float64 per unpadded sequence (log-probs), plain-torch float64 autograd (gradients, through an
-SGD-like Adam step), SP off and VPP 1 (the same quantities in the plain layouts).
+SGD-like Adam step), SP off and VPP 1 (the same quantities in the plain layouts). Each world test first
+asserts that the checks it reads ran ok (``world_checks``: a failure names the check and its traceback).
 """
 
 import os
@@ -15,6 +17,7 @@ import pytest
 
 from openrlhf_lpo.testing.tiny import build_tiny_model
 
+from .mcore_records import world_checks
 from .test_megatron_flags import _argv as flag_argv
 from .test_megatron_flags import _parse
 
@@ -26,42 +29,32 @@ MODEL_CONFIGS = REPO / "examples" / "model_configs"
 # ----------------------------------------------------------------------------- the gloo world
 
 
-@pytest.fixture(scope="module")
-def parallel_world(mcore_world):
-    """The parallel checks' part of the shared world (they run after its layout checks)."""
-    parts = [r.get("parallel") or {"ok": False, "error": "the world ended before the parallel checks"}
-             for r in mcore_world]
-    for r, part in zip(mcore_world, parts):
-        assert part["ok"], f"rank {r['rank']} failed:\n{part.get('error')}"
-    return [part["checks"] for part in parts]
-
-
 LAYOUTS = ("tp2", "tp2_sp", "tp2pp2_sp_recompute", "pp2_vpp2", "tp2pp2_vpp2_sp")
 
 
-def test_every_layout_matches_hf_in_log_probs_and_gradients(parallel_world):
+def test_every_layout_matches_hf_in_log_probs_and_gradients(mcore_world):
     """Log-probs vs HF float64 (< 1e-5) and the gradient of the listwise loss vs float64 autograd,
     element-wise (< 1e-4 of the largest entry), in every SP / VPP layout; the export is bit-exact."""
-    for checks in parallel_world:
+    for checks in world_checks(mcore_world, "sp_vpp_layouts"):
         for name in LAYOUTS:
-            rec = checks["layouts"][name]
+            rec = checks["sp_vpp_layouts"][name]
             assert rec["logp_vs_hf"] < 1e-5, (name, rec["logp_vs_hf"])
             assert rec["grad_vs_hf_rel"] < 1e-4, (name, rec["grad_vs_hf_rel"])
             assert abs(rec["grad_norm"] - 4.2748802) < 1e-4, (name, rec["grad_norm"])  # the float64 reference
             assert rec["export_bitexact"] and rec["names_match"], name
 
 
-def test_sequence_parallel_equals_sp_off_and_splits_the_sequence(parallel_world):
+def test_sequence_parallel_equals_sp_off_and_splits_the_sequence(mcore_world):
     """SP on == SP off (TP2): log-probs to float tolerance, gradients element-wise. Each rank's
     layers see T/tp rows of the packed row, which was padded (per sequence) to a multiple of TP;
     without the TP sum of the norms' gradients (each rank saw half the tokens) the gradient is wrong."""
-    for checks in parallel_world:
-        rec = checks["layouts"]["tp2_sp"]
+    for checks in world_checks(mcore_world, "sp_vpp_layouts"):
+        rec = checks["sp_vpp_layouts"]["tp2_sp"]
         assert rec["logp_vs_sp_off"] < 1e-5
         assert rec["grad_vs_sp_off_rel"] < 1e-5
         assert rec["no_norm_reduce_grad_vs_hf_rel"] > 1e-2  # negative control
         for name in ("tp2_sp", "tp2pp2_sp_recompute", "tp2pp2_vpp2_sp"):
-            r = checks["layouts"][name]
+            r = checks["sp_vpp_layouts"][name]
             if not r.get("layer_rows"):  # a later pipeline stage: its first layer is not in chunk 0
                 continue
             assert all(t % 2 == 0 for t in r["packed_tokens"]), r
@@ -69,23 +62,23 @@ def test_sequence_parallel_equals_sp_off_and_splits_the_sequence(parallel_world)
             assert sum(r["packed_tokens"]) > sum(r["real_tokens"])  # some sequences were padded
 
 
-def test_virtual_pipeline_chunks_and_schedule_padding(parallel_world):
+def test_virtual_pipeline_chunks_and_schedule_padding(mcore_world):
     """PP2 x VPP2: two chunks per rank holding the interleaved layers (rank p, chunk v -> layer 2v+p
     of 4); micro-batch counts not divisible by PP are padded with loss-free micro-batches (1 -> 2 in
     training, 3 -> 4 in a log-prob pass) and the results are unchanged."""
-    for rank, checks in enumerate(parallel_world):
+    for rank, checks in enumerate(world_checks(mcore_world, "sp_vpp_layouts")):
         for name in ("pp2_vpp2", "tp2pp2_vpp2_sp"):
-            rec = checks["layouts"][name]
+            rec = checks["sp_vpp_layouts"][name]
             pp_rank = rank % 2 if name == "pp2_vpp2" else rank // 2
             assert rec["chunks"] == 2 and rec["chunk_offsets"] == [pp_rank, 2 + pp_rank], (name, rank, rec)
             assert rec["three_micro_batches"] == 4 and rec["three_vs_hf"] < 1e-5
-        assert checks["layouts"]["pp2_vpp2"]["train_micro_batches"] == 2
+        assert checks["sp_vpp_layouts"]["pp2_vpp2"]["train_micro_batches"] == 2
 
 
-def test_virtual_pipeline_checkpoints_resume_in_another_layout(parallel_world):
+def test_virtual_pipeline_checkpoints_resume_in_another_layout(mcore_world):
     """Saved at PP2 x VPP2 after one step: loaded into PP2 x VPP1 and TP2 x PP1 bit-exactly, and
     step 2 there equals the uninterrupted VPP2 run; a VPP1 checkpoint loads into VPP2 bit-exactly."""
-    for checks in parallel_world:
+    for checks in world_checks(mcore_world, "vpp_checkpoints"):
         rec = checks["vpp_checkpoints"]
         assert rec["meta_layout"]["vpp"] == 2 and rec["meta_layout"]["pp"] == 2
         assert rec["step2_moved"] > 5e-4
@@ -97,12 +90,12 @@ def test_virtual_pipeline_checkpoints_resume_in_another_layout(parallel_world):
         assert rec["vpp1_to_vpp2_vs_saved"] == 0.0
 
 
-def test_stage_parameter_counts_match_the_built_chunks(parallel_world):
+def test_stage_parameter_counts_match_the_built_chunks(mcore_world):
     """openrlhf_lpo.megatron.memory's per-rank parameter count (the memory tables) equals the elements
     of the chunks megatron built, in every layout."""
-    for checks in parallel_world:
+    for checks in world_checks(mcore_world, "sp_vpp_layouts"):
         for name in LAYOUTS:
-            rec = checks["layouts"][name]
+            rec = checks["sp_vpp_layouts"][name]
             assert rec["local_numel"] == rec["memory_rank_parameters"], (name, rec)
 
 

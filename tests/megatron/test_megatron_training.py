@@ -1,5 +1,5 @@
 """Training options of the Megatron actor on gloo (the shared 4-rank world of
-conftest.py; the numbers come from tests/megatron/mcore_worker.py, the references are independent):
+conftest.py; the numbers come from the checks of tests/megatron/mcore_checks/, the references are independent):
 
 * KL loss (k1/k2/k3 against reference log-probs) and the entropy bonus: token means over the window,
   grad norm and weights vs a float64 plain-torch step, TP1 / TP2 / PP2, listwise and PG;
@@ -11,6 +11,9 @@ conftest.py; the numbers come from tests/megatron/mcore_worker.py, the reference
 * token-budget micro-batches (TP2 x PP2 and PP2 x DP2 with unequal token totals): counts agreed, exact;
 * a partial GRPO batch dealt 520 vs 512 samples finishes with equal step counts on both replicas;
 * no host syncs of ours inside the schedule, CE / entropy on response rows only, rope fusion with TE.
+
+Each world test first asserts that the checks it reads ran ok (``world_checks``: a failure names the check
+and carries its traceback).
 """
 
 import math
@@ -20,11 +23,7 @@ from unittest import mock
 import pytest
 import torch
 
-
-def _checks(mcore_world):
-    for r in mcore_world:
-        assert r["ok"], f"rank {r['rank']} failed:\n{r.get('error')}"
-    return [r["checks"] for r in mcore_world]
+from .mcore_records import world_checks
 
 
 def _rel(a, b):
@@ -36,8 +35,8 @@ def _rel(a, b):
 
 def test_kl_loss_and_entropy_bonus_match_the_float64_reference(mcore_world):
     """The actor's settings parsed from ``--algo.kl.estimator / --algo.kl.init_coef / --actor.entropy_coef``
-    (mcore_worker.check_kl_entropy), the reference computing the named estimator itself."""
-    for checks in _checks(mcore_world):
+    (mcore_checks/update_maths.py, ``kl_entropy``), the reference computing the named estimator itself."""
+    for checks in world_checks(mcore_world, "kl_entropy"):
         rec = checks["kl_entropy"]
         assert set(rec) == {"tp1pp1/listwise/k3", "tp2pp1/listwise/k1", "tp1pp2/pg/k2"}
         for key, r in rec.items():
@@ -92,7 +91,7 @@ def test_lr_sequence_equals_the_deepspeed_runs_and_resumes(mcore_world):
     steps, step 0 (lr 0) leaves the weights untouched, and a resume after step 3 continues the sequence."""
     ds = upstream_lr_sequence("cosine_with_min_lr", 0.03, 0.1, 40, 6)
     assert ds[0] == 0.0 and ds[2] == pytest.approx(1e-3) and ds[5] < ds[3] < ds[2]
-    for checks in _checks(mcore_world):
+    for checks in world_checks(mcore_world, "lr_schedule"):
         rec = checks["lr_schedule"]
         assert rec["lrs"] == pytest.approx(ds, rel=1e-12, abs=1e-15)
         assert [g[0] for g in rec["optimizer_group_lrs"]] == pytest.approx(ds, rel=1e-9, abs=1e-15)
@@ -182,7 +181,7 @@ def test_the_policy_actor_gives_the_scheduler_openrlhfs_max_steps():
 def test_listwise_off_policy_target_through_fit_is_exact(mcore_world):
     """is_correction clip and mask: s_t = delta equals the independent numpy delta, every step's grad norm
     and the final weights equal the window-by-window float64 reference (2 windows x 2 epochs)."""
-    for checks in _checks(mcore_world):
+    for checks in world_checks(mcore_world, "offpolicy_fit"):
         for mode in ("clip", "mask"):
             r = checks["offpolicy_fit"][mode]
             assert r["delta_vs_ref"] < 1e-6 and r["delta_abs_max"] > 0.05, r
@@ -196,7 +195,7 @@ def test_first_window_takes_c_from_s_t_without_a_forward(mcore_world):
     """Micro-batches of 1 < K split groups: window 1 of epoch 1 takes c = dD/ds(s_t) (no forward), the
     three later windows one no-grad pre-pass each. Forwards counted: 8 training micro-batches + 3 x 2
     pre-pass micro-batches = 14 (a pre-pass in every window, as before, gives 16)."""
-    for checks in _checks(mcore_world):
+    for checks in world_checks(mcore_world, "offpolicy_fit"):
         for mode in ("clip", "mask"):
             r = checks["offpolicy_fit"][mode]
             assert r["modes"] == ["shortcut", "pre_pass", "pre_pass", "pre_pass"]
@@ -209,7 +208,7 @@ def test_first_window_takes_c_from_s_t_without_a_forward(mcore_world):
 
 
 def test_token_budget_micro_batches_agree_and_are_exact(mcore_world):
-    per_rank = _checks(mcore_world)
+    per_rank = world_checks(mcore_world, "dynamic_batching")
     for key in ("tp2pp2/lpo_whole", "tp2pp2/lpo_split", "tp2pp2/grpo", "pp2dp2/lpo_whole", "pp2dp2/lpo_split",
                 "pp2dp2/grpo"):
         recs = [c["dynamic_batching"][key] for c in per_rank]
@@ -239,7 +238,7 @@ def test_partial_pg_batch_with_unequal_shares_finishes(mcore_world):
     """66 vs 64 samples, window 64 (F1's 520 vs 512 at window 512, scaled down): both replicas run 2 optimizer
     steps (33 + 33, 32 + 32); before,
     replica 0 ran 2 and replica 1 one, and the world hung in the second step's gradient all-reduce."""
-    recs = [c["pg_partial_batch"] for c in _checks(mcore_world)]
+    recs = [c["pg_partial_batch"] for c in world_checks(mcore_world, "pg_partial_batch")]
     assert [r["samples"] for r in recs] == [66, 66, 64, 64]
     assert all(r["optimizer_steps"] == 2.0 for r in recs)
     assert [r["windows"] for r in recs] == [[33, 33]] * 2 + [[32, 32]] * 2
@@ -247,7 +246,7 @@ def test_partial_pg_batch_with_unequal_shares_finishes(mcore_world):
 
 
 def test_no_host_syncs_in_the_loss_path_and_response_rows_only(mcore_world):
-    for checks in _checks(mcore_world):
+    for checks in world_checks(mcore_world, "syncs_and_rows"):
         rec = checks["syncs_and_rows"]
         assert rec["predictable_tokens"] > 1.5 * rec["response_tokens"]  # prompts are long enough to matter
         assert rec["logp_ce_rows"] == rec["response_tokens"] and rec["logp_zero_outside_mask"] == 0.0
@@ -263,3 +262,20 @@ def test_no_host_syncs_in_the_loss_path_and_response_rows_only(mcore_world):
             assert rec[k]["ce_rows"] == rec[k]["local_response_tokens"], (k, rec[k])
         assert rec["apply_rope_fusion"] is False  # CPU: megatron's unfused THD RoPE (no TE)
         assert rec["te_overrides"] == {"apply_rope_fusion": True}  # with TE: its fused THD kernel
+
+
+# ----------------------------------------------------------------------------- offload between phases
+
+
+def test_offload_round_trip_is_bit_exact_and_leaves_nothing_resident(mcore_world):
+    """The Megatron actor's parameters, DDP gradient buffers, main-grad views, the distributed optimizer's main
+    fp32 shards and Adam moments go to host memory and back at TP2 and at PP2 (mcore_checks/offload.py): every
+    byte is equal, none stays on the device in between, and the next step equals a run without the round trip."""
+    for checks in world_checks(mcore_world, "offload"):
+        for name, r in checks["offload"].items():
+            assert r["tracked_bytes"] > 0 and r["moved_bytes"] == r["tracked_bytes"], name
+            assert r["resident_after_offload"] == 0 and r["param_bytes_after_offload"] == 0, name
+            assert r["optimizer_bytes_after_offload"] == 0, name
+            assert r["ddp_buffers"] >= 2 and r["optimizer_state"] > 0 and r["main_shards"] > 0, name
+            assert r["main_grads"] > 0, name
+            assert r["bit_exact"] and r["step2_equal"], name

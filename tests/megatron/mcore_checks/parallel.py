@@ -1,43 +1,32 @@
-"""One rank of the gloo world for sequence parallelism and virtual pipeline stages; launched by
-tests/megatron/test_megatron_parallel.py (``python mcore_parallel_worker.py RANK WORLD PORT OUT_DIR``).
+"""Sequence parallelism and virtual pipeline stages, after the other checks in the same world.
 
-Importing :mod:`mcore_worker` joins the gloo world and brings its references (the tiny HF model,
-the shared batch, HF float64 log-probs run per unpadded sequence, plain-torch float64 autograd).
-Gradients are compared through an SGD-like step: Adam with lr = eps = 1e5 and no clipping moves
-each weight by ``-g / (1 + |g|/1e5)``, so the exported update is minus the gradient to ~1e-5
-relative (see ``mcore_worker.check_update_magnitude``).
+Against the same independent references (``references.py``): HF float64 log-probs per unpadded sequence,
+plain-torch float64 autograd, and SP off / VPP 1. Gradients are compared through an SGD-like step: Adam
+with lr = eps = 1e5 and no clipping moves each weight by ``-g / (1 + |g|/1e5)``, so the exported update is
+minus the gradient to ~1e-5 relative (see ``update_maths.update_magnitude``).
 """
 
 import copy
 import json
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import mcore_worker as W  # noqa: E402  (joins the gloo world: same argv)
-import torch  # noqa: E402
+import torch
 
-from openrlhf_lpo import listwise  # noqa: E402
-from openrlhf_lpo.megatron import convert, memory  # noqa: E402
-from openrlhf_lpo.megatron.actor import MegatronActor, MegatronActorConfig  # noqa: E402
-from openrlhf_lpo.megatron.losses import LossSpec  # noqa: E402
+from openrlhf_lpo import listwise
+from openrlhf_lpo.megatron import convert, memory
+from openrlhf_lpo.megatron.actor import MegatronActor, MegatronActorConfig
+from openrlhf_lpo.megatron.losses import LossSpec
 
-results = {"rank": W.RANK, "checks": {}}
-if os.environ.get("MCORE_PARALLEL_STACKS"):  # debugging a hang: every rank's stack after N seconds
-    import faulthandler
+from . import world as W
+from .references import CLIP, EPS, G, K, LR, dp_slice, hf_logp, masked_maxdiff, reference_inputs
+from .registry import check
 
-    faulthandler.dump_traceback_later(int(os.environ["MCORE_PARALLEL_STACKS"]), exit=True)
-T0 = time.time()
 SGD = dict(lr=1e5, adam_eps=1e5, clip_grad=1e9)  # Adam's first step = an SGD step of lr 1 (see above)
 
 
-def log(msg):
-    print(f"[rank {W.RANK} {time.time() - T0:.0f}s] {msg}", flush=True)
-
-
 def inputs():
-    cfg, hf, hf_sd, batch, rewards, ref_lp, old = W.reference_inputs()
+    cfg, hf, hf_sd, batch, rewards, ref_lp, old = reference_inputs()
     target = listwise.gibbs_target(rewards, listwise.group_temperature(rewards, "std")).reshape(-1).float()
     full = dict(batch, old_log_probs=old, target=target)
     return cfg, hf, hf_sd, batch, ref_lp, full
@@ -46,16 +35,16 @@ def inputs():
 def reference_grads(hf, batch, full):
     """d(listwise fwd loss)/d(HF weights) in float64 on the whole batch."""
     ref = copy.deepcopy(hf).double().train()
-    logp = W.hf_logp(ref, batch)
+    logp = hf_logp(ref, batch)
     s = listwise.sequence_log_ratio(logp, full["old_log_probs"].double(), batch["action_mask"], 0.2)
-    loss = listwise.listwise_loss(s.view(W.G, W.K), full["target"].double().view(W.G, W.K), "fwd")
+    loss = listwise.listwise_loss(s.view(G, K), full["target"].double().view(G, K), "fwd")
     loss.backward()
     return {n: p.grad.detach().clone() for n, p in ref.named_parameters()}
 
 
 def grad_of_step(actor, hf_sd, full, spec):
     """One SGD-like step; returns (minus the update = the gradient, metrics)."""
-    m = actor.train_step(W.dp_slice(full, actor), spec)
+    m = actor.train_step(dp_slice(full, actor), spec)
     after = dict(actor.export_hf_weights())
     return {k: hf_sd[k].double() - after[k].double() for k in after}, m
 
@@ -80,11 +69,12 @@ def layer_input_rows(actor, batch):
     return rows, [p["packed"].num_tokens for p in packed], [sum(p["packed"].seq_lens) for p in packed]
 
 
-def check_layouts():
+@check("sp_vpp_layouts")
+def sp_vpp_layouts():
     """Log-probs vs HF float64, gradients vs HF float64 autograd, export bit-exact, per layout."""
     cfg, hf, hf_sd, batch, ref_lp, full = inputs()
     grads = reference_grads(hf, batch, full)
-    spec = LossSpec(name="listwise", group_size=W.K)
+    spec = LossSpec(name="listwise", group_size=K)
     mask = batch["action_mask"].double()
     layouts = {  # name -> actor config
         "tp2": dict(tp=2, micro_batch_size=2),
@@ -99,10 +89,10 @@ def check_layouts():
         if only and name not in only.split(","):
             continue
         t = time.time()
-        log(f"layout {name}")
+        W.log(f"layout {name}")
         actor = MegatronActor(cfg, MegatronActorConfig(**kw, **SGD), hf_weights=hf_sd.__getitem__)
         rec = {"logp": (actor.log_probs(batch) * batch["action_mask"]).tolist()}
-        rec["logp_vs_hf"] = W.masked_maxdiff(torch.tensor(rec["logp"]), ref_lp, mask)
+        rec["logp_vs_hf"] = masked_maxdiff(torch.tensor(rec["logp"]), ref_lp, mask)
         exported = dict(actor.export_hf_weights())
         rec["export_bitexact"] = set(exported) == set(hf_sd) - {"lm_head.weight"} and all(
             torch.equal(exported[k], hf_sd[k]) for k in exported)
@@ -120,14 +110,14 @@ def check_layouts():
         if actor.cfg.vpp > 1:  # a forward-only pass of 3 micro-batches (padded to 4 for the schedule)
             three = {k: v[:3] for k, v in batch.items()}
             old_mbs, actor.cfg.micro_batch_size = actor.cfg.micro_batch_size, 1
-            rec["three_vs_hf"] = W.masked_maxdiff(actor.log_probs(three), ref_lp[:3], mask[:3])
+            rec["three_vs_hf"] = masked_maxdiff(actor.log_probs(three), ref_lp[:3], mask[:3])
             rec["three_micro_batches"] = len(actor._micro_batches(three, actor.fixed_micro_batches(3, 1)))
             actor.cfg.micro_batch_size = old_mbs
-            train = W.dp_slice(full, actor)
+            train = dp_slice(full, actor)
             rec["train_micro_batches"] = len(actor._micro_batches(train, actor.fixed_micro_batches(train["sequences"].shape[0], old_mbs)))
         if actor.cfg.sequence_parallel:
             rec["layer_rows"], rec["packed_tokens"], rec["real_tokens"] = layer_input_rows(actor, batch)
-        log("  log-probs, export done")
+        W.log("  log-probs, export done")
         g, m = grad_of_step(actor, hf_sd, full, spec)
         rec["grad_vs_hf_rel"] = rel_diff(g, grads)
         rec["grad_norm"] = m["grad_norm"]
@@ -138,8 +128,7 @@ def check_layouts():
     if only:
         for rec in out.values():
             rec.pop("grad")
-        results["checks"]["layouts"] = out
-        return
+        return {"sp_vpp_layouts": out}
     # SP on == SP off (gradients element-wise, log-probs)
     out["tp2_sp"]["grad_vs_sp_off_rel"] = rel_diff(out["tp2_sp"]["grad"], out["tp2"]["grad"])
     lp_on, lp_off = torch.tensor(out["tp2_sp"]["logp"]), torch.tensor(out["tp2"]["logp"])
@@ -159,17 +148,18 @@ def check_layouts():
         fmg._allreduce_non_tensor_model_parallel_grads = orig
     for rec in out.values():
         rec.pop("grad")
-    results["checks"]["layouts"] = out
+    return {"sp_vpp_layouts": out}
 
 
-def check_vpp_checkpoints():
+@check("vpp_checkpoints")
+def vpp_checkpoints():
     """Save at PP2 x VPP2 after step 1; load into PP2 x VPP1 and TP2 x PP1: weights bit-exact and
     step 2 equal to the uninterrupted VPP2 run (Adam moments restored); VPP1 -> VPP2 bit-exact."""
     cfg, hf, hf_sd, batch, ref_lp, full = inputs()
-    spec = LossSpec(name="listwise", group_size=W.K)
+    spec = LossSpec(name="listwise", group_size=K)
 
     def mk(**kw):
-        return MegatronActor(cfg, MegatronActorConfig(micro_batch_size=2, lr=W.LR, adam_eps=W.EPS, clip_grad=W.CLIP,
+        return MegatronActor(cfg, MegatronActorConfig(micro_batch_size=2, lr=LR, adam_eps=EPS, clip_grad=CLIP,
                                                       **kw), hf_weights=hf_sd)
 
     def wdiff(a, b):
@@ -177,10 +167,10 @@ def check_vpp_checkpoints():
 
     root = os.path.join(W.OUT, "ckpt_vpp2")
     a = mk(pp=2, vpp=2)
-    a.train_step(W.dp_slice(full, a), spec)
+    a.train_step(dp_slice(full, a), spec)
     w1 = dict(a.export_hf_weights())
     a.save_checkpoint(root, client_state={"episode": 3})
-    m2 = a.train_step(W.dp_slice(full, a), spec)
+    m2 = a.train_step(dp_slice(full, a), spec)
     w2 = dict(a.export_hf_weights())
     del a
     rec = {"step2_moved": wdiff(w2, w1)}
@@ -190,7 +180,7 @@ def check_vpp_checkpoints():
         b = mk(**kw)
         client = b.load_checkpoint(root)
         loaded = dict(b.export_hf_weights())
-        n2 = b.train_step(W.dp_slice(full, b), spec)
+        n2 = b.train_step(dp_slice(full, b), spec)
         rec[name] = {"client_ok": client.get("episode") == 3, "loaded_vs_saved": wdiff(loaded, w1),
                      "step2_vs_continued": wdiff(dict(b.export_hf_weights()), w2),
                      "grad_norm": [m2["grad_norm"], n2["grad_norm"]]}
@@ -202,16 +192,5 @@ def check_vpp_checkpoints():
     c.load_checkpoint(os.path.join(W.OUT, "ckpt_vpp1"))
     rec["vpp1_to_vpp2_vs_saved"] = wdiff(dict(c.export_hf_weights()), w_saved)
     del c
-    results["checks"]["vpp_checkpoints"] = rec
-
-
-def main():
-    which = os.environ.get("MCORE_PARALLEL_CHECKS", "layouts,vpp_checkpoints").split(",")
-    for name in which:
-        globals()[f"check_{name}"]()
-    results["seconds"] = time.time() - T0
-
-
-if __name__ == "__main__":
-    W.run_and_report(main, results)
+    return {"vpp_checkpoints": rec}
 
