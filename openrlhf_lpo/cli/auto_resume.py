@@ -212,6 +212,17 @@ class Supervisor:
             loaded = point.tag
 
 
+def repair_before_preflight(args: argparse.Namespace) -> Optional[str]:
+    """A relaunch with ``--ckpt.auto_resume`` and ``--ckpt.load_enable`` (the recipes' rerun after a lost
+    supervisor): point ``latest`` at the last whole checkpoint before the preflight reads it, so a save cut off
+    by the kill neither stops the relaunch nor gets loaded. Returns what was repaired, or None."""
+    if not (getattr(args.ckpt, "auto_resume", 0) and args.ckpt.load_enable) or is_supervised():
+        return None
+    from openrlhf_lpo.cli.preflight.checkpoint import resume_point
+
+    return resume_point(args, repair=True).note
+
+
 def child_command(argv: Sequence[str]) -> List[str]:
     """The training child's command line: this interpreter, the same entry point, the same flags."""
     return [sys.executable, "-m", "openrlhf_lpo.cli.train_ppo_ray", *argv]

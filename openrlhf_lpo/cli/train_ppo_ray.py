@@ -276,6 +276,12 @@ def main(argv: Optional[List[str]] = None) -> None:
         from openrlhf_lpo.cli import plan, preflight
 
         _check_upstream_or_exit("lpo-train --dry-run" if args.dry_run else "lpo-train", full=not args.dry_run)
+        if not args.dry_run:
+            from openrlhf_lpo.cli import auto_resume
+
+            repaired = auto_resume.repair_before_preflight(args)  # a cut-off save is never what gets resumed
+            if repaired:
+                print(f"{auto_resume.PREFIX} {repaired}", file=sys.stderr, flush=True)
         # every input checked before Ray or any model starts (exit 2 naming the file, line or field)
         checked = preflight.preflight_or_exit(args, "lpo-train --dry-run" if args.dry_run else "lpo-train")
         if args.dry_run:

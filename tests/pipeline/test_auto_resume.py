@@ -185,6 +185,25 @@ def test_a_checkpoint_cut_off_by_a_kill_is_never_loaded(tmp_path, damage):
             torch.load(optim)
 
 
+def test_a_relaunch_repairs_latest_before_the_preflight_reads_it(tmp_path):
+    """A relaunch of a run whose supervisor died too (the recipes pass --ckpt.load_enable): a dangling ``latest``
+    would stop the preflight (exit 2); with --ckpt.auto_resume it is pointed at the last whole checkpoint first.
+    Without --ckpt.auto_resume nothing is touched (the preflight then names the problem)."""
+    from openrlhf_lpo.cli.preflight.checkpoint import _check_resume
+
+    root = tmp_path / "ckpt" / "_actor"
+    _deepspeed_ckpt(root, 2)
+    (root / "latest").write_text("global_step4")  # the kill came before step 4's folder was written
+    plain = build_parser_and_parse(_argv(tmp_path / "ckpt", "--ckpt.load_enable"))
+    assert auto_resume.repair_before_preflight(plain) is None and (root / "latest").read_text() == "global_step4"
+    args = build_parser_and_parse(_argv(tmp_path / "ckpt", "--ckpt.load_enable", "--ckpt.auto_resume", "2"))
+    note = auto_resume.repair_before_preflight(args)
+    assert "latest names 'global_step4': no such folder" in note and (root / "latest").read_text() == "global_step2"
+    said = []
+    _check_resume(type("Ctx", (), {"args": args, "model": None, "say": staticmethod(said.append)})())
+    assert said == [f"resume: {root / 'global_step2'} (DeepSpeed, 2 data-parallel ranks, ZeRO-1/2)"]
+
+
 def test_a_whole_latest_is_kept_and_nothing_whole_starts_at_step_0(tmp_path):
     root = tmp_path / "ckpt" / "_actor"
     _deepspeed_ckpt(root, 2)
