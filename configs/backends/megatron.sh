@@ -1,31 +1,82 @@
-# Megatron-core actor (--backend megatron, docs/megatron.md), not colocated: the actor takes
-# ACTOR_NODES x ACTOR_GPUS GPUs (MEGATRON_TP x MEGATRON_PP per model replica, DP = the rest) and the
-# VLLM_ENGINES engines of VLLM_TP GPUs each run on GPUs of their own (the Megatron actor has no sleep
-# mode, and syncing into engines on the actor's GPUs would need CUDA IPC).
+# Megatron-core actor (--backend megatron, docs/megatron.md). Two layouts:
+# * colocated (COLOCATE=1, the default on one node, NNODES=1): the actor takes every GPU of the node(s)
+#   (MEGATRON_TP x MEGATRON_PP per model replica, DP = the rest) and the VLLM_ENGINES engines of VLLM_TP GPUs
+#   each share them (default NNODES x GPUS_PER_NODE / VLLM_TP engines: one per GPU at VLLM_TP 1), as
+#   configs/backends/deepspeed.sh does: --train.colocate_all --vllm.enable_sleep --ds.enable_sleep. Between
+#   phases the actor's parameters, gradient buffers and optimizer state go to host memory while vLLM generates,
+#   vLLM sleeps (level 1: weights to the host, KV cache freed) while the actor trains, and the weights reach
+#   vLLM through CUDA IPC. lpo-train --dry-run prints the memory per GPU of both phases and stops a plan that
+#   does not fit --megatron.gpu_memory_gb (80).
+# * split (COLOCATE=0, the default on several nodes and with FAMILY=async): the actor takes ACTOR_NODES x
+#   ACTOR_GPUS GPUs and the engines run on GPUs of their own. On one node the engines take VLLM_ENGINES x VLLM_TP
+#   GPUs (default 4 x 1) and the actor the rest (8 - 4 = 4); on several nodes the actor fills its nodes and the
+#   engines run on others. The multi-node recipes (32B, 70B) stay split: their pipeline stages sit on
+#   different nodes, so a vLLM worker's layers would live on other nodes than its GPU (CUDA IPC hands over
+#   memory on one node only).
+# VLLM_GPU_MEMORY_UTILIZATION (default 0.85): vLLM's share of each of its GPUs, in both layouts.
 # Checked before anything starts: the layout against the model's HF config (argparse), and the
 # placement against ray.cluster_resources() / ray.nodes() (each TP group and each engine on one node).
-# Defaults fit any single-node recipe (BACKEND=megatron bash examples/scripts/train_*.sh on 8 GPUs): the
-# engines take VLLM_ENGINES x VLLM_TP GPUs and the actor the rest of the node (8 - 4 = 4: TP 4, DP 1).
-VLLM_ENGINES="${VLLM_ENGINES:-4}"
 VLLM_TP="${VLLM_TP:-1}"
-if [ -z "${ACTOR_GPUS:-}" ]; then
-  if [ "$NNODES" = "1" ] && [ "${ACTOR_NODES:-1}" = "1" ]; then
-    ACTOR_GPUS=$((GPUS_PER_NODE - VLLM_ENGINES * VLLM_TP))
-    if [ "$ACTOR_GPUS" -lt 1 ]; then
-      echo "BACKEND=megatron on one node of $GPUS_PER_NODE GPUs: $VLLM_ENGINES engines x VLLM_TP $VLLM_TP leave no GPU" \
-           "for the actor; lower VLLM_ENGINES or set ACTOR_GPUS (and NNODES)" >&2
+if [ -z "${COLOCATE:-}" ]; then
+  # async training (FAMILY=async) generates while the actor trains: its engines cannot sleep on the actor's GPUs
+  if [ "$NNODES" = "1" ] && [ "${FAMILY:-standard}" != "async" ]; then COLOCATE=1; else COLOCATE=0; fi
+fi
+case "$COLOCATE" in
+  1)
+    if [ "${FAMILY:-standard}" = "async" ]; then
+      echo "BACKEND=megatron COLOCATE=1 with FAMILY=async: async engines generate while the actor trains, so they" \
+           "cannot share (and sleep on) its GPUs; set COLOCATE=0" >&2
       exit 2
     fi
-  else
-    ACTOR_GPUS="$GPUS_PER_NODE"  # several nodes: the actor fills its nodes, the engines run on another
-  fi
-fi
+    _lpo_gpus=$((NNODES * GPUS_PER_NODE))
+    VLLM_ENGINES="${VLLM_ENGINES:-$((_lpo_gpus / VLLM_TP))}"
+    _lpo_bad=0
+    [ -z "${ACTOR_GPUS:-}" ] || [ "$ACTOR_GPUS" = "$GPUS_PER_NODE" ] || _lpo_bad=1
+    [ -z "${ACTOR_NODES:-}" ] || [ "$ACTOR_NODES" = "$NNODES" ] || _lpo_bad=1
+    if [ "$_lpo_bad" = "1" ]; then
+      echo "BACKEND=megatron COLOCATE=1: the actor takes every GPU (NNODES $NNODES x GPUS_PER_NODE" \
+           "$GPUS_PER_NODE), got ACTOR_NODES=${ACTOR_NODES:-} ACTOR_GPUS=${ACTOR_GPUS:-}; unset them, or set" \
+           "COLOCATE=0 to give the engines GPUs of their own" >&2
+      exit 2
+    fi
+    if [ $((VLLM_ENGINES * VLLM_TP)) != "$_lpo_gpus" ]; then
+      echo "BACKEND=megatron COLOCATE=1: VLLM_ENGINES $VLLM_ENGINES x VLLM_TP $VLLM_TP must share exactly the actor's" \
+           "$_lpo_gpus GPUs (NNODES x GPUS_PER_NODE); set VLLM_ENGINES=$((_lpo_gpus / VLLM_TP)) or COLOCATE=0" >&2
+      exit 2
+    fi
+    ACTOR_NODES="$NNODES"
+    ACTOR_GPUS="$GPUS_PER_NODE"
+    _lpo_placement=(--train.colocate_all --vllm.enable_sleep --ds.enable_sleep)
+    ;;
+  0)
+    VLLM_ENGINES="${VLLM_ENGINES:-4}"
+    if [ -z "${ACTOR_GPUS:-}" ]; then
+      if [ "$NNODES" = "1" ] && [ "${ACTOR_NODES:-1}" = "1" ]; then
+        ACTOR_GPUS=$((GPUS_PER_NODE - VLLM_ENGINES * VLLM_TP))
+        if [ "$ACTOR_GPUS" -lt 1 ]; then
+          echo "BACKEND=megatron COLOCATE=0 on one node of $GPUS_PER_NODE GPUs: $VLLM_ENGINES engines x VLLM_TP" \
+               "$VLLM_TP leave no GPU for the actor; lower VLLM_ENGINES or set ACTOR_GPUS (and NNODES)" >&2
+          exit 2
+        fi
+      else
+        ACTOR_GPUS="$GPUS_PER_NODE"  # several nodes: the actor fills its nodes, the engines run on another
+      fi
+    fi
+    _lpo_placement=()
+    ;;
+  *)
+    echo "BACKEND=megatron: COLOCATE must be 1 (actor and vLLM engines share every GPU) or 0 (engines on GPUs of" \
+         "their own), got '$COLOCATE'" >&2
+    exit 2
+    ;;
+esac
 CLUSTER_ARGS=(
   --backend megatron --megatron.tp "${MEGATRON_TP:-4}" --megatron.pp "${MEGATRON_PP:-1}"
   --megatron.params_dtype bf16 --megatron.distributed_optimizer
   --actor.num_nodes "${ACTOR_NODES:-1}" --actor.num_gpus_per_node "$ACTOR_GPUS"
   --vllm.num_engines "$VLLM_ENGINES" --vllm.tensor_parallel_size "$VLLM_TP"
-  --vllm.gpu_memory_utilization 0.85 --vllm.enable_prefix_caching
+  --vllm.gpu_memory_utilization "${VLLM_GPU_MEMORY_UTILIZATION:-0.85}" --vllm.enable_prefix_caching
+  ${_lpo_placement[@]+"${_lpo_placement[@]}"}
 )
 # PP > 1: OpenRLHF runs the old-log-prob forward as one call per chunk of --rollout.micro_batch_size samples,
 # and each call is one pipeline schedule of M = chunk / --train.micro_batch_size micro-batches at efficiency

@@ -6,6 +6,7 @@
 #   logprobs_te_bf16         the same with Transformer Engine's THD attention (SKIP without TE)
 #   weight_sync_vllm         Megatron -> vLLM weight stream (bf16) and prefix-cache reset: prompt log-probs match
 #   checkpoint_round_trip    layout-free checkpoint save/load bit-exact, resumed step, HF export
+#   megatron_offload_ipc     colocated actor: state to host and back bit-exact (0 bytes resident), HF tensors by IPC
 #   peak_memory_actor_step   one LPO step of a Qwen3-1.7B-shaped model, 8 x 5120 tokens, bf16, recompute
 #   deepspeed_lpo_trainer_zero2  LPOActorTrainer.ppo_train, real DeepSpeed ZeRO-2, vs float64 reference (no vLLM)
 #   deepspeed_lpo_trainer_zero3  the same under ZeRO-3

@@ -30,6 +30,15 @@ Checks (rows of the table):
   window, then three pre-pass windows): each window's gradient against a float64 reference, fp32
   and bf16 parameters (:mod:`openrlhf_lpo.checks.trainer_check`). Needs deepspeed, openrlhf,
   flash-attn's Python files and the ``ray`` package (imports only), no vLLM and no Ray cluster.
+* ``megatron_offload_ipc`` -- the colocated Megatron actor's device side (issue 32): after a training step
+  (Adam state exists) :class:`~openrlhf_lpo.megatron.offload.HostOffload` moves parameters, gradient buffers
+  and optimizer state to host memory and back: every byte equal, the tracked storages hold 0 bytes in between
+  and the accelerator's allocated memory drops by at least the moved bytes; then every HF tensor of
+  ``export_hf_weights()`` crosses to a spawned process through the weight route's transport
+  (:func:`~openrlhf_lpo.megatron.weight_sync.transport_for`: CUDA IPC handles on a GPU, the shared-memory
+  stand-in with ``--cpu``) and is rebuilt there bit for bit (SHA-256 of its bytes). vLLM's side of the IPC
+  (``update_weight_cuda_ipc`` into real workers, sleep/wake) needs vLLM on the GPU machine: the
+  ``deepspeed_lpo_iteration`` row runs it for the DeepSpeed actor.
 * ``peak_memory_actor_step`` -- one training step (two-pass LPO, 8 responses of 5120 tokens, full
   recompute) of a randomly initialised Qwen3-1.7B-shaped model in bf16, and the old-log-prob pass:
   peak accelerator memory next to the static estimate (``--cpu``: a tiny shape, resident memory).
@@ -55,7 +64,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives
 
 import torch  # noqa: E402
 
-CHECKS = ("core", "deepspeed", "logprobs", "te", "sync", "ckpt", "memory", "trainer")
+CHECKS = ("core", "deepspeed", "logprobs", "te", "sync", "ckpt", "colocate", "memory", "trainer")
 TRAINER_PACKAGES = ("deepspeed", "openrlhf", "flash_attn", "ray")  # trainer_check.py (ray: imports only)
 ROWS: List[Dict] = []
 
@@ -295,6 +304,49 @@ def check_ckpt(assets, work: Path, use_te: Optional[bool]) -> Dict:
     return row("checkpoint_round_trip", "PASS" if ok else "FAIL",
                f"loaded == saved: {exact}; step 2 resumed vs continued {step2:.1e} (grad norm {m2['grad_norm']:.4f} vs "
                f"{n2['grad_norm']:.4f}); HF export loads: {hf_ok}", "bit-exact load, step 2 < 1e-2 (bf16)")
+
+
+def check_colocate(assets, device) -> Dict:
+    import multiprocessing
+
+    from openrlhf_lpo.checks.ipc_probe import rebuild_digests, tensor_digest
+    from openrlhf_lpo.megatron.losses import LossSpec
+    from openrlhf_lpo.megatron.offload import HostOffload, tensors_of
+    from openrlhf_lpo.megatron.weight_sync import transport_for
+
+    rows = _rows(200, (30, 41, 25, 36), seed=7)
+    batch = _batch(rows)
+    a = _actor(assets["model"], "bf16", False, micro_batch_size=2, lr=1e-3, use_distributed_optimizer=True)
+    with torch.no_grad():
+        old = a.log_probs(batch)
+    a.train_step(dict(batch, old_log_probs=old, advantages=torch.tensor([1.0, -1.0, 0.5, -0.5])),
+                 LossSpec(name="pg", group_size=1))  # gradients and Adam state exist
+    before = [(w, t.clone()) for w, t in tensors_of([a.model], [a.optimizer])]
+    off = HostOffload([a.model], [a.optimizer])
+    on_device = device.type != "cpu"
+    allocated = torch.accelerator.memory_allocated if on_device else (lambda: 0)
+    awake = allocated()
+    moved = off.offload()
+    resident, asleep = off.resident_bytes(), allocated()
+    off.onload()
+    after = list(tensors_of([a.model], [a.optimizer]))
+    exact = len(after) == len(before) and all(w == v and torch.equal(t, u) for (w, t), (v, u) in zip(before, after))
+    freed_ok = not on_device or awake - asleep >= moved
+    # the weight route's transport into another process (the engine worker's side), every HF tensor
+    transport = transport_for(device)
+    named = [(n, t.contiguous()) for n, t in a.export_hf_weights()]  # alive until the receiver is done
+    handles = [(n, transport.export(t)) for n, t in named]
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        got = pool.apply(rebuild_digests, (type(transport).__name__, handles))
+    want = {n: tensor_digest(t) for n, t in named}
+    ipc_ok = got == want
+    ok = exact and resident == 0 and moved > 0 and freed_ok and ipc_ok
+    freed = f", allocated {awake / 2**20:.0f} -> {asleep / 2**20:.0f} MiB" if on_device else ""
+    return row("megatron_offload_ipc", "PASS" if ok else "FAIL",
+               f"offload {moved / 2**20:.1f} MiB of {len(before)} tensors, resident asleep {resident} B{freed}, "
+               f"round trip bit-exact: {exact}; {type(transport).__name__}: {sum(got.get(n) == d for n, d in want.items())}"
+               f"/{len(want)} HF tensors rebuilt bit for bit in another process",
+               "bit-exact, 0 bytes resident, every tensor equal")
 
 
 def _memory_config(cpu: bool):
@@ -617,6 +669,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         run_check("weight_sync_vllm", lambda: check_sync(assets, llm, use_te, a.cpu))
     if "ckpt" in only:
         run_check("checkpoint_round_trip", lambda: check_ckpt(assets, work, use_te))
+    if "colocate" in only:
+        run_check("megatron_offload_ipc", lambda: check_colocate(assets, device))
     if "memory" in only:
         run_check("peak_memory_actor_step", lambda: check_memory(a.cpu, use_te))
     row("total", "PASS" if all(r["status"] != "FAIL" for r in ROWS) else "FAIL", f"{time.time() - t0:.0f} s",

@@ -10,13 +10,15 @@ Public names (stable):
     STOCK_CLI, PLUGIN_MODULES
 
 How: the stock parser lives inside ``if __name__ == "__main__":`` of
-``openrlhf.cli.train_ppo_ray``. We execute that module's own code object (not a copy) as
-``__main__`` with two hooks: ``argparse.ArgumentParser.parse_args`` is wrapped to add the
+``openrlhf.cli.train_ppo_ray``. We execute that module's source (not a copy) as ``__main__``,
+without the module-level imports only its ``train`` uses (Ray, DeepSpeed and vLLM behind
+``openrlhf.trainer``: a flag error, a dry run or the auto-resume supervisor costs no trainer
+import), with two hooks: ``argparse.ArgumentParser.parse_args`` is wrapped to add the
 ``lpo``/``maxrl`` estimator choices and every flag group's flags before parsing, and the
-module-level name ``train`` is resolved to our wrapper, which validates the flag groups
-after the stock validation and then either returns the namespace (parse only) or calls the
-stock ``train``. Every stock flag keeps its meaning; without ``--algo.advantage.estimator
-lpo|maxrl`` nothing is patched.
+module-level name ``train`` is resolved to our wrapper, which validates the flag groups after
+the stock validation and returns the namespace. A run then imports the stock module and calls
+its own ``train(args)``. Every stock flag keeps its meaning; without
+``--algo.advantage.estimator lpo|maxrl`` nothing is patched.
 """
 
 from __future__ import annotations
@@ -39,8 +41,8 @@ STOCK_CLI = "openrlhf.cli.train_ppo_ray"
 ESTIMATOR_DEST = "algo.advantage.estimator"
 
 # Modules that register more flag groups (imported if present; owned by other engineers).
-PLUGIN_MODULES = ("openrlhf_lpo.cpu.mode", "openrlhf_lpo.megatron.flags", "openrlhf_lpo.cli.preflight",
-                  "openrlhf_lpo.megatron.preflight", "openrlhf_lpo.cli.policy_loss_types")
+PLUGIN_MODULES = ("openrlhf_lpo.cpu.mode", "openrlhf_lpo.megatron.flags", "openrlhf_lpo.megatron.colocation_memory",
+                  "openrlhf_lpo.cli.preflight", "openrlhf_lpo.megatron.preflight", "openrlhf_lpo.cli.policy_loss_types")
 
 
 def _load_plugins() -> None:
@@ -89,11 +91,39 @@ def _extend_parser(parser: argparse.ArgumentParser) -> None:
         group.add_arguments(parser)
 
 
-def _run_stock(argv: Optional[List[str]], on_args: Callable[[argparse.Namespace, Callable], object]):
-    """Execute the stock CLI module as ``__main__`` with our hooks; return ``on_args``' result."""
+# The stock CLI's module-level imports that only its train() uses: a parse-only run (flag errors, --dry-run, the
+# supervisor of --ckpt.auto_resume) skips them (Ray, DeepSpeed, vLLM: about 15 s of imports per process).
+TRAIN_ONLY_IMPORTS = ("ray", "openrlhf.trainer", "openrlhf.utils")
+
+
+def _train_only_import(node) -> bool:
+    import ast
+
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+        names = [node.module]
+    else:
+        return False
+    return all(any(n == m or n.startswith(m + ".") for m in TRAIN_ONLY_IMPORTS) for n in names)
+
+
+def _stock_code(spec):
+    """The stock CLI compiled from its source without :data:`TRAIN_ONLY_IMPORTS` (its statements otherwise
+    unchanged, the file name kept for tracebacks; contract ``stock-cli-parse-only``)."""
+    import ast
+
+    tree = ast.parse(spec.loader.get_source(STOCK_CLI), spec.origin)
+    tree.body = [node for node in tree.body if not _train_only_import(node)]
+    return compile(tree, spec.origin, "exec", dont_inherit=True)
+
+
+def _run_stock(argv: Optional[List[str]], on_args: Callable[[argparse.Namespace], object]):
+    """Execute the stock CLI's ``__main__`` block with our hooks (parse and validate only); return ``on_args``'
+    result on the validated namespace."""
     _load_plugins()
     spec = importlib.util.find_spec(STOCK_CLI)
-    code = spec.loader.get_code(STOCK_CLI)
+    code = _stock_code(spec)
     state = {"parser": None}
     original_parse_args = argparse.ArgumentParser.parse_args
 
@@ -115,7 +145,7 @@ def _run_stock(argv: Optional[List[str]], on_args: Callable[[argparse.Namespace,
                     group.validate(args)
                 except _flags.FlagError as e:
                     parser.error(str(e))
-        result["value"] = on_args(args, g["train"])
+        result["value"] = on_args(args)
 
     g = {
         "__name__": "__main__",
@@ -162,7 +192,7 @@ def get_parser(extended: bool = True) -> argparse.ArgumentParser:
     """The parser the stock CLI builds (plus every flag group's flags when ``extended``)."""
     _load_plugins()
     spec = importlib.util.find_spec(STOCK_CLI)
-    code = spec.loader.get_code(STOCK_CLI)
+    code = _stock_code(spec)
     original = argparse.ArgumentParser.parse_args
 
     def capture(self, args=None, namespace=None):
@@ -208,7 +238,7 @@ def _calls_in(block, match) -> list:
 
 
 @patch_point("stock-cli-parse-args", "argparse", "ArgumentParser.parse_args", "scoped-swap",
-             "_run_stock / get_parser execute openrlhf.cli.train_ppo_ray's code object as __main__ with parse_args "
+             "_run_stock / get_parser execute openrlhf.cli.train_ppo_ray's source as __main__ with parse_args "
              "wrapped: the first parser with --algo.advantage.estimator gets the lpo/maxrl choices and every flag "
              "group's flags (parser._actions), then parses lpo-train's argv (get_parser captures the parser)")
 def _stock_parse_args_contract() -> None:
@@ -234,8 +264,8 @@ def _stock_parse_args_contract() -> None:
 
 @patch_point("stock-cli-train", STOCK_CLI, "train", "scoped-swap",
              "the __main__ block's train(args), after the stock validation, resolves through the exec namespace "
-             "(_Namespace) to ours: the flag groups' validation, then the stock train or a parse-only return; "
-             "read from the file (the runner executes the code object, it never imports the module)",
+             "(_Namespace) to ours: the flag groups' validation and the namespace's return; a run then imports the "
+             "module and calls its train(args) (read from the file: the contract imports nothing)",
              imports=False)
 def _stock_train_contract() -> None:
     import ast
@@ -253,14 +283,48 @@ def _stock_train_contract() -> None:
         raise ContractBroken("the __main__ block no longer parses its flags before train(args)")
 
 
+@patch_point("stock-cli-parse-only", STOCK_CLI, "module-level imports", "scoped-swap",
+             "parsing (build_parser_and_parse, get_parser, lpo-train before anything runs) executes the stock CLI's "
+             "source without its module-level imports of ray and openrlhf.trainer/utils: the __main__ block needs "
+             "none of them (they are train()'s own names)",
+             imports=False)
+def _stock_parse_only_contract() -> None:
+    import ast
+
+    source, block = _stock_main_block()
+    tree = ast.parse(source)
+    kept, dropped = set(dir(builtins)) | {"__name__", "__file__"}, set()
+    for node in tree.body:
+        if _train_only_import(node):
+            dropped |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            kept |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            kept.add(node.name)
+        elif isinstance(node, ast.Assign):
+            kept |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+        elif node.lineno != block.lineno and not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)):
+            raise ContractBroken(f"{STOCK_CLI} has a module-level statement a parse-only run would execute "
+                                 f"without the imports it may need (line {node.lineno})")
+    if not dropped:
+        raise ContractBroken(f"{STOCK_CLI} no longer imports {TRAIN_ONLY_IMPORTS} at module level")
+    bound = {n.id for n in ast.walk(block) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    bound |= {(a.asname or a.name).split(".")[0] for n in ast.walk(block) if isinstance(n, (ast.Import, ast.ImportFrom))
+              for a in n.names}
+    free = {n.id for n in ast.walk(block) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)} - bound
+    missing = sorted(free - kept)
+    if missing:
+        raise ContractBroken(f"the __main__ block of {STOCK_CLI} uses {missing}, which only its skipped imports bind")
+
+
 def build_parser_and_parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
     """Parse ``argv`` like ``lpo-train`` would and return the validated hierarchised namespace.
 
     Runs the stock argument parsing and validation of openrlhf 0.11.2 plus every flag group's
     validation; bad combinations exit with argparse's status 2 and a message naming the flags.
-    Starts no Ray, loads no model.
+    Starts no Ray, loads no model, imports neither Ray's trainer classes nor DeepSpeed nor vLLM.
     """
-    return _run_stock(argv, lambda args, _train: args)
+    return _run_stock(argv, lambda args: args)
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -272,52 +336,51 @@ def main(argv: Optional[List[str]] = None) -> None:
 
     install()  # progress bars as plain lines when the output is a file
 
-    def run(args, stock_train):
-        from openrlhf_lpo.cli import plan, preflight
+    # parse-only first (flag errors, --dry-run and the auto-resume supervisor import no trainer, DeepSpeed or vLLM)
+    args = _run_stock(argv, lambda parsed: parsed)
+    from openrlhf_lpo.cli import auto_resume, plan, preflight
 
-        _check_upstream_or_exit("lpo-train --dry-run" if args.dry_run else "lpo-train", full=not args.dry_run)
-        if not args.dry_run:
-            from openrlhf_lpo.cli import auto_resume
-
-            repaired = auto_resume.repair_before_preflight(args)  # a cut-off save is never what gets resumed
-            if repaired:
-                print(f"{auto_resume.PREFIX} {repaired}", file=sys.stderr, flush=True)
-        # every input checked before Ray or any model starts (exit 2 naming the file, line or field)
-        checked = preflight.preflight_or_exit(args, "lpo-train --dry-run" if args.dry_run else "lpo-train")
-        if args.dry_run:
-            try:
-                lines = plan.plan_lines(args, checked)
-            except (FileNotFoundError, ValueError) as e:
-                print(f"lpo-train --dry-run: {e}", file=sys.stderr)
-                raise SystemExit(2) from None
-            from openrlhf_lpo.cli import auto_resume
-
-            print("lpo-train --dry-run: flags are valid; nothing was started")
-            print("\n".join(lines + [line for line in [auto_resume.plan_line(args)] if line]))
-            return
-        from openrlhf_lpo.cli import auto_resume
-
-        if args.ckpt.auto_resume and not auto_resume.is_supervised():  # train in a child, restart it if it dies
-            raise SystemExit(auto_resume.supervise(list(sys.argv[1:] if argv is None else argv), args))
-        if checked is not None:
-            print("\n".join(preflight.summary_lines(checked)), flush=True)
-        with contextlib.ExitStack() as stack:
-            _flags.enter_before_train(stack, args)
-            _check_cluster(args, plan)
-            # names the stock module imported before the swaps (``PolicyModelActor``) follow them
-            patches = sys.modules.get("openrlhf_lpo.openrlhf.patches")
-            if patches is not None:
-                stack.enter_context(patches.rebind(stock_train.__globals__))
-            try:
-                stock_train(args)
-            except Exception as e:  # noqa: BLE001  (one known stop gets a plain message; the rest re-raise)
-                stop = _reward_error_stop(e)
-                if stop is None:
-                    raise
-                print(f"lpo-train: {stop}", file=sys.stderr, flush=True)
-                raise SystemExit(4) from None
-
-    _run_stock(argv, run)
+    supervisor = bool(args.ckpt.auto_resume) and not args.dry_run and not auto_resume.is_supervised()
+    # a run checks every contract (importing each patched module); a dry run and a supervisor check the version
+    # (the supervisor's child checks the contracts when it starts: exit 2, which it does not retry)
+    _check_upstream_or_exit("lpo-train --dry-run" if args.dry_run else "lpo-train",
+                            full=not (args.dry_run or supervisor))
+    if not args.dry_run:
+        repaired = auto_resume.repair_before_preflight(args)  # a cut-off save is never what gets resumed
+        if repaired:
+            print(f"{auto_resume.PREFIX} {repaired}", file=sys.stderr, flush=True)
+    # every input checked before Ray or any model starts (exit 2 naming the file, line or field)
+    checked = preflight.preflight_or_exit(args, "lpo-train --dry-run" if args.dry_run else "lpo-train")
+    if args.dry_run:
+        try:
+            lines = plan.plan_lines(args, checked)
+        except (FileNotFoundError, ValueError) as e:
+            print(f"lpo-train --dry-run: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+        print("lpo-train --dry-run: flags are valid; nothing was started")
+        print("\n".join(lines + [line for line in [auto_resume.plan_line(args)] if line]))
+        return
+    if supervisor:  # train in a child, restart it if it dies
+        raise SystemExit(auto_resume.supervise(list(sys.argv[1:] if argv is None else argv), args))
+    if checked is not None:
+        print("\n".join(preflight.summary_lines(checked)), flush=True)
+    print(plan.method_line(args), flush=True)  # the settings in effect, in the run's log
+    stock_train = importlib.import_module(STOCK_CLI).train  # the stock module's own train(args)
+    with contextlib.ExitStack() as stack:
+        _flags.enter_before_train(stack, args)
+        _check_cluster(args, plan)
+        # names the stock module imported before the swaps (``PolicyModelActor``) follow them
+        patches = sys.modules.get("openrlhf_lpo.openrlhf.patches")
+        if patches is not None:
+            stack.enter_context(patches.rebind(stock_train.__globals__))
+        try:
+            stock_train(args)
+        except Exception as e:  # noqa: BLE001  (one known stop gets a plain message; the rest re-raise)
+            stop = _reward_error_stop(e)
+            if stop is None:
+                raise
+            print(f"lpo-train: {stop}", file=sys.stderr, flush=True)
+            raise SystemExit(4) from None
 
 
 def _check_upstream_or_exit(prog: str, full: bool = True) -> None:

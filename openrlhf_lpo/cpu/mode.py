@@ -583,6 +583,8 @@ def adjust_args(args) -> List[str]:
         # reads the packed sequences' boundaries from the restarting position ids
         ds.attn_implementation = "sdpa"
         notes.append("ds.attn_implementation -> sdpa (flash-attention kernels need a GPU)")
+    if getattr(args, "backend", "deepspeed") == "megatron":  # its offload is plain torch copies: it runs here too
+        return notes
     if ds is not None and getattr(ds, "enable_sleep", False):
         ds.enable_sleep = False
         notes.append("ds.enable_sleep -> off (nothing to offload on a CPU)")

@@ -14,7 +14,10 @@ a handful of Ray methods; :class:`CPURolloutEngine` implements the same ones:
   ``get_num_unfinished_requests``, and no-op ``sleep / wake_up / pause_generation /
   resume_generation / reset_prefix_cache / init_process_group``;
 * for the CPU weight sync (:func:`openrlhf_lpo.cpu.mode.cpu_broadcast_to_engines`):
-  ``update_weights(state_dict)`` and ``log_probs_of(token_ids, temperature, images=None)``.
+  ``update_weights(state_dict)`` and ``log_probs_of(token_ids, temperature, images=None)``;
+* for a colocated run's weight sync (``--train.colocate_all``, the Megatron actor's IPC route,
+  :mod:`openrlhf_lpo.megatron.weight_sync`): ``update_weight_cuda_ipc(name, dtype, shape, ipc_handles,
+  empty_cache)``, OpenRLHF's worker method with the shared-memory stand-in for CUDA IPC.
 
 Backends (``LPO_CPU_ENGINE`` or ``backend=``) are a registry:
 
@@ -96,6 +99,7 @@ class CPURolloutEngine(PerSampleResponses):
         self._server = None
         self.batch_sizes: List[int] = []  # requests per backend batch (for tests / inspection)
         self.num_weight_updates = 0
+        self._ipc_pending: Dict[str, object] = {}  # update_weight_cuda_ipc: tensors until the last one arrives
         self.seed = int(seed)
         self._seen: Dict[tuple, int] = {}  # prompt tokens -> requests so far (per-request seeds)
 
@@ -154,6 +158,30 @@ class CPURolloutEngine(PerSampleResponses):
         self.backend.update_weights(state)
         self.num_weight_updates += 1
         return self.num_weight_updates
+
+    def update_weight_cuda_ipc(self, name, dtype, shape, ipc_handles=None, empty_cache=False) -> int:
+        """One full HF tensor from the colocated actor rank on this engine's device, as OpenRLHF's
+        ``WorkerWrap.update_weight_cuda_ipc`` takes it: the handle keyed by this process's (stand-in) device id
+        is rebuilt from shared memory (:class:`SharedMemoryIPC`) and kept; the last tensor (``empty_cache=True``,
+        as the sender marks it) loads them all (``update_weights``). Returns the tensors received so far."""
+        from openrlhf_lpo.engines.ipc import SharedMemoryIPC
+
+        transport = SharedMemoryIPC()
+        key = transport.device_id()
+        if not ipc_handles or key not in ipc_handles:
+            raise ValueError(f"update_weight_cuda_ipc({name!r}): no handle for this engine's device {key!r} among "
+                             f"{sorted(ipc_handles or {})}; a colocated engine sits on one actor rank's device")
+        weight = transport.rebuild(ipc_handles[key])
+        if weight.dtype != dtype or tuple(weight.shape) != tuple(shape):
+            raise ValueError(f"update_weight_cuda_ipc({name!r}): announced {dtype} {tuple(shape)}, the handle holds "
+                             f"{weight.dtype} {tuple(weight.shape)}")
+        self._ipc_pending[name] = weight.clone()  # our own copy: the sender frees its shared segment after the sync
+        del weight
+        received = len(self._ipc_pending)
+        if empty_cache:
+            pending, self._ipc_pending = self._ipc_pending, {}
+            self.update_weights(pending)
+        return received
 
     def log_probs_of(self, token_ids, temperature: float = 1.0, images=None) -> List[float]:
         if images:  # a VLM probe with its image(s) (engines/cpu_vlm.py)

@@ -38,14 +38,26 @@ class Demand:
 
 def demands_from_args(args) -> List[Demand]:
     """GPU blocks of a parsed ``lpo-train --backend megatron`` run (hierarchised namespace)."""
+    import math
+
     m, actor = args.megatron, args.actor
     world = actor.num_nodes * actor.num_gpus_per_node
-    out = [Demand("Megatron actor TP group", m.tp, world // m.tp)]
     vllm = getattr(args, "vllm", None)
-    if vllm is not None and (vllm.num_engines or 0) > 0:
-        out.append(Demand("vLLM engine", vllm.tensor_parallel_size, vllm.num_engines))
+    engines = (vllm.num_engines or 0) if vllm is not None else 0
+    train = getattr(args, "train", None)
+    if engines and getattr(train, "colocate_all", False) and not getattr(train, "async_enable", False):
+        # colocated: the engines run on the actor's GPUs (OpenRLHF's shared placement group, engine i on its
+        # bundles i*vllm_tp..., node-ordered), so the blocks that must share a node are the actor's TP groups and
+        # the engines' GPUs together: lcm(tp, vllm_tp) consecutive GPUs
+        block = math.lcm(m.tp, vllm.tensor_parallel_size)
+        out = [Demand("Megatron actor TP group with its colocated vLLM engine(s)", block, world // block)]
+    else:
+        out = [Demand("Megatron actor TP group", m.tp, world // m.tp)]
+        if engines:
+            out.append(Demand("vLLM engine", vllm.tensor_parallel_size, engines))
     kl = getattr(getattr(args, "algo", None), "kl", None)
-    if kl is not None and kl.init_coef > 0 and not getattr(args.train, "colocate_actor_ref", False):
+    shared = getattr(train, "colocate_actor_ref", False) or getattr(train, "colocate_all", False)
+    if kl is not None and kl.init_coef > 0 and not shared:  # colocated: the reference sits on the actor's GPUs
         out.append(Demand("DeepSpeed reference model GPU", 1, args.ref.num_nodes * args.ref.num_gpus_per_node))
     return out
 

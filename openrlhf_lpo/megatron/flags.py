@@ -13,9 +13,11 @@ recompute), ``--actor.eps_clip_low_high``, ``--actor.lr_scheduler`` / ``--actor.
 ``--actor.entropy_coef``, ``--train.dynamic_batch_enable`` / ``--train.max_tokens_per_gpu``,
 ``--ds.packing_samples`` (native), ``--train.async_enable``, ``--train.partial_rollout_enable``,
 ``--algo.advantage.is_correction_*``, ``--vllm.sync_with_ray``, ``--vllm.enable_prefix_caching``,
-``--ckpt.max_num`` / ``--ckpt.max_mem``. Refused with a message instead of ignored (ring attention,
-DeepSpeed TP, sleep, EMA, LoRA, the MoE aux loss, colocation, schedules OpenRLHF cannot run): see
-``_validate``.
+``--ckpt.max_num`` / ``--ckpt.max_mem``, ``--train.colocate_all`` with ``--vllm.enable_sleep`` and
+``--ds.enable_sleep`` (the Megatron meaning: offload the actor to host memory between phases; weights to
+the colocated engines by IPC, :mod:`.weight_sync`). Refused with a message instead of ignored (ring
+attention, DeepSpeed TP, ``--ds.enable_sleep`` without colocation, EMA, LoRA, the MoE aux loss, schedules
+OpenRLHF cannot run, a colocated layout whose engines do not fill the actor's GPUs): see ``_validate``.
 Before any actor starts, the layout is placed on the running Ray cluster
 (:func:`openrlhf_lpo.megatron.cluster.check_ray_cluster`).
 
@@ -141,9 +143,6 @@ def _validate(args: argparse.Namespace) -> None:
     unsupported = [
         (args.ds.tensor_parallel_size > 1, "--ds.tensor_parallel_size > 1",
          "DeepSpeed tensor parallelism; use --megatron.tp"),
-        (args.ds.enable_sleep, "--ds.enable_sleep",
-         "offloading the actor between phases only helps when vLLM shares its GPUs, which --backend megatron "
-         "does not support (no CUDA-IPC weight path); give the engines GPUs of their own"),
         (args.train.enable_ema, "--train.enable_ema",
          "the Megatron actor keeps no EMA copy of the weights; train it on the DeepSpeed backend"),
         (args.ds.lora.rank > 0, "--ds.lora.rank",
@@ -154,6 +153,7 @@ def _validate(args: argparse.Namespace) -> None:
     for bad, flag, why in unsupported:
         if bad:
             raise FlagError(f"{flag} is not supported with --backend megatron: {why}")
+    _validate_colocation(args, world)
     try:
         from openrlhf_lpo.megatron.schedule import check_lr_scheduler
 
@@ -167,6 +167,26 @@ def _validate(args: argparse.Namespace) -> None:
         raise FlagError(
             f"--train.batch_size {args.train.batch_size} must be divisible by the Megatron data-parallel size "
             f"{dp} = {world} / (--megatron.tp {m.tp} x --megatron.pp {m.pp})"
+        )
+
+
+def _validate_colocation(args: argparse.Namespace, world: int) -> None:
+    """``--train.colocate_all`` (not async): one engine worker per actor GPU, each engine inside a node."""
+    from openrlhf_lpo.megatron.ray_actor import colocated
+
+    engines, vtp = args.vllm.num_engines or 0, args.vllm.tensor_parallel_size
+    if not colocated(args) or engines <= 0:
+        return
+    if engines * vtp != world:
+        raise FlagError(
+            f"--train.colocate_all puts one vLLM worker on each actor GPU: --vllm.num_engines {engines} x "
+            f"--vllm.tensor_parallel_size {vtp} = {engines * vtp} must equal the actor's {world} GPUs "
+            f"(--actor.num_nodes x --actor.num_gpus_per_node)"
+        )
+    if args.actor.num_gpus_per_node % vtp:
+        raise FlagError(
+            f"--train.colocate_all: --vllm.tensor_parallel_size {vtp} must divide --actor.num_gpus_per_node "
+            f"{args.actor.num_gpus_per_node}, so that each engine's GPUs sit on one node"
         )
 
 

@@ -195,14 +195,16 @@ def format_table(rows: Dict[str, float]) -> List[str]:
     return lines
 
 
-def _load_config(path: str) -> dict:
+def load_config(path: str) -> dict:
+    """A model folder's (or a file's) ``config.json`` as a dict."""
     f = os.path.join(path, "config.json") if os.path.isdir(path) else path
     with open(f) as fh:
         return json.load(fh)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def shape_parser(description: str) -> argparse.ArgumentParser:
+    """The command-line options of a memory table: the model, its layout and one micro-batch's tokens."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("model", help="model folder with a config.json, or the config.json")
     ap.add_argument("--tp", type=int, required=True)
     ap.add_argument("--pp", type=int, default=1)
@@ -211,11 +213,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--actions", type=int, default=4096, help="action (response) tokens of the micro-batch")
     ap.add_argument("--sp", action="store_true", help="--megatron.sequence_parallel")
     ap.add_argument("--no-recompute", action="store_true", help="without --actor.gradient_checkpointing_enable")
+    return ap
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = shape_parser(__doc__.splitlines()[0])
     ap.add_argument("--no-distributed-optimizer", action="store_true")
     ap.add_argument("--overhead-gb", type=float, default=OVERHEAD_GB,
                     help="allowance for the CUDA context and NCCL buffers (GB = 1e9 bytes)")
     a = ap.parse_args(argv)
-    rows = actor_memory(_load_config(a.model), a.tp, a.pp, a.dp, a.tokens, a.actions, a.sp, not a.no_recompute,
+    rows = actor_memory(load_config(a.model), a.tp, a.pp, a.dp, a.tokens, a.actions, a.sp, not a.no_recompute,
                         not a.no_distributed_optimizer, a.overhead_gb)
     print("\n".join(format_table(rows)))
     return 0

@@ -11,11 +11,14 @@ re-bound on the way back. :meth:`HostOffload.onload` re-allocates each storage a
 ``resident_bytes()`` is what the tracked storages hold on their device now (0 after ``offload``): the figure
 the memory plan and the tests state. The storages are found once, at construction, from the objects handed
 in; a storage allocated later (e.g. Adam state created by the first step) needs a new ``HostOffload``.
+``where`` keeps only the tensors whose location (the names :func:`tensors_of` gives) it accepts, and
+``exclude`` skips the storages another ``HostOffload`` tracks: the Megatron Ray actor offloads its weights
+and its training state (gradients, optimizer) as two parts, since a forward needs the weights alone.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, Iterator, List, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -87,15 +90,19 @@ def _byte_view(storage: torch.UntypedStorage, device: torch.device) -> torch.Ten
 class HostOffload:
     """Offload / onload every storage behind ``modules`` and ``optimizers`` (module docstring)."""
 
-    def __init__(self, modules: Iterable = (), optimizers: Iterable = ()):
+    def __init__(self, modules: Iterable = (), optimizers: Iterable = (),
+                 where: Optional[Callable[[str], bool]] = None, exclude: Iterable["HostOffload"] = ()):
         self._storages: Dict[int, Tuple[torch.UntypedStorage, torch.device, int]] = {}
         self.where: Dict[int, str] = {}
-        for where, t in tensors_of(list(modules), list(optimizers)):
+        skip = {key for other in exclude for key in other._storages}
+        for name, t in tensors_of(list(modules), list(optimizers)):
+            if where is not None and not where(name):
+                continue
             storage = t.untyped_storage()
             key = storage.data_ptr() if storage.nbytes() else id(storage)
-            if storage.nbytes() and key not in self._storages:
+            if storage.nbytes() and key not in self._storages and key not in skip:
                 self._storages[key] = (storage, t.device, storage.nbytes())
-                self.where[key] = where
+                self.where[key] = name
         self._host: Dict[int, torch.Tensor] = {}
 
     @property

@@ -17,7 +17,16 @@ in the engines' dtype (OpenRLHF 0.11.2 builds its vLLM engines in bfloat16 and a
 every tensor it receives), over OpenRLHF's model-update group (NCCL, or Ray collectives with
 ``--vllm.sync_with_ray``), then the engines' prefix caches are reset as upstream does. Engines that
 take state dicts (the CPU rollout engines) get one dict through Ray and a parity check.
-``--train.colocate_all`` is refused (it needs a CUDA-IPC path: NCCL rejects two ranks on one GPU).
+Colocated (``--train.colocate_all``, not async: the engines on the actor's GPUs, where NCCL refuses a
+group of two ranks on one GPU): the same export on every rank of every replica, handed over by IPC
+(:mod:`.weight_sync`, OpenRLHF's ``update_weight_cuda_ipc``; on CPU the shared-memory stand-in).
+
+Sleep (``--ds.enable_sleep``, the Megatron meaning: offload the actor between phases; with
+``--train.colocate_all``): after start-up and after every ``fit`` (OpenRLHF's trainer calls
+``offload_states``) the parameters, DDP gradient buffers and optimizer state go to host memory
+(:class:`.offload.HostOffload`, bit-exact); ``reload_states`` brings them back before ``fit``. The weights
+alone come back for the old-log-prob ``forward`` and stay until the next offload, and for the weight sync
+(offloaded again after it, since generation follows); checkpoints bring everything back for the save.
 
 Training (``fit``): the rank's experiences are merged into one padded batch, split into
 optimizer windows of ``train.batch_size / dp`` responses made of whole prompt groups
@@ -38,6 +47,7 @@ upstream) and the entropy bonus are token means over the window, as on DeepSpeed
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Dict, List, Optional
 
@@ -223,14 +233,26 @@ def megatron_config_from_args(args):
     )
 
 
+def colocated(args) -> bool:
+    """``--train.colocate_all`` without ``--train.async_enable``: the rollout engines share the actor's GPUs and
+    take the weights by IPC (as OpenRLHF's hybrid engine; async runs colocate the trained models only)."""
+    return bool(_get(args, "train.colocate_all", False)) and not bool(_get(args, "train.async_enable", False))
+
+
 def refuse_unsupported(args) -> None:
     """Raise ``ValueError`` naming a flag the Megatron actor cannot honour (checked again at start-up)."""
-    if getattr(getattr(args, "train", None), "colocate_all", False):
+    if _get(args, "ds.enable_sleep", False) and not _get(args, "train.colocate_all", False):
         raise ValueError(
-            "--train.colocate_all is not supported with --backend megatron: syncing weights into vLLM engines on "
-            "the actor's own GPUs needs a CUDA-IPC path (NCCL rejects two ranks on one GPU); give the engines "
-            "GPUs of their own"
+            "--ds.enable_sleep without --train.colocate_all: with --backend megatron it offloads the actor to "
+            "host memory between phases, which only frees memory for vLLM engines that share the actor's GPUs; "
+            "add --train.colocate_all (with --vllm.enable_sleep), or drop --ds.enable_sleep"
         )
+
+
+def _is_weight(where: str) -> bool:
+    """Tensors a forward reads (parameters, module buffers, DDP parameter buffers), by ``offload.tensors_of``'s
+    names; the rest of a model (gradients, DDP gradient buffers) is training state."""
+    return not where.endswith((".grad", ".main_grad", ".grad_data"))
 
 
 class MegatronPolicyActor:
@@ -280,11 +302,15 @@ class MegatronPolicyActor:
 
             for line in pipeline_warnings(args):
                 print(f"[megatron] WARNING: {line}", file=sys.stderr, flush=True)
-        if vllm_engines and not self._engines_take_state_dicts() and dist.get_rank() == 0:
+        if vllm_engines and not colocated(args) and not self._engines_take_state_dicts() and dist.get_rank() == 0:
             from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
 
             ActorPPOTrainer._init_vllm_sync_group(self, getattr(args.vllm, "sync_backend", "nccl"))
+        self._weights_off = self._state_off = None  # HostOffloads while asleep
+        self.sleep_log: List[dict] = []
         dist.barrier()
+        if _get(args, "ds.enable_sleep", False):  # the first phase is generation (OpenRLHF offloads at start too)
+            self.offload_states()
 
     # --------------------------------------------------------------------- experience side
     def forward(self, sequences, action_mask=None, attention_mask=None, packed_seq_lens=None, mm_train_inputs_list=None):
@@ -302,6 +328,7 @@ class MegatronPolicyActor:
             "attention_mask": attention_mask.cpu(),
             "action_mask": action_mask.cpu(),
         }
+        self._onload(state=False)  # asleep: the weights come back (vLLM sleeps while experiences are made)
         plan = None
         if _get(self.args, "train.dynamic_batch_enable", False):  # the chunk's forwards follow the token budget
             from openrlhf_lpo.core import layout
@@ -372,6 +399,7 @@ class MegatronPolicyActor:
         args = self.args
         import torch.distributed as dist
 
+        self._onload()  # (the trainer's reload_states did it already when --ds.enable_sleep is on)
         dp = self.actor.ps.get_data_parallel_world_size()
         dp_group = self.actor.ps.get_data_parallel_group()
         batch = merge_experiences(self.buffer)
@@ -489,12 +517,18 @@ class MegatronPolicyActor:
 
     def broadcast_to_vllm(self):
         """Stream the HF-named weights (TP gather, PP broadcast, un-fused) to the rollout engines."""
+        with self._awake(state=False):  # asleep: the weights alone, offloaded again after (generation follows)
+            self._broadcast_to_vllm()
+
+    def _broadcast_to_vllm(self):
         import ray
         import torch.distributed as dist
 
         rank = dist.get_rank()
         first_replica = self.actor.ps.get_data_parallel_rank() == 0  # the export is collective per replica
-        if self._engines_take_state_dicts():  # CPU rollout engines: one state dict via Ray, actor dtype
+        if colocated(self.args) and self.vllm_engines:
+            self._ipc_to_vllm()
+        elif self._engines_take_state_dicts():  # CPU rollout engines: one state dict via Ray, actor dtype
             state = {}
             if first_replica:  # the stream reaches rank 0 only (each tensor sent once per stage)
                 for name, t in self.actor.export_hf_weights(dst=0):
@@ -539,7 +573,27 @@ class MegatronPolicyActor:
             # cached KV blocks were computed with the old weights
             ray.get([e.reset_prefix_cache.remote() for e in engines])
 
-    def _check_engine_parity(self, num_tensors: int) -> None:
+    def _ipc_to_vllm(self) -> None:
+        """Colocated engines: every rank of every replica receives each full HF tensor
+        (``export_hf_weights(dst=None)``, the NCCL stream's resharding and naming) and hands its engine worker an
+        IPC handle of it (:func:`.weight_sync.send_weights`); vLLM's ``load_weights`` cuts its own TP shard out of
+        the full tensor. vLLM engines get bf16 (their worker asserts it); the CPU engines the actor's dtype and a
+        parity check, as their state-dict sync."""
+        import torch.distributed as dist
+
+        from openrlhf_lpo.megatron import weight_sync
+
+        cpu_engines = self._engines_take_state_dicts()
+        transport = weight_sync.transport_for(self.actor.device)
+        info = weight_sync.send_weights(
+            self.actor.export_hf_weights(None if cpu_engines else VLLM_ENGINE_DTYPE), self.vllm_engines, transport,
+            in_flight=SYNC_IN_FLIGHT, reset_prefix_cache=bool(getattr(self.args.vllm, "enable_prefix_caching", False)))
+        self.last_sync = {"route": "ipc", "transport": transport.name, **info}
+        if cpu_engines:
+            self._check_engine_parity(info["tensors"] if dist.get_rank() == 0 else 0, route="ipc",
+                                      transport=transport.name, device_ids=info["device_ids"])
+
+    def _check_engine_parity(self, num_tensors: int, **record) -> None:
         """After a state-dict sync: engines' log-probs of a fixed probe sequence must equal the
         actor's (max |diff| <= LPO_CPU_PARITY_TOL, default 1e-4); appended to LPO_CPU_PARITY_LOG."""
         import torch.distributed as dist
@@ -554,12 +608,16 @@ class MegatronPolicyActor:
         if dist.get_rank() != 0:
             return
         check_engine_parity(self.vllm_engines, ids, actor_lp, float(self.actor.cfg.temperature),
-                            backend="megatron", num_tensors=num_tensors)
+                            backend="megatron", num_tensors=num_tensors, **record)
 
     # --------------------------------------------------------------------- checkpoints
     def save_checkpoint(self, tag, client_states=None, metric_value=None, metric_key=None):
         """``ckpt.path/_actor/<tag>`` (OpenRLHF passes ``global_step<N>``); ``--ckpt.max_num`` /
         ``--ckpt.max_mem`` prune the oldest; ``--ckpt.save_hf`` also writes ``<tag>_hf`` (rotated with them)."""
+        with self._awake():  # asleep: everything comes back for the save, and goes again after it
+            self._save_checkpoint(tag, client_states)
+
+    def _save_checkpoint(self, tag, client_states=None):
         args = self.args
         state = {"client_states": client_states or {}}
         self.actor.save_checkpoint(os.path.join(args.ckpt.path, CKPT_SUBDIR), tag, state,
@@ -588,16 +646,75 @@ class MegatronPolicyActor:
         save_barrier(self.actor.cfg.save_timeout_minutes)  # rank 0 wrote the export
 
     def save_model(self):
-        self._save_hf(self.args.ckpt.output_dir)
+        with self._awake(state=False):
+            self._save_hf(self.args.ckpt.output_dir)
 
+    # --------------------------------------------------------------------- sleep (--ds.enable_sleep)
     def reload_states(self):
-        pass
+        """Before ``fit`` (OpenRLHF's trainer, ``--ds.enable_sleep``): everything back on the device, bit-exact."""
+        self._onload()
 
     def offload_states(self):
-        pass
+        """After ``fit`` and at start-up (``--ds.enable_sleep``): parameters, DDP gradient buffers and the
+        optimizer's state (main shards, Adam moments) to host memory; nothing of them stays on the device.
+        Each rank logs the bytes moved and the parameter bytes left on the device (0)."""
+        import sys
+
+        import torch.distributed as dist
+
+        moved = self._offload()
+        params = sum(p.untyped_storage().nbytes() for p in self.actor.model.parameters())
+        entry = {"rank": dist.get_rank(), "weights_bytes": moved.get("weights", 0),
+                 "state_bytes": moved.get("state", 0), "param_bytes_resident": params,
+                 "tracked_bytes_resident": sum(o.resident_bytes() for o in (self._weights_off, self._state_off) if o)}
+        self.sleep_log.append(entry)
+        print(f"[megatron] rank {entry['rank']} asleep: {entry['weights_bytes']} weight bytes and "
+              f"{entry['state_bytes']} gradient/optimizer bytes moved to host memory; parameter bytes on the "
+              f"device: {params}", file=sys.stderr, flush=True)
 
     def empty_cache(self):
-        pass
+        """Hand the allocator's cached blocks back to the device (the engines use them while the actor sleeps)."""
+        from openrlhf_lpo.megatron.device import accelerator_available
+
+        if accelerator_available():
+            torch.accelerator.empty_cache()
+
+    def _offload(self, weights: bool = True, state: bool = True) -> Dict[str, int]:
+        """Offload the training state and / or the weights (whatever is still resident); bytes moved of each."""
+        from openrlhf_lpo.megatron.offload import HostOffload
+
+        moved: Dict[str, int] = {}
+        model, optimizer = self.actor.model, self.actor.optimizer
+        if state and self._state_off is None:  # built while the weights' storages can still be told apart
+            off = HostOffload([model], [optimizer], exclude=[HostOffload([model], where=_is_weight)])
+            moved["state"] = off.offload()
+            self._state_off = off
+        if weights and self._weights_off is None:
+            off = HostOffload([model], where=_is_weight)
+            moved["weights"] = off.offload()
+            self._weights_off = off
+        self.empty_cache()
+        return moved
+
+    def _onload(self, weights: bool = True, state: bool = True) -> None:
+        if weights and getattr(self, "_weights_off", None) is not None:
+            self._weights_off.onload()
+            self._weights_off = None
+        if state and getattr(self, "_state_off", None) is not None:
+            self._state_off.onload()
+            self._state_off = None
+
+    @contextlib.contextmanager
+    def _awake(self, state: bool = True):
+        """Inside: the weights (and the training state unless ``state=False``) on the device; what was offloaded
+        before goes back to host memory after."""
+        was = (getattr(self, "_weights_off", None) is not None, getattr(self, "_state_off", None) is not None)
+        self._onload(state=state)
+        try:
+            yield
+        finally:
+            if was[0] or (state and was[1]):
+                self._offload(weights=was[0], state=state and was[1])
 
 
 from openrlhf.trainer.ray.launcher import RayActorGroup as _RayActorGroup  # noqa: E402

@@ -1,11 +1,13 @@
-"""End to end on the CPU: two LPO iterations of the real pipeline (`lpo-train`, Ray, DeepSpeed on the CPU,
-the CPU rollout engine) with the code reward from the bubblewrap sandbox.
+"""End to end on the CPU: two iterations of the real pipeline (`lpo-train`, Ray, DeepSpeed on the CPU, the CPU
+rollout engine) with the code reward from the bubblewrap sandbox, training the CISPO baseline as
+``METHOD=cispo`` gives it (configs/methods/cispo.sh: the policy loss this project registers for OpenRLHF).
+The reward path does not depend on the method; LPO's own pipeline runs are the other e2e modules.
 
-A random tiny model never writes a code block, so every reward would be 0 and LPO's gradient zero. The
+A random tiny model never writes a code block, so every reward would be 0 and the gradient zero. The
 fixture first teaches a tiny Qwen3 (plain torch, a few seconds) two answers to "print 2n": the right one
 (``print(2*int(input()))``, passes both tests) and a wrong one (``print(int(input())+2)``, passes the
 test with n = 2 only). Sampling at temperature 1 then mixes them, so the rollout rewards are 1, 0.5 or 0
-(garbled samples) per response, groups have reward variance, and the LPO update is not zero. The
+(garbled samples) per response, groups have reward variance, and the update is not zero. The
 rewards are computed by ``openrlhf_lpo/rewards/reward_func.py`` inside the rollout engine's Ray actor,
 each program in its own sandbox.
 """
@@ -18,13 +20,14 @@ import time
 import pytest
 
 from code_helpers import REPO, wait_no_sandbox_processes
+from recipe_flags import method_flags
 from shared_ray import shared_ray_env
 from openrlhf_lpo.data.code import code_label
 from openrlhf_lpo.data.loaders import write_jsonl
 from openrlhf_lpo.rewards.code import grade_code
 from openrlhf_lpo.testing.tensorboard_rows import scalars as tb_scalars
 
-pytestmark = pytest.mark.e2e  # an lpo-train run with sandboxed code rewards
+pytestmark = pytest.mark.e2e  # an lpo-train run (CISPO) with sandboxed code rewards
 
 PROMPTS = ["Read n, print 2*n.\n", "Double the number n.\n"]
 RIGHT = "```python\nprint(2*int(input()))\n```"
@@ -83,7 +86,7 @@ def e2e(tmp_path_factory):
         "--reward.remote_url", str(REPO / "openrlhf_lpo" / "rewards" / "reward_func.py"),
         "--vllm.num_engines", "1", "--vllm.sync_backend", "gloo",
         "--actor.num_nodes", "1", "--actor.num_gpus_per_node", "1", "--ref.num_nodes", "1", "--ref.num_gpus_per_node", "1",
-        "--algo.kl.init_coef", "0", "--algo.advantage.estimator", "lpo", "--lpo.divergence", "fwd",
+        "--algo.kl.init_coef", "0", *method_flags("cispo"),
         "--rollout.batch_size", "2", "--rollout.n_samples_per_prompt", "4",
         "--train.batch_size", "8", "--train.micro_batch_size", "4", "--rollout.micro_batch_size", "4",
         "--rollout.max_new_tokens", "48", "--data.max_len", "128", "--train.num_episodes", "2",
@@ -113,18 +116,20 @@ def test_the_taught_answers_grade_as_designed(box):
     assert grade_code(WRONG, TESTS, sandbox=box).reward("fraction") == 0.5
 
 
-def test_two_lpo_iterations_with_sandboxed_code_rewards(e2e):
+def test_two_cispo_iterations_with_sandboxed_code_rewards(e2e):
     log, scalars = e2e["log"], e2e["scalars"]
     # steps from TensorBoard below (Ray may drop the trainer's last forwarded log line at exit)
-    assert "LPOTrainer" in log and "CPURolloutEngine" in log
+    assert "RuntimePPOTrainer" in log and "CPURolloutEngine" in log
+    # the method file's CISPO settings, in effect (the plan line lpo-train prints at its start)
+    assert "policy loss cispo: detached token ratio clipped to [0, 4] as a weight; aggregation token-mean" in log
     # the engine's reward file probed the real sandbox when it loaded
     assert "[openrlhf_lpo] code reward sandbox: bwrap " in log
     mean, std = scalars["train/rollout/reward_mean"], scalars["train/rollout/reward_std"]
     assert sorted(mean) == [1, 2] and scalars["train/rollout/num_samples"] == {1: 8.0, 2: 8.0}
     for step, value in mean.items():  # 8 rewards in {0, 0.5, 1}: the mean is a multiple of 1/16
         assert abs(value * 16 - round(value * 16)) < 1e-5, (step, value)
-    lpo = {k: v for k, v in scalars.items() if k.startswith("train/lpo/")}
-    print(f"\n[code e2e] reward mean {mean}, std {std}, |c| mean {lpo['train/lpo/abs_coef_mean']}")
+    grad = scalars["train/actor_grad_norm"]
+    print(f"\n[code e2e] reward mean {mean}, std {std}, grad norm {grad}")
     assert any(0.0 < v < 1.0 for v in mean.values()) and any(s > 0 for s in std.values())
-    assert max(lpo["train/lpo/abs_coef_mean"].values()) > 0  # non-degenerate groups: a real listwise update
+    assert sorted(grad) == [1, 2] and max(grad.values()) > 0  # non-degenerate groups: a real CISPO update
     assert wait_no_sandbox_processes() == []

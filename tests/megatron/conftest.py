@@ -13,6 +13,15 @@ import pytest
 from .mcore_records import launch_world
 
 
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A tiny random Qwen3 (2 layers, hidden 64, 4 heads, 2 KV heads) for the flag and dry-run tests."""
+    from openrlhf_lpo.testing.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "q3", arch="qwen3", hidden_size=64, num_layers=2,
+                            num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128)
+
+
 @pytest.fixture(scope="session")
 def mcore_world(tmp_path_factory):
     """Every rank's record: the checks' numbers (``checks``) and their outcome (``status``), per rank."""

@@ -7,19 +7,9 @@ import pytest
 
 from openrlhf_lpo.testing.tiny import build_tiny_model
 
+from .flag_args import flag_argv
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "q3", arch="qwen3", hidden_size=64, num_layers=2,
-                            num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128)
-
-
-def _argv(d, *extra):
-    return ["--actor.model_name_or_path", d, "--reward.remote_url", "http://127.0.0.1:1/reward",
-            "--data.prompt_dataset", "unused", "--actor.num_gpus_per_node", "4",
-            "--rollout.n_samples_per_prompt", "2", "--algo.advantage.estimator", "group_norm",
-            "--train.batch_size", "8", "--rollout.batch_size", "4", "--train.micro_batch_size", "2",
-            "--actor.lr_scheduler", "constant", "--actor.lr_warmup_ratio", "0", *extra]
+_argv = flag_argv
 
 
 def _parse(argv):
@@ -66,7 +56,8 @@ def test_the_kl_flags_reach_the_megatron_loss(tiny_dir, estimator):
         (["--megatron.pp", "3"], "world size 4"),
         (["--megatron.tp", "4"], "num_key_value_heads=2"),
         (["--megatron.pp", "4"], "num_hidden_layers=2"),
-        (["--train.colocate_all"], "--train.colocate_all is not supported with --backend megatron"),
+        (["--train.colocate_all", "--vllm.num_engines", "2"], "--train.colocate_all puts one vLLM worker on each "
+                                                               "actor GPU: --vllm.num_engines 2 x"),
         (["--megatron.tp", "4", "--actor.num_gpus_per_node", "2", "--actor.num_nodes", "2"],
          "must divide --actor.num_gpus_per_node 2"),
         (["--actor.lr_scheduler", "reduce_lr_on_plateau"], "--actor.lr_scheduler reduce_lr_on_plateau: OpenRLHF's"),
@@ -90,7 +81,8 @@ def test_bad_megatron_layouts_exit_2(tiny_dir, capsys, extra, needle):
         (["--ds.ring_attn_size", "2"], "--ds.ring_attn_size > 1 is not supported with --backend megatron: context parallelism"),
         (["--ds.tensor_parallel_size", "2"], "--ds.tensor_parallel_size > 1 is not supported with --backend "
                                              "megatron: DeepSpeed tensor parallelism; use --megatron.tp"),
-        (["--ds.enable_sleep"], "--ds.enable_sleep is not supported with --backend megatron: offloading"),
+        (["--ds.enable_sleep"], "--ds.enable_sleep without --train.colocate_all: with --backend megatron it "
+                                "offloads the actor"),
         (["--train.enable_ema"], "--train.enable_ema is not supported with --backend megatron: the Megatron actor "
                                  "keeps no EMA copy"),
         (["--ds.lora.rank", "8"], "--ds.lora.rank is not supported with --backend megatron: the Megatron actor "
@@ -150,10 +142,10 @@ def test_the_ray_actor_refuses_again_at_start_up():
 
     from openrlhf_lpo.megatron.ray_actor import MegatronPolicyActor
 
-    args = NS(train=NS(colocate_all=True), algo=NS(advantage=NS(is_correction_level="token")))
+    args = NS(train=NS(colocate_all=False), ds=NS(enable_sleep=True), algo=NS(advantage=NS(is_correction_level="token")))
     actor = MegatronPolicyActor()
     before = dist.is_initialized()
-    with pytest.raises(ValueError, match=re.escape("--train.colocate_all is not supported")):
+    with pytest.raises(ValueError, match=re.escape("--ds.enable_sleep without --train.colocate_all")):
         actor.init_model_from_pretrained(NS(args=args), "unused")
     assert dist.is_initialized() == before and not hasattr(actor, "actor")  # refused before any set-up
 

@@ -38,7 +38,8 @@ def test_cpu_mode_runs_every_check(gpu_check):
     p, rows = gpu_check
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     assert set(rows) == {"listwise_core", "deepspeed_lpo_iteration", "logprobs_local_fp32", "logprobs_te_bf16", "weight_sync_vllm",
-                         "checkpoint_round_trip", "peak_memory_actor_step", "deepspeed_lpo_trainer_zero2",
+                         "checkpoint_round_trip", "megatron_offload_ipc", "peak_memory_actor_step",
+                         "deepspeed_lpo_trainer_zero2",
                          "deepspeed_lpo_trainer_zero3", "total"}
     assert rows["logprobs_te_bf16"]["status"] == "SKIP"
     assert all(r["status"] == "PASS" for k, r in rows.items() if k != "logprobs_te_bf16")
@@ -57,6 +58,11 @@ def test_numbers_behind_the_rows(gpu_check):
                                                   rows["weight_sync_vllm"]["value"])[0])
     assert after < 1e-4 < 0.5 < before  # the engine scores with the synced weights, and only after the sync
     assert "loaded == saved: True" in rows["checkpoint_round_trip"]["value"]
+    # the colocated actor's device side: offload round trip and every HF tensor through the IPC transport
+    coloc = rows["megatron_offload_ipc"]["value"]
+    assert "resident asleep 0 B" in coloc and "round trip bit-exact: True" in coloc
+    rebuilt, total = (int(x) for x in re.search(r"SharedMemoryIPC: (\d+)/(\d+) HF tensors", coloc).groups())
+    assert rebuilt == total > 0
 
 
 def test_deepspeed_trainer_rows(gpu_check):

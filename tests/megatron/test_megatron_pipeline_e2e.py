@@ -1,11 +1,16 @@
 """End to end on CPU: ``lpo-train --backend megatron --megatron.tp 2`` (OpenRLHF 0.11.2 on Ray,
-CPU mode, CPU rollout engine), two iterations with checkpoints, then a resumed run.
+CPU mode, CPU rollout engines) colocated the way OpenRLHF's single-node scripts run, ``--train.colocate_all
+--vllm.enable_sleep --ds.enable_sleep`` (two engines on the actor's two logical GPUs), two iterations with
+checkpoints, then a resumed run.
 
 Checks: the placement check against the (CPU-mode) Ray cluster passes; both iterations finish
-with activation recompute; the weights reach the rollout engine after every step (the engine's
-log-probs of a probe sequence equal the Megatron actor's, logged by the sync); the policy
-checkpoint (``global_step2``, older ones pruned by ``--ckpt.max_num 1``) and the HF export exist;
-the resumed run starts from the checkpoint.
+with activation recompute; OpenRLHF's trainer puts the actor to sleep (``offload_states`` at start-up and
+after every ``fit``, ``reload_states`` before it): every sleep leaves 0 parameter bytes on the device; the
+weights reach the engines after every step through the IPC route (``update_weight_cuda_ipc`` with the
+shared-memory stand-in, one handle per rank keyed by its logical GPU) and the engines' log-probs of a probe
+sequence then equal the Megatron actor's (logged by the sync); the policy checkpoint (``global_step2``, older
+ones pruned by ``--ckpt.max_num 1``) and the HF export exist, saved while the actor sleeps; the resumed run
+starts from the checkpoint (its first sync comes from a sleeping actor).
 """
 
 import json
@@ -18,7 +23,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipeline"))
-from e2e_common import tb_scalars, tb_steps  # noqa: E402
+from e2e_common import method_flags, tb_scalars, tb_steps  # noqa: E402
 from shared_ray import shared_ray_env  # noqa: E402
 
 pytestmark = pytest.mark.e2e  # lpo-train --backend megatron runs
@@ -43,14 +48,15 @@ def e2e(tmp_path_factory):
     model = build_tiny_model(w / "model", arch="qwen3", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                              head_dim=16, intermediate_size=128)
     data = write_prompt_dataset(str(w / "data.jsonl"), get_task("addition"), 64, 0)
-    env = dict(os.environ, OMP_NUM_THREADS="1", LPO_CPU_PARITY_LOG=str(w / "parity.jsonl"),
+    env = dict(os.environ, OMP_NUM_THREADS="1", LPO_CPU_PARITY_LOG=str(w / "parity.jsonl"), RAY_DEDUP_LOGS="0",
                LPO_CPU_NUM_CPUS="8", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                **shared_ray_env())
     base = [
         "--actor.model_name_or_path", model, "--data.prompt_dataset", data, "--data.input_key", "prompt",
         "--data.label_key", "label", "--data.apply_chat_template", "--data.max_len", "128",
         "--reward.remote_url", str(HERE / "megatron_e2e_reward.py"),
-        "--vllm.num_engines", "1", "--vllm.sync_backend", "gloo",
+        "--vllm.num_engines", "2", "--vllm.sync_backend", "gloo",
+        "--train.colocate_all", "--vllm.enable_sleep", "--ds.enable_sleep",  # OpenRLHF's hybrid engine
         "--actor.num_nodes", "1", "--actor.num_gpus_per_node", "2", "--algo.kl.init_coef", "0",
         "--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "2", "--rollout.micro_batch_size", "4",
         "--rollout.max_new_tokens", "4", "--rollout.temperature", "1.0",
@@ -65,12 +71,35 @@ def e2e(tmp_path_factory):
     rc1, log1 = _run(base + ["--data.max_samples", "8", "--train.num_episodes", "1",
                              "--logger.tensorboard_dir", str(w / "tb1")], env, w / "run1.log")
     parity1 = [json.loads(x) for x in (w / "parity.jsonl").read_text().splitlines()] if (w / "parity.jsonl").exists() else []
+    n1 = len(parity1)
     hf1 = sorted(p.name for p in (w / "ckpt").glob("*_hf"))  # HF exports after run 1 (rotated with the state)
+    # the resumed run trains its two steps with the RLOO baseline as its method file gives it (a checkpoint holds
+    # weights, optimizer and data position, no estimator state): a baseline's steps on the Megatron backend
     rc2, log2 = _run(base + ["--data.max_samples", "8", "--train.num_episodes", "2", "--ckpt.load_enable",
-                             "--logger.tensorboard_dir", str(w / "tb2")], env, w / "run2.log")
+                             "--logger.tensorboard_dir", str(w / "tb2"), *method_flags("rloo")], env, w / "run2.log")
     # steps and metrics from tensorboard: Ray may drop the trainer's last forwarded log lines at exit
-    return dict(w=w, rc1=rc1, log1=log1, rc2=rc2, log2=log2, parity1=parity1, hf1=hf1,
+    parity2 = [json.loads(x) for x in (w / "parity.jsonl").read_text().splitlines()][n1:] if (w / "parity.jsonl").exists() else []
+    return dict(w=w, rc1=rc1, log1=log1, rc2=rc2, log2=log2, parity1=parity1, parity2=parity2, hf1=hf1,
                 tb1=tb_scalars(w / "tb1"), tb2=tb_scalars(w / "tb2"))
+
+
+SLEEP = re.compile(r"\[megatron\] rank (\d+) asleep: (\d+) weight bytes and (\d+) gradient/optimizer bytes moved to "
+                   r"host memory; parameter bytes on the device: (\d+)")
+
+
+def _sleeps(log):
+    """Per rank, the (weight bytes, gradient/optimizer bytes, parameter bytes left) of each offload_states."""
+    out = {}
+    for rank, wb, sb, left in SLEEP.findall(log):
+        out.setdefault(int(rank), []).append((int(wb), int(sb), int(left)))
+    return out
+
+
+def _ipc_syncs(parity):
+    syncs = [r for r in parity if r.get("backend") == "megatron"]
+    assert all(r.get("route") == "ipc" and r.get("transport") == "shared-memory" for r in syncs), syncs
+    assert all(len(set(r["device_ids"])) == 2 and all(":gpu" in d for d in r["device_ids"]) for r in syncs)
+    return syncs
 
 
 def test_two_iterations_and_weight_sync(e2e):
@@ -78,11 +107,20 @@ def test_two_iterations_and_weight_sync(e2e):
     tb = e2e["tb1"]
     assert tb_steps(tb) == [1, 2]
     assert "MegatronPolicyModelActor" in e2e["log1"]
-    assert "[megatron] placement on the Ray cluster fits: node 0: Megatron actor TP group x2, vLLM engine x1" in e2e["log1"]
+    fits = re.search(r"\[megatron\] placement on the Ray cluster fits: (.*)", e2e["log1"]).group(1)
+    assert fits.startswith("node 0: Megatron actor TP group") and "vLLM engine x1" not in fits  # engines share GPUs
     # the actor group's ranks in node-major bundle order, the TP group on one node (openrlhf/placement.py)
     assert re.search(r"\[placement\] MegatronPolicyModelActor: node 0 \([0-9a-f]{8}\): ranks 0-1\n", e2e["log1"])
-    syncs = [r for r in e2e["parity1"] if r.get("backend") == "megatron"]
+    # the weights went by IPC (one handle per rank, keyed by its logical GPU) and the engines score as the actor
+    syncs = _ipc_syncs(e2e["parity1"])
     assert len(syncs) == 2 and all(r["max_abs_diff"] < 1e-4 and r["num_tensors"] > 0 for r in syncs)
+    # the actor slept at start-up and after each fit: nothing of its parameters stayed on the device
+    sleeps = _sleeps(e2e["log1"])
+    assert sorted(sleeps) == [0, 1] and all(len(v) == 3 for v in sleeps.values()), sleeps
+    for rank, events in sleeps.items():
+        assert all(wb > 0 and left == 0 for wb, _, left in events), (rank, events)
+        start, after_fit = events[0], events[1:]
+        assert all(sb > start[1] for _, sb, _ in after_fit), (rank, events)  # Adam moments exist after a step
     assert max(tb["train/actor_grad_norm"].values()) > 0  # informative groups: the policy was updated
     end_kl, groups = tb["train/lpo/kl_end"], tb["train/lpo/groups"]
     assert sorted(end_kl) == [1, 2] and all(v >= 0 for v in end_kl.values())
@@ -93,6 +131,16 @@ def test_two_iterations_and_weight_sync(e2e):
 def test_resume_continues_from_checkpoint(e2e):
     assert e2e["rc2"] == 0, e2e["log2"][-5000:]
     assert tb_steps(e2e["tb2"]) == [3, 4]  # resumed after global step 2, trained what was left
+    # with RLOO (configs/methods/rloo.sh): its advantage in the run's method line, a policy-gradient update and
+    # the listwise metrics at its paired temperature (--lpo.end_kl, tau = (K-1)/K)
+    assert "method: advantage R - mean of the other K-1 = K/(K-1)(R - mean) (paired LPO temperature loo)" in e2e["log2"]
+    tb2 = e2e["tb2"]
+    assert sorted(tb2["train/policy_loss"]) == [3, 4] and sorted(tb2["train/lpo/kl_end"]) == [3, 4]
+    # the resumed trainer syncs first (from the actor asleep since start-up), then after each of its 2 steps
+    syncs = _ipc_syncs(e2e["parity2"])
+    assert len(syncs) == 3 and all(r["max_abs_diff"] < 1e-4 for r in syncs)
+    sleeps = _sleeps(e2e["log2"])
+    assert sorted(sleeps) == [0, 1] and all(len(v) == 3 and all(e[2] == 0 for e in v) for v in sleeps.values())
     actor = e2e["w"] / "ckpt" / "_actor"
     assert (actor / "latest").read_text() == "global_step4"
     assert sorted(p.name for p in actor.glob("global_step*")) == ["global_step4"]  # --ckpt.max_num 1

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted((REPO / "examples" / "scripts").glob("train_*_megatron.sh"))
 KEEP_OUT = ("MODEL", "EXTRA_ARGS", "METHOD", "BACKEND", "MEGATRON_TP", "MEGATRON_PP", "NNODES", "GPUS_PER_NODE",
             "VLLM_ENGINES", "VLLM_TP", "ACTOR_NODES", "ACTOR_GPUS", "MEGATRON_SP", "MEGATRON_VPP",
-            "ROLLOUT_MICRO_BATCH_SIZE")
+            "ROLLOUT_MICRO_BATCH_SIZE", "COLOCATE", "FAMILY", "VLLM_GPU_MEMORY_UTILIZATION")
 
 
 @pytest.fixture(scope="module")
@@ -110,3 +110,100 @@ def test_header_peaks_are_the_memory_formula(script, layout_model):
                         ("AdamW foreach sqrt(v) {:.1f} GB", "optimizer step temporaries (AdamW foreach sqrt(v), fp32)"),
                         ("peak {:.1f} GB with a 3 GB allowance", "peak")):
         assert phrase.format(m[key] / GB) in header, (script.name, phrase.format(m[key] / GB))
+
+
+# --------------------------------------------------------------------------- colocation (issue 32 item 4)
+ONE_NODE = ["train_math_qwen3_8b_megatron.sh", "train_math_qwen3_14b_megatron.sh"]
+SPLIT = {"train_math_qwen3_8b_megatron.sh": (1, 4, 4, 8), "train_math_qwen3_14b_megatron.sh": (1, 8, 8, 16)}
+
+
+def _run(script, **env):
+    base = {k: v for k, v in os.environ.items() if k not in KEEP_OUT}
+    return subprocess.run(["bash", str(script)], env=dict(base, LPO_PRINT_ARGS="1", METHOD="lpo_fwd", **env),
+                          capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("name", ONE_NODE)
+def test_one_node_recipes_share_every_gpu_and_colocate_0_splits(name, layout_model):
+    """configs/backends/megatron.sh: on one node the actor takes all 8 GPUs and 8 engines x TP1 share them with
+    OpenRLHF's hybrid-engine flags; COLOCATE=0 gives back the split layout (8B: 4 + 4 GPUs on one node; 14B:
+    the actor on node A, 8 engines on node B), which the placement check puts on 2 x 8 GPUs."""
+    from openrlhf_lpo.cli import plan
+
+    script = REPO / "examples" / "scripts" / name
+    args = _args(script, layout_model)
+    assert (args.train.colocate_all, args.vllm.enable_sleep, args.ds.enable_sleep) == (True, True, True)
+    assert (args.actor.num_nodes, args.actor.num_gpus_per_node) == (1, 8)
+    assert (args.vllm.num_engines, args.vllm.tensor_parallel_size, args.vllm.gpu_memory_utilization) == (8, 1, 0.85)
+    assert plan.gpus_needed(args) == 8
+    split = _args(script, layout_model, COLOCATE="0")
+    nodes, actor_gpus, engines, needed = SPLIT[name]
+    assert not (split.train.colocate_all or split.vllm.enable_sleep or split.ds.enable_sleep)
+    assert (split.actor.num_nodes, split.actor.num_gpus_per_node, split.vllm.num_engines) == (nodes, actor_gpus, engines)
+    assert plan.gpus_needed(split) == needed
+    plan_placement([8] * (needed // 8), demands_from_args(split))
+
+
+@pytest.mark.parametrize("name", ["train_math_qwen3_32b_megatron.sh", "train_math_r1_distill_llama_70b_megatron.sh"])
+def test_multi_node_recipes_stay_split(name, layout_model):
+    """Several nodes: COLOCATE defaults to 0 (pipeline stages on other nodes than a vLLM worker's GPU)."""
+    args = _args(REPO / "examples" / "scripts" / name, layout_model)
+    assert not (args.train.colocate_all or args.vllm.enable_sleep or args.ds.enable_sleep)
+
+
+def test_colocation_knobs_refused_with_what_to_set():
+    eight = REPO / "examples" / "scripts" / "train_math_qwen3_8b_megatron.sh"
+    cases = [({"VLLM_ENGINES": "4"}, "VLLM_ENGINES 4 x VLLM_TP 1 must share exactly the actor's 8 GPUs"),
+             ({"ACTOR_GPUS": "4"}, "the actor takes every GPU (NNODES 1 x GPUS_PER_NODE 8), got ACTOR_NODES= "
+                                   "ACTOR_GPUS=4; unset them, or set COLOCATE=0"),
+             ({"COLOCATE": "2"}, "COLOCATE must be 1 (actor and vLLM engines share every GPU) or 0"),
+             ({"FAMILY": "async", "COLOCATE": "1"}, "async engines generate while the actor trains")]
+    for env, message in cases:
+        out = _run(eight, **env)
+        assert out.returncode == 2 and message in out.stderr, (env, out.stderr)
+    # async on one node: the split layout by default (actor 4 GPUs, 4 engines), no sleep flags
+    printed = _run(REPO / "examples" / "scripts" / "train_math_qwen3_8b_async.sh", BACKEND="megatron")
+    assert printed.returncode == 0, printed.stderr
+    flags = printed.stdout.splitlines()
+    assert "--train.colocate_all" not in flags and flags[flags.index("--actor.num_gpus_per_node") + 1] == "4"
+
+
+@pytest.mark.parametrize("name", ONE_NODE)
+def test_header_phases_are_the_colocated_plan(name, layout_model):
+    """The header's generation and training figures are colocation_memory at the script's layout and the real
+    model's config (what lpo-train --dry-run prints for it)."""
+    import json
+
+    from openrlhf_lpo.core.config import dp_size
+    from openrlhf_lpo.megatron.colocation_memory import GENERATION, TRAINING, colocated_memory
+    from openrlhf_lpo.megatron.memory import GB
+
+    script = REPO / "examples" / "scripts" / name
+    args = _args(script, layout_model)
+    hf = json.loads((REPO / "examples" / "model_configs" / MODEL_CONFIGS[name] / "config.json").read_text())
+    mem = colocated_memory(hf, args.megatron.tp, args.megatron.pp, dp_size(args), 5120, 4096,
+                           vllm_tp=args.vllm.tensor_parallel_size,
+                           gpu_memory_utilization=args.vllm.gpu_memory_utilization)
+    header = " ".join(line.lstrip("# ") for line in script.read_text().splitlines() if line.startswith("#"))
+    assert f"generation {mem[GENERATION]['total'] / GB:.1f} GB" in header
+    assert f"training {mem[TRAINING]['total'] / GB:.1f} GB" in header
+    assert f"~{mem[GENERATION]['KV cache tokens (at most)'] / 1000:.0f}k tokens" in header
+
+
+def test_the_14b_recipe_with_its_real_config_plans_both_phases_or_stops(capsys):
+    """Parsed with Qwen3-14B's config.json (dimensions only): the plan's phases; at MEGATRON_TP=1 the actor's
+    training phase cannot fit 80 GB and the parse stops (exit 2) naming the flags."""
+    from openrlhf_lpo.cli.train_ppo_ray import build_parser_and_parse
+    from openrlhf_lpo.megatron.colocation_memory import colocated_plan_lines
+
+    script = REPO / "examples" / "scripts" / "train_math_qwen3_14b_megatron.sh"
+    model = str(REPO / "examples" / "model_configs" / "qwen3-14b")
+    out = _run(script, MODEL=model)
+    text = "\n".join(colocated_plan_lines(build_parser_and_parse(out.stdout.splitlines())))
+    assert "generation (actor offloaded to the host, vLLM awake): 71.5 GB" in text
+    assert "training (vLLM asleep, actor loaded: old-log-prob forward and update): 56.7 GB" in text
+    bad = _run(script, MODEL=model, MEGATRON_TP="1")
+    with pytest.raises(SystemExit) as e:
+        build_parser_and_parse(bad.stdout.splitlines())
+    assert e.value.code == 2
+    assert "training needs 130.2 GB per GPU" in capsys.readouterr().err

@@ -279,3 +279,35 @@ def test_offload_round_trip_is_bit_exact_and_leaves_nothing_resident(mcore_world
             assert r["ddp_buffers"] >= 2 and r["optimizer_state"] > 0 and r["main_shards"] > 0, name
             assert r["main_grads"] > 0, name
             assert r["bit_exact"] and r["step2_equal"], name
+            # the Ray actor's sleep in two parts (--ds.enable_sleep): weights | gradients + optimizer state
+            sp = r["split"]
+            assert sp["disjoint"] and sp["covers_all"], name
+            assert sp["weight_bytes"] + sp["state_bytes"] == sp["all_bytes"] == r["tracked_bytes"], name
+            assert sp["weight_bytes"] > 0 and sp["state_bytes"] > sp["weight_bytes"], name  # grads + Adam > params
+            assert sp["asleep_resident"] == 0 and sp["asleep_param_bytes"] == 0, name
+            assert sp["weights_only_param_bytes"] > 0 and sp["weights_only_state_resident"] == 0, name
+            assert sp["bit_exact"], name
+
+
+# ----------------------------------------------------------------------------- colocated weight route (IPC)
+
+
+def test_ipc_weight_route_hands_over_the_nccl_routes_tensors_bit_for_bit(mcore_world):
+    """--train.colocate_all's weight route (openrlhf_lpo/megatron/weight_sync.py, mcore_checks/weight_ipc.py) with the
+    shared-memory stand-in for CUDA IPC, at TP2 and PP2 (DP2), fp32 and bf16: every rank hands over a handle of each
+    full HF tensor keyed by its own device; a receiver rebuilds all four ranks' handles (three from other processes)
+    and each equals the NCCL route's tensor (export_hf_weights(dst=0)) bit for bit, names, order, dtype and shape
+    included; the last tensor carries empty_cache=True and the prefix-cache reset comes after it."""
+    checks = world_checks(mcore_world, "weight_ipc")
+    for rank, c in enumerate(checks):
+        assert sorted(c["weight_ipc"]) == ["pp2/bf16", "pp2/fp32", "tp2/bf16", "tp2/fp32"]
+        for name, r in c["weight_ipc"].items():
+            assert r["tensors"] == 46, (rank, name)  # the tiny qwen3's HF tensors (tied: no lm_head)
+            assert len(set(r["device_ids"])) == 4, (rank, name)  # one device per rank
+    for name, r in checks[0]["weight_ipc"].items():
+        assert r["nccl_tensors"] == r["tensors"] and r["names_equal"], name
+        assert r["handles_per_tensor"] == [4] and r["keys_equal_device_ids"], name
+        assert r["mismatches"] == [], (name, r["mismatches"][:5])
+        assert r["dtypes"] == (["torch.bfloat16"] if name.endswith("bf16") else ["torch.float32"]), name
+        assert r["empty_cache"] == [r["tensors"] - 1] and r["reset_last"], name
+        assert r["elements"] > 150_000, name

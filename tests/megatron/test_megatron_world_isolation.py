@@ -45,7 +45,7 @@ def test_a_failing_check_fails_alone_and_the_next_one_runs(tmp_path):
 def test_a_rank_failing_inside_a_collective_breaks_the_world_cleanly(tmp_path):
     start = time.time()
     world = launch_world(tmp_path, world=2, suite=SUITE, timeout=300,
-                         env={"MCORE_WORKER_FAIL": "nodes@1", "MCORE_WORKER_BARRIER_S": "10"})
+                         env={"MCORE_WORKER_FAIL": "nodes@1", "MCORE_WORKER_BARRIER_S": "4"})
     took = time.time() - start
     for rec in world:
         assert rec["world_broken"]["after"] == "nodes", rec.get("world_broken")

@@ -5,7 +5,8 @@ its cases, no packing, which OpenRLHF 0.11.2 does not support for VLMs).
 
 Every rank runs the real LPOActorTrainer on its OpenRLHF chunk of the rollout batch; rank 0
 writes, per case, the max abs difference between the DP-averaged step gradient and the
-window-by-window reference (float64) to OUT (json, written atomically).
+window-by-window reference (float64) to OUT (json, written atomically). The text world then runs the
+dp=2 listwise-metrics job (listwise_metrics_job.py) to OUT.metrics.RANK.
 """
 
 import json
@@ -30,6 +31,10 @@ def main():
 
         kwargs = vlm_matrix_kwargs(model_dir, dp=world)
     table = gradient_matrix(model_dir, dp=world, rank=rank, **kwargs)
+    if not kwargs:  # the text world also runs the listwise-metrics job (OUT.metrics.RANK) before the table lands
+        from listwise_metrics_job import run as listwise_metrics
+
+        listwise_metrics(rank, world, model_dir, out + ".metrics")
     if rank == 0:
         tmp = out + ".tmp"
         with open(tmp, "w") as f:

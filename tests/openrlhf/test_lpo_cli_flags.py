@@ -240,7 +240,7 @@ def test_runtime_assertions_after_validation_are_not_flag_errors(monkeypatch):
     """An assert raised inside training (past the stock checks) stays an AssertionError."""
     from openrlhf_lpo.cli import train_ppo_ray as cli
 
-    def boom(args, stock_train):
+    def boom(args):
         assert False, "inside training"
 
     with pytest.raises(AssertionError, match="inside training"):

@@ -74,3 +74,21 @@ def test_print_error_table(dp1_table, dp2_table, capsys):
             for key, row in sorted(table.items()):
                 print(f"  {tag},{key}: {row['err']:.2e} (relative {row['rel']:.1e})")
     assert max(r["rel"] for t in (dp1_table, dp2_table) for r in t.values()) < REL_TOL
+
+
+def test_pg_end_kl_with_groups_split_across_two_ranks(dp2_table, dp2_results):
+    """GRPO (group_norm) with --lpo.end_kl through the real LPOActorTrainer on two gloo ranks whose stock split
+    puts one group on both (the dp 2 world's second job, listwise_metrics_job.py): every rank logs the listwise
+    KL and entropy of P at the end of the update equal to the brute force over all groups."""
+    import json
+
+    _, out = dp2_results
+    r0, r1 = (json.load(open(f"{out}.metrics.{r}")) for r in range(2))
+    assert set(r0["gids"]) & set(r1["gids"])  # a group really straddles the ranks
+    assert r0["steps"] == r1["steps"] == 1
+    ref = r0["ref"]
+    for r in (r0, r1):
+        assert r["status"]["lpo/kl_end"] == pytest.approx(ref["kl"], abs=1e-10)
+        assert r["status"]["lpo/entropy_p_end"] == pytest.approx(ref["entropy_p"], abs=1e-10)
+        assert r["status"]["lpo/groups"] == 3
+    assert abs(r0["status"]["lpo/kl_end"] - r0["status"]["lpo/kl_start"]) > 1e-4

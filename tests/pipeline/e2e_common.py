@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from recipe_flags import method_flags  # noqa: F401  (the e2e modules import it from here)
 from shared_ray import shared_ray_env
 
 REPO = Path(__file__).resolve().parents[2]

@@ -6,6 +6,7 @@ tests/pipeline/test_e2e_cpu_pipeline.py."""
 
 import io
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -98,11 +99,14 @@ def test_a_stopped_supervisor_takes_its_run_with_it(tmp_path, repo_env, sig):
     """SIGTERM is forwarded to the run and nothing restarts; SIGKILL (a cancelled job) leaves no orphaned
     training behind: the kernel kills the child with its parent (PR_SET_PDEATHSIG)."""
     ckpt = tmp_path / "ckpt"
+    # the parsed flags reach the supervisor's process pickled: it need not import the stock CLI (~15 s)
+    args_file = tmp_path / "args.pkl"
+    args_file.write_bytes(pickle.dumps(build_parser_and_parse(
+        _argv(ckpt, "--ckpt.auto_resume", "3", "--ckpt.auto_resume_delay", "0"))))
     code = f"""
-import sys
+import pickle, sys
 from openrlhf_lpo.cli import auto_resume
-from openrlhf_lpo.cli.train_ppo_ray import build_parser_and_parse
-args = build_parser_and_parse({_argv(ckpt, "--ckpt.auto_resume", "3", "--ckpt.auto_resume_delay", "0")!r})
+args = pickle.loads(open({str(args_file)!r}, "rb").read())
 cmd = [sys.executable, "-c", "import time; print('child up', flush=True); time.sleep(120)"]
 sys.exit(auto_resume.Supervisor(cmd, args).run())
 """

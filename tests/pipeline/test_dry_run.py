@@ -26,7 +26,7 @@ RECIPES = {
     "train_math_qwen3_8b_long_context.sh": (7500, 8, "groups may exceed --train.max_tokens_per_gpu"),
     "train_math_qwen3_8b_async.sh": (7500, 8, "last batch of each episode: 76 prompts: 19 groups per rank;"),
     "train_math_qwen3_8b_megatron.sh": (7500, 8, None),
-    "train_math_qwen3_14b_megatron.sh": (7500, 16, None),
+    "train_math_qwen3_14b_megatron.sh": (7500, 8, None),
     "train_math_qwen3_32b_megatron.sh": (7500, 32, None),
     "train_math_r1_distill_llama_70b_megatron.sh": (7500, 64, None),
     "train_code_qwen3_1.7b.sh": (25276, 8, "last batch of each episode: 188 prompts: 23 groups per rank, 4 dropped"),
@@ -185,7 +185,7 @@ def test_a_recipe_that_cannot_fit_stops_at_once(tiny_model_dir, tmp_path):
     assert time.time() - t0 < 240 and "Global step" not in out.stdout + out.stderr
 
 
-# the actor's rank-to-node map of the multi-node recipes, worked out from their headers' layouts
+# the actor's rank-to-node map of the big recipes, worked out from their headers' layouts (14B: one node, colocated)
 PLACEMENT = {
     "train_math_qwen3_14b_megatron.sh": ["actor ranks by node (node-major: each node's Ray bundles in rank order, "
                                          "1 x 8 GPUs):", "node 0: ranks 0-7 = replica 0, replica 1 (TP 4 each)"],

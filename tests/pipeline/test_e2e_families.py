@@ -1,17 +1,17 @@
 """lpo-train end to end in OpenRLHF's async recipe (configs/families/async.sh: partial rollout, behaviour
-log-probs from the engine, LPO's listwise off-policy correction) and a GRPO run with the listwise metrics
-and OpenRLHF's ``--eval.*`` path, both over partial last batches and two episodes on one rank. The
+log-probs from the engine, LPO's listwise off-policy correction) and a DAPO run (configs/methods/dapo.sh) with
+the listwise metrics and OpenRLHF's ``--eval.*`` path, both over partial last batches and two episodes on one rank. The
 long-context hybrid recipe on two ranks: test_e2e_hybrid.py; GRPO's listwise metrics on two ranks: the
 demo's CI run (tests/demo/test_demo_ci_run.py, GRPO at dp 2 checks lpo/kl_end every step) and, against
 brute force with groups split across two gloo ranks,
-tests/openrlhf/test_listwise_metrics.py::test_pg_end_kl_with_groups_split_across_two_ranks.
+tests/openrlhf/test_lpo_gradient_exactness.py::test_pg_end_kl_with_groups_split_across_two_ranks.
 """
 
 import pytest
 
-from e2e_common import family_flags, run_family, tb_steps
+from e2e_common import family_flags, method_flags, run_family, tb_steps
 
-pytestmark = pytest.mark.e2e  # two lpo-train runs (async LPO, GRPO with --eval.*)
+pytestmark = pytest.mark.e2e  # two lpo-train runs (async LPO, DAPO with --eval.*)
 
 
 @pytest.fixture(scope="module")
@@ -23,10 +23,13 @@ def families(tiny_model_dir, tmp_path_factory):
         "async": run_family(tiny_model_dir, root, "async", dp=1, extra=[
             *family_flags("async"), "--eval.dataset", str(root / "prompts6.jsonl"), "--eval.steps", "2",
             "--eval.n_samples_per_prompt", "2"]),
-        # a policy-gradient run (the RLOO baseline, configs/methods/rloo.sh) with the listwise metrics at its
+        # a policy-gradient run (the DAPO baseline as configs/methods/dapo.sh gives it: clip-higher, dynamic
+        # sampling, overlong shaping over the last 1 of 8 tokens, token-mean) with the listwise metrics at its
         # paired temperature and OpenRLHF's --eval.* path (every 2 steps) through our grader and the unbiased pass@k
-        "rloo_dp1": run_family(tiny_model_dir, root, "rloo_dp1", dp=1, estimator=("rloo", "--lpo.end_kl"), extra=[
-            "--eval.dataset", str(root / "prompts6.jsonl"), "--eval.steps", "2", "--eval.n_samples_per_prompt", "2"]),
+        "dapo_dp1": run_family(tiny_model_dir, root, "dapo_dp1", dp=1,
+                               estimator=(*method_flags("dapo", **{"rollout.max_new_tokens": 8})[1:], "--lpo.end_kl"),
+                               extra=["--eval.dataset", str(root / "prompts6.jsonl"), "--eval.steps", "2",
+                                      "--eval.n_samples_per_prompt", "2"]),
     }
 
 
@@ -49,7 +52,7 @@ def test_async_recipe_logs_the_behaviour_correction(families):
 
 
 def test_policy_gradient_run_logs_the_listwise_kl_over_partial_batches(families):
-    run = families["rloo_dp1"]
+    run = families["dapo_dp1"]
     assert tb_steps(run["tb"]) == [1, 2, 3, 4]
     tb = run["tb"]
     assert [tb["train/lpo/groups"][s] for s in (1, 2, 3, 4)] == [4.0, 2.0, 4.0, 2.0]
@@ -59,3 +62,11 @@ def test_policy_gradient_run_logs_the_listwise_kl_over_partial_batches(families)
     assert any(k.endswith("_pass1") for k in evals) and any(k.endswith("_pass2") for k in evals), evals
     assert any("_maj2" in k or "_worst2" in k for k in evals), evals  # not in OpenRLHF's own metrics
     assert sorted(tb[next(k for k in evals if k.endswith("_pass1"))]) == [2, 4]
+    # DAPO's settings as the method file gives them, in effect: the run's method line, and dynamic sampling's pass
+    # rate at every step. The vowel-fraction reward's group means lie in (0, 1), so every group passes; OpenRLHF
+    # 0.11.2 divides the samples kept by the prompts drawn (x 100), so "all pass" reads K x 100 = 400
+    log = run["log"]
+    for setting in ("token ratio clipped to [1-0.2, 1+0.28]", "aggregation token-mean",
+                    "dynamic sampling (group mean score in (0, 1))", "overlong shaping over the last 1 of 8 tokens (x1)"):
+        assert setting in log, setting
+    assert tb["train/dynamic_filtering_pass_rate"] == {1: 400.0, 2: 400.0, 3: 400.0, 4: 400.0}

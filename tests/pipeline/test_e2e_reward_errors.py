@@ -7,15 +7,18 @@ when rewards are not precomputed"). Now the run trains both steps and TensorBoar
 samples. It also saves every step with HF exports and --ckpt.max_num 1: the exports rotate with the
 DeepSpeed state (upstream keeps every export).
 
-Run B (GRPO, the stock trainer with the runtime safety nets): every label is bad, the errors persist and
-the run stops after the first rollout batch, naming the task and the exception, before training on it.
+Run B (the REINFORCE++-baseline method file, configs/methods/reinforce_pp.sh; the stock trainer with the
+runtime safety nets): half the labels are bad. The first rollout batch fills half the 32-sample error window
+and trains (whatever its share of bad prompts: a window that is not full never stops a run); the second
+fills it with 16 errors, more than --reward.error_stop_frac 0.4 of it, and the run stops naming the task and
+the exception, before training on that batch.
 """
 
 import json
 
 import pytest
 
-from e2e_common import REPO, base_args, run_cli, run_env, tb_scalars, tb_steps
+from e2e_common import REPO, base_args, method_flags, run_cli, run_env, tb_scalars, tb_steps
 
 pytestmark = pytest.mark.e2e  # lpo-train runs with failing rewards
 
@@ -48,9 +51,11 @@ def runs(tiny_model_dir, tmp_path_factory):
     gspo = ("group_norm", "--actor.policy_loss_type", "gspo", "--actor.eps_clip_low_high", "3e-4", "4e-4")
     rc_a, wall_a, log_a = run_cli(_args(tiny_model_dir, once, root / "a", ["--ckpt.save_hf", "--ckpt.max_num", "1"],
                                         estimator=gspo), run_env(), root / "a.log")
-    persistent = _data(root / "persistent.jsonl", [BAD] * 8)
-    rc_b, wall_b, log_b = run_cli(_args(tiny_model_dir, persistent, root / "b", ["--ckpt.save_steps", "-1"],
-                                        estimator=("group_norm",)), run_env(), root / "b.log")
+    persistent = _data(root / "persistent.jsonl", [GOOD, BAD] * 4)
+    rc_b, wall_b, log_b = run_cli(_args(tiny_model_dir, persistent, root / "b",
+                                        ["--ckpt.save_steps", "-1", "--reward.error_window", "32",
+                                         "--reward.error_stop_frac", "0.4"],
+                                        estimator=tuple(method_flags("reinforce_pp")[1:])), run_env(), root / "b.log")
     print(f"\n[e2e reward errors] one bad prompt {wall_a:.0f}s (rc {rc_a}), all bad {wall_b:.0f}s (rc {rc_b})")
     return {"a": (rc_a, log_a, root / "a"), "b": (rc_b, log_b, root / "b")}
 
@@ -82,9 +87,11 @@ def test_hf_exports_rotate_with_the_training_state(runs):
 def test_persistent_reward_errors_stop_the_run_naming_the_cause(runs):
     rc, log, out = runs["b"]
     assert rc == 4, f"expected the reward-error stop (rc 4), got rc={rc}; tail:\n{log[-6000:]}"
-    assert "lpo-train: rewards could not be computed for 16 of the last 16 samples" in log
+    assert "lpo-train: rewards could not be computed for 16 of the last 32 samples" in log
     assert "x task chess: ValueError: label task 'chess' is unknown" in log
     assert "--reward.error_stop_frac" in log
-    assert "RuntimePPOTrainer" in log  # the stock trainer class with the safety nets (group_norm)
-    tb = tb_scalars(out / "tb") if (out / "tb").exists() else {}
-    assert tb_steps(tb) == []  # stopped before training on the batch
+    assert "RuntimePPOTrainer" in log  # the stock trainer class with the safety nets
+    assert "advantage R - group mean, whitened over the rollout batch" in log  # the method file's estimator
+    tb = tb_scalars(out / "tb")
+    assert tb_steps(tb) == [1]  # the first batch trained; the run stopped before training on the second
+    assert sorted(tb["train/policy_loss"]) == [1] and sorted(tb["train/reward/error_frac"]) == [1]

@@ -71,12 +71,13 @@ EXPECTED_DEFAULT_MODEL = {
     "train_math_qwen3_32b_megatron.sh": "Qwen/Qwen3-32B",
     "train_math_r1_distill_llama_70b_megatron.sh": "deepseek-ai/DeepSeek-R1-Distill-Llama-70B",
 }
-# Megatron recipes: (tp, pp, actor GPUs); 8B fits one 8-GPU node, 14B two, 32B four, 70B eight (docs/megatron.md)
+# Megatron recipes: (tp, pp, actor GPUs, colocated with the vLLM engines); 8B and 14B share every GPU of one
+# 8-GPU node with their engines, 32B takes four nodes and 70B eight, split (docs/megatron.md)
 EXPECTED_MEGATRON = {
-    "train_math_qwen3_8b_megatron.sh": (2, 1, 4),
-    "train_math_qwen3_14b_megatron.sh": (4, 1, 8),
-    "train_math_qwen3_32b_megatron.sh": (8, 2, 16),
-    "train_math_r1_distill_llama_70b_megatron.sh": (8, 4, 32),
+    "train_math_qwen3_8b_megatron.sh": (2, 1, 8, True),
+    "train_math_qwen3_14b_megatron.sh": (4, 1, 8, True),
+    "train_math_qwen3_32b_megatron.sh": (8, 2, 16, False),
+    "train_math_r1_distill_llama_70b_megatron.sh": (8, 4, 32, False),
 }
 
 
@@ -125,10 +126,10 @@ def test_recipe_parses_with_paper_settings(script, method, request):
         env["MODEL"] = request.getfixturevalue("megatron_layout_model")
     args = build_parser_and_parse(script_args(script, method, **env))
     if script in EXPECTED_MEGATRON:
-        tp, pp, gpus = EXPECTED_MEGATRON[script]
+        tp, pp, gpus, colocated = EXPECTED_MEGATRON[script]
         assert (args.backend, args.megatron.tp, args.megatron.pp) == ("megatron", tp, pp)
         assert args.actor.num_nodes * args.actor.num_gpus_per_node == gpus
-        assert not args.train.colocate_all and not args.ds.enable_sleep
+        assert (args.train.colocate_all, args.vllm.enable_sleep, args.ds.enable_sleep) == (colocated,) * 3
     elif script.endswith("_async.sh"):  # async engines cannot sleep: actor and engines on separate GPUs
         assert args.backend == "deepspeed" and not args.train.colocate_all and args.train.async_enable
         assert args.train.partial_rollout_enable and args.algo.advantage.is_correction_level == "token"
@@ -241,18 +242,24 @@ ONE_NODE_RECIPES = ["train_math_qwen3_1.7b.sh", "train_math_qwen3_8b.sh", "train
 
 @pytest.mark.parametrize("script", ONE_NODE_RECIPES)
 def test_any_single_node_recipe_runs_on_megatron_with_the_defaults(script, megatron_layout_model):
-    """README: "any recipe: BACKEND=megatron". With the backend's defaults on one 8-GPU node the engines
-    take 4 GPUs and the actor the other 4 (TP 4, DP 1): the placement needs 8 GPUs, not 12."""
+    """README: "any recipe: BACKEND=megatron". With the backend's defaults on one 8-GPU node the actor takes all
+    8 GPUs (TP 4, DP 2) and 8 engines x TP1 share them (colocated, as on DeepSpeed); COLOCATE=0 gives the engines
+    4 GPUs and the actor the other 4 (TP 4, DP 1). Either way the placement needs 8 GPUs."""
     from openrlhf_lpo.cli import plan
 
     args = build_parser_and_parse(script_args(script, "lpo_fwd", BACKEND="megatron", MODEL=megatron_layout_model))
     assert (args.backend, args.megatron.tp) == ("megatron", 4)
-    assert args.actor.num_nodes * args.actor.num_gpus_per_node == 4 and args.vllm.num_engines == 4
+    assert args.actor.num_nodes * args.actor.num_gpus_per_node == 8 and args.vllm.num_engines == 8
+    assert args.train.colocate_all and args.vllm.enable_sleep and args.ds.enable_sleep
     assert plan.gpus_needed(args) == 8
+    split = build_parser_and_parse(script_args(script, "lpo_fwd", BACKEND="megatron", MODEL=megatron_layout_model,
+                                               COLOCATE="0"))
+    assert split.actor.num_nodes * split.actor.num_gpus_per_node == 4 and split.vllm.num_engines == 4
+    assert not split.train.colocate_all and plan.gpus_needed(split) == 8
 
 
 def test_megatron_defaults_say_what_to_set_when_the_node_is_full():
     run_env = {k: v for k, v in os.environ.items() if k not in ("ACTOR_GPUS", "VLLM_ENGINES", "NNODES", "BACKEND")}
     out = subprocess.run(["bash", str(SCRIPTS_DIR / "train_math_qwen3_1.7b.sh")], capture_output=True, text=True,
-                         env=dict(run_env, LPO_PRINT_ARGS="1", BACKEND="megatron", VLLM_ENGINES="8"))
+                         env=dict(run_env, LPO_PRINT_ARGS="1", BACKEND="megatron", VLLM_ENGINES="8", COLOCATE="0"))
     assert out.returncode == 2 and "leave no GPU for the actor; lower VLLM_ENGINES or set ACTOR_GPUS" in out.stderr

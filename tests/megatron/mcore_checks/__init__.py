@@ -22,6 +22,8 @@ Modules (each registers its checks on import; none is imported by the pytest pro
 * ``packing.py``       packed sequences, no S x S tensor, token-budget micro-batches
 * ``reshard.py``       checkpoints resumed in another layout, TP groups within nodes
 * ``offload.py``       the actor's state to host memory and back (TP2, PP2, distributed optimizer)
+* ``weight_ipc.py``    the colocated weight route with the shared-memory stand-in for CUDA IPC vs the NCCL
+                       route's export (TP2, PP2, fp32 and bf16)
 * ``policy_actor.py``  the Ray policy-actor class driven without Ray, the weight stream to vLLM engines
 * ``policy_fit.py``    helpers for driving that class through ``fit`` (no checks of its own)
 * ``syncs.py``         host syncs in the loss path, response rows only, our THD RoPE vs megatron's
@@ -53,6 +55,7 @@ ORDER = (
     "offpolicy",
     "reshard",
     "offload",
+    "weight_ipc",
     "nodes",
     "policy_actor",
     "kl_entropy",
@@ -67,5 +70,5 @@ ORDER = (
 )
 
 # the modules that register them (imported by the runner after the rank has joined the world)
-MODULES = ("layouts", "checkpoints", "update_maths", "packing", "reshard", "offload", "policy_actor", "syncs",
+MODULES = ("layouts", "checkpoints", "update_maths", "packing", "reshard", "offload", "weight_ipc", "policy_actor", "syncs",
            "census", "parallel")

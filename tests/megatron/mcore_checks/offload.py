@@ -15,6 +15,36 @@ from .references import K, dp_slice, reference_inputs
 from .registry import check
 
 
+def _split_round_trip(a, before):
+    """The Megatron Ray actor's sleep (ray_actor.MegatronPolicyActor._offload): the weights and the training state
+    as two disjoint HostOffloads covering every tracked storage; the weights alone come back for a forward while the
+    gradients and optimizer state stay on the host; then everything is back bit for bit."""
+    from openrlhf_lpo.megatron.ray_actor import _is_weight
+
+    def param_bytes():
+        return sum(p.untyped_storage().nbytes() for p in a.model.parameters())
+
+    weights = HostOffload([a.model], where=_is_weight)
+    state = HostOffload([a.model], [a.optimizer], exclude=[weights])
+    every = HostOffload([a.model], [a.optimizer])
+    out = {"disjoint": not set(weights.where) & set(state.where),
+           "covers_all": set(weights.where) | set(state.where) == set(every.where),
+           "weight_bytes": weights.tracked_bytes(), "state_bytes": state.tracked_bytes(),
+           "all_bytes": every.tracked_bytes()}
+    state.offload()
+    weights.offload()
+    out["asleep_resident"] = weights.resident_bytes() + state.resident_bytes()
+    out["asleep_param_bytes"] = param_bytes()
+    weights.onload()  # what forward / the weight sync bring back
+    out["weights_only_param_bytes"] = param_bytes()
+    out["weights_only_state_resident"] = state.resident_bytes()
+    state.onload()
+    after = list(tensors_of([a.model], [a.optimizer]))
+    out["bit_exact"] = len(after) == len(before) and all(w == v and torch.equal(t, u)
+                                                         for (w, t), (v, u) in zip(before, after))
+    return out
+
+
 @check("offload")
 def offload():
     cfg, hf, hf_sd, batch, rewards, ref_lp, old = reference_inputs()
@@ -27,6 +57,7 @@ def offload():
         a = MegatronActor(cfg, lay.actor_config(), hf_weights=hf_sd)
         a.train_step(dp_slice(full, a), spec)
         before = [(w, t.clone()) for w, t in tensors_of([a.model], [a.optimizer])]
+        split = _split_round_trip(a, before)  # the Ray actor's two parts: weights, then training state
         off = HostOffload([a.model], [a.optimizer])
         tracked = off.tracked_bytes()
         moved = off.offload()
@@ -49,6 +80,7 @@ def offload():
                      "main_shards": sum("shard_fp32" in w for w, _ in before),
                      "main_grads": sum(w.endswith(".main_grad") for w, _ in before),
                      "ddp_buffers": sum(".ddp_buffer" in w for w, _ in before),
-                     "step2_equal": wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)}
+                     "step2_equal": wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa),
+                     "split": split}
         del a, b
     return {"offload": rec}

@@ -1,4 +1,5 @@
-"""gloo worker for the dp=2 listwise-metrics test: python listwise_metrics_worker.py RANK WORLD PORT MODEL_DIR OUT.
+"""The dp=2 listwise-metrics job, run by each rank of the gradient matrix's gloo world after its table
+(lpo_dp_worker.py; the world costs no second start): ``run(rank, world, model_dir, out)``.
 
 Stock GRPO (group_norm) with --lpo.end_kl through the real LPOActorTrainer on OpenRLHF's chunk
 of the rollout batch; the stock split (6 samples per experience, K=4) puts group 1 on both
@@ -9,18 +10,12 @@ ranks. Each rank writes its status, the gids it held and rank 0 also the brute-f
 import copy
 import json
 import os
-import sys
 
 import torch
-import torch.distributed as dist
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-def main():
-    rank, world, port, model_dir, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=world, rank=rank)
+def run(rank: int, world: int, model_dir: str, out: str) -> None:
+    """Inside an initialised gloo world of ``world`` ranks: this rank's status (and rank 0's reference) to OUT.RANK."""
     from lpo_fixtures import (CPUStrategy, cpu_cuda_queries, make_actor, make_experiences, make_rollout_samples,
                               make_trainer, parse_args, rank_chunk)
     from lpo_references import reference_listwise_stats
@@ -50,9 +45,3 @@ def main():
     with open(tmp, "w") as f:
         json.dump(result, f, indent=1)
     os.replace(tmp, f"{out}.{rank}")
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()
