@@ -15,6 +15,7 @@ Transports (:class:`Transport`: ``device_id()``, ``export(tensor)``, ``rebuild(h
 
 from __future__ import annotations
 
+import abc
 import os
 import socket
 import warnings
@@ -25,22 +26,22 @@ import torch
 __all__ = ["Transport", "DeviceIPC", "SharedMemoryIPC", "standin_device_id", "transport_for"]
 
 
-class Transport:
+class Transport(abc.ABC):
     """How a tensor crosses to a process on the same device (see the module docstring)."""
 
     name = "abstract"
 
+    @abc.abstractmethod
     def device_id(self) -> str:
         """The key of this process's device in ``ipc_handles`` (the receiver on that device looks it up)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def export(self, tensor: torch.Tensor) -> Any:
         """A picklable handle of ``tensor``; the tensor must stay alive until the receiver has rebuilt it."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def rebuild(self, handle: Any) -> torch.Tensor:
         """The tensor behind ``handle``, in the receiving process."""
-        raise NotImplementedError
 
 
 class DeviceIPC(Transport):

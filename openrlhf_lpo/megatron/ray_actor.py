@@ -685,14 +685,14 @@ class MegatronPolicyActor:
 
         moved: Dict[str, int] = {}
         model, optimizer = self.actor.model, self.actor.optimizer
+        weights_off = HostOffload([model], where=_is_weight) if weights and self._weights_off is None else None
         if state and self._state_off is None:  # built while the weights' storages can still be told apart
-            off = HostOffload([model], [optimizer], exclude=[HostOffload([model], where=_is_weight)])
+            off = HostOffload([model], [optimizer], exclude=[weights_off or HostOffload([model], where=_is_weight)])
             moved["state"] = off.offload()
             self._state_off = off
-        if weights and self._weights_off is None:
-            off = HostOffload([model], where=_is_weight)
-            moved["weights"] = off.offload()
-            self._weights_off = off
+        if weights_off is not None:
+            moved["weights"] = weights_off.offload()
+            self._weights_off = weights_off
         self.empty_cache()
         return moved
 
