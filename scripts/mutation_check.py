@@ -99,8 +99,8 @@ MUTATIONS = [
         "openrlhf_lpo/openrlhf/actor_trainer.py",
         "return int(steps) if isinstance(steps, int) else self._ppo_calls",
         "return self._ppo_calls",
-        # not test_e2e_cpu_pipeline.py's resume e2e: after its resume each rank orders 2 windows per step,
-        # and the two keys happen to give the same order (docs/testing.md)
+        # not an e2e resume: on the demo job's resume each rank ordered 2 windows per step and the two keys
+        # happened to give the same order (docs/testing.md)
         [f"{INTERNALS}::test_window_shuffle_follows_the_engines_step_count"],
     ),
     Mutation(

@@ -4,8 +4,8 @@
 Qwen3 on pairsum to 25% sampled accuracy, so groups are informative, then LPO-fwd and GRPO through
 ``lpo-train``), here with two data-parallel ranks, 4 steps and micro-batches of 2 (< K: the first
 window of each batch takes c from s_t, the second a no-grad pre-pass). tests/demo checks the demo's
-outputs on it; tests/pipeline/test_e2e_cpu_pipeline.py uses its LPO job as the uninterrupted run that
-a killed-and-resumed run must reproduce.
+outputs on it; tests/pipeline/test_e2e_cpu_pipeline.py checks its LPO job's training, weight syncs and
+checkpoints.
 """
 
 import os
@@ -70,9 +70,9 @@ SHARED_SESSION_MODULES = {
 SHARED_DIRECTORIES = {"tests/code/": "tests/code", "tests/pipeline/test_placement_cluster.py": "tests/pipeline/test_dry_run.py"}
 # the longest units first (measured: docs/testing.md), so that none of them starts when the other worker is
 # almost done
-FIRST = ("demo_ci_run", "tests/pipeline/test_e2e_layouts.py", "tests/pipeline/test_e2e_families.py",
-         "tests/pipeline/test_e2e_hybrid.py", "mcore_world", "tests/megatron/test_megatron_pipeline_e2e.py",
-         "tests/code", "tests/pipeline/test_e2e_research.py", "tests/pipeline/test_e2e_reward_errors.py",
+FIRST = ("tests/pipeline/test_e2e_research.py", "demo_ci_run", "tests/megatron/test_megatron_pipeline_e2e.py",
+         "tests/pipeline/test_e2e_families.py", "tests/pipeline/test_e2e_layouts.py", "mcore_world",
+         "tests/pipeline/test_e2e_hybrid.py", "tests/code", "tests/pipeline/test_e2e_reward_errors.py",
          "tests/pipeline/test_dry_run.py", "tests/megatron/test_megatron_gpu_check.py",
          "tests/pipeline/test_e2e_vlm_pipeline.py")
 

@@ -227,28 +227,50 @@ def math_data(tmp_path_factory):
     return str(p)
 
 
+@pytest.fixture(scope="module")
+def large_dry_runs(math_data, tmp_path_factory):
+    """``MODEL=<dir with the real config.json> LPO_DRY_RUN=1 bash <script>`` for both recipes, batched: each
+    script's ``LPO_PRINT_ARGS=1`` flags (bash only) plus ``--dry-run``, run in one Python process
+    (tests/pipeline/dry_run_batch.py, the imports paid once). That a script's own dry run prints what its
+    batched job prints is tests/pipeline/test_dry_run.py's HANDOFF test. Returns {script: (printed flags,
+    CompletedProcess)}."""
+    import json
+    import sys
+
+    root = tmp_path_factory.mktemp("large_dry")
+    jobs, printed = [], {}
+    for script, (config, *_rest) in RECIPES.items():
+        env = _env(MODEL=str(MODEL_CONFIGS / config), DATA=math_data, RAY_ADDRESS="",
+                   EXTRA_ARGS="--preflight off")  # a config-only folder: no weights
+        printed[script] = subprocess.run(["bash", str(SCRIPTS / script)], capture_output=True, text=True, check=True,
+                                         cwd=str(root), env=dict(env, LPO_PRINT_ARGS="1")).stdout.splitlines()
+        jobs.append({"name": script, "env": env, "argv": printed[script] + ["--dry-run"]})
+    (root / "jobs.json").write_text(json.dumps(jobs))
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, str(REPO / "tests" / "pipeline" / "dry_run_batch.py"), str(root / "jobs.json"),
+                           str(root / "out.json")], env=env, capture_output=True, text=True, timeout=600, cwd=str(REPO))
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads((root / "out.json").read_text())
+    return {script: (printed[script], subprocess.CompletedProcess([script], r["returncode"], r["stdout"], r["stderr"]))
+            for script, r in results.items()}
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("script", sorted(RECIPES))
-def test_large_recipe_dry_run_with_the_real_config_and_its_cluster(script, math_data, tmp_path):
-    """``MODEL=<dir with the real config.json> LPO_DRY_RUN=1 bash <script>`` prints the plan (every
-    layout rule checked against the real dimensions; ``--preflight off``, whose model check rightly
-    refuses a folder without weights); the header's cluster holds the flags exactly and one node
-    fewer does not."""
+def test_large_recipe_dry_run_with_the_real_config_and_its_cluster(script, large_dry_runs):
+    """The script's dry run with the real config prints the plan (every layout rule checked against the real
+    dimensions; ``--preflight off``, whose model check rightly refuses a folder without weights); the header's
+    cluster holds the flags exactly and one node fewer does not."""
     from openrlhf_lpo.cli.train_ppo_ray import build_parser_and_parse
     from openrlhf_lpo.megatron.cluster import PlacementError, demands_from_args, plan_placement
 
     config, nodes, gpus, tp, pp, vllm_tp = RECIPES[script]
-    model = str(MODEL_CONFIGS / config)
-    out = subprocess.run(["bash", str(SCRIPTS / script)], capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                         env=_env(MODEL=model, DATA=math_data, LPO_DRY_RUN="1", RAY_ADDRESS="",
-                                  EXTRA_ARGS="--preflight off"))  # a config-only folder: no weights
+    printed, out = large_dry_runs[script]
     assert out.returncode == 0, out.stderr[-3000:]
     assert "flags are valid; nothing was started" in out.stdout and f"GPUs needed: {gpus}\n" in out.stdout
     assert f"vLLM engines: {gpus // 2} (8 x TP {vllm_tp})" in out.stdout
     header = re.search(r"^# Cluster: (\d+) nodes x (\d+) GPUs", (SCRIPTS / script).read_text(), re.M)
     assert (int(header.group(1)), int(header.group(2))) == (nodes, 8)
-    printed = subprocess.run(["bash", str(SCRIPTS / script)], capture_output=True, text=True, check=True,
-                             env=_env(MODEL=model, LPO_PRINT_ARGS="1")).stdout.splitlines()
     args = build_parser_and_parse(printed)
     assert (args.megatron.tp, args.megatron.pp, args.megatron.sequence_parallel) == (tp, pp, True)
     demands = demands_from_args(args)

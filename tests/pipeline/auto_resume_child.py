@@ -5,7 +5,7 @@ way DeepSpeed does (every rank's files first, ``latest`` last; the files are zip
 resumes from ``latest`` with ``--ckpt.load_enable``, and fails as ``--plan`` says: ``ATTEMPT:STEP:HOW``
 entries (HOW: ``kill`` = SIGKILL itself, ``raise`` = an uncaught RuntimeError, ``exit3``; ``*`` = every
 attempt). It appends one line per trained step to ``<ckpt>/trained.txt``. The real pipeline's restarts
-are tested in tests/pipeline/test_e2e_cpu_pipeline.py.
+are tested in tests/pipeline/test_e2e_research.py (run B).
 """
 
 import argparse

@@ -2,7 +2,7 @@
 with its cause, stops a failure that repeats at one checkpoint after N restarts, never restarts a flag error,
 and never loads a checkpoint a kill cut off. The supervisor here is the real one around a scripted child
 (tests/pipeline/auto_resume_child.py); the real pipeline's kills (a Ray worker, the driver) are in
-tests/pipeline/test_e2e_cpu_pipeline.py."""
+tests/pipeline/test_e2e_research.py (run B)."""
 
 import io
 import os

@@ -39,20 +39,23 @@ print(json.dumps(out))
 """
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def ray_head():
-    procs = []
+    """``start(gpus)``: the address of a local Ray head with that many logical GPUs, one per count for the
+    module (the tests only join it)."""
+    procs, heads = [], {}
 
     def start(gpus):
-        p = subprocess.Popen([sys.executable, "-c", HEAD, str(gpus)], stdout=subprocess.PIPE, text=True,
-                             start_new_session=True)
-        procs.append(p)
-        address = p.stdout.readline().strip()
-        assert address, "the Ray head did not start"
-        return address
+        if gpus not in heads:
+            p = subprocess.Popen([sys.executable, "-c", HEAD, str(gpus)], stdout=subprocess.PIPE, text=True,
+                                 start_new_session=True)
+            procs.append(p)
+            heads[gpus] = p.stdout.readline().strip()
+            assert heads[gpus], "the Ray head did not start"
+        return heads[gpus]
 
     yield start
-    for p in procs:  # our own head only (never `ray stop`: other clusters may run on this machine)
+    for p in procs:  # our own heads only (never `ray stop`: other clusters may run on this machine)
         p.terminate()
         try:
             p.wait(timeout=60)

@@ -1,6 +1,6 @@
 """CPU mode's weight-sync parity check fails the run on a mismatch (openrlhf_lpo/runtime/parity.py, cpu.py).
 
-One subprocess (CPU mode, a local Ray, a one-process gloo group) with the real pieces: OpenRLHF's
+One subprocess (CPU mode, the test process's Ray cluster, a one-process gloo group) with the real pieces: OpenRLHF's
 ``Actor`` inside a real DeepSpeed engine, trained-looking weights (the checkpoint perturbed), and two
 real CPU rollout engines as Ray actors: one started from the actor's checkpoint, one from a copy whose
 config differs (``rms_norm_eps``), as an engine started from the wrong model would. A sync hands both
@@ -100,7 +100,10 @@ def test_parity_mismatch_fails_the_sync_and_the_tolerance_holds(tiny_model_dir, 
     cfg["rms_norm_eps"] = 0.5  # same weights, another model: what a wrongly started engine computes
     (bad / "config.json").write_text(json.dumps(cfg))
     log = tmp_path / "parity.jsonl"
-    env = dict(repo_env, LPO_CPU_THREADS="1", RAY_DEDUP_LOGS="0")
+    from shared_ray import shared_ray_env
+
+    # the test process's Ray cluster (tests/shared_ray.py), as lpo-train launches join it
+    env = dict(repo_env, LPO_CPU_THREADS="1", RAY_DEDUP_LOGS="0", **shared_ray_env())
     env.pop("LPO_CPU_PARITY_TOL", None)
     proc = subprocess.run([sys.executable, "-c", PROBE, tiny_model_dir, str(bad), str(log)], env=env,
                           capture_output=True, text=True, timeout=600)

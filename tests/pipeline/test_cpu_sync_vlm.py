@@ -34,7 +34,9 @@ def sync_results(tiny_vlm_dir, tmp_path_factory):
     env = dict(os.environ, LPO_CPU_THREADS="1", RAY_DEDUP_LOGS="0", OMP_NUM_THREADS="1",
                LPO_CPU_TRUST_REMOTE_CODE="1")  # the tiny VLM's processor is code in its folder
     env["PYTHONPATH"] = str(HERE.parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
-    env.pop("RAY_ADDRESS", None)
+    from shared_ray import shared_ray_env
+
+    env.update(shared_ray_env())  # the test process's Ray cluster (tests/shared_ray.py), as lpo-train launches join it
     proc = subprocess.run([sys.executable, str(HERE / "vlm_sync_worker.py"), tiny_vlm_dir, out, _port()],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]

@@ -15,12 +15,15 @@ import pytest
 from openrlhf_lpo.openrlhf.request_seeds import prompt_seed, sample_seed
 
 PROBE = r"""
-import json, sys
+import json, os, sys
 from types import SimpleNamespace
 from openrlhf_lpo.cpu import mode as cpu
 cpu.enable_cpu_mode()
 import ray
-ray.init(num_cpus=2, num_gpus=0, include_dashboard=False, runtime_env=cpu.ray_runtime_env())
+# the test process's shared cluster (tests/shared_ray.py) when it has one, else a local one
+where = {"address": os.environ["RAY_ADDRESS"]} if os.environ.get("RAY_ADDRESS") else \
+    {"num_cpus": 2, "num_gpus": 0, "include_dashboard": False}
+ray.init(**where, runtime_env=cpu.ray_runtime_env())
 from transformers import AutoTokenizer
 from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
 from openrlhf_lpo.cli.train_ppo_ray import build_parser_and_parse
@@ -62,8 +65,10 @@ print(json.dumps(out))
 def test_samples_depend_on_their_position_not_on_the_engine(tiny_model_dir, repo_env, tmp_path):
     from e2e_common import TOY_REWARD
 
-    out = subprocess.run([sys.executable, "-c", PROBE, tiny_model_dir, str(TOY_REWARD)], env=repo_env,
-                         capture_output=True, text=True, timeout=600)
+    from shared_ray import shared_ray_env
+
+    out = subprocess.run([sys.executable, "-c", PROBE, tiny_model_dir, str(TOY_REWARD)],
+                         env=dict(repo_env, **shared_ray_env()), capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     r = json.loads([line for line in out.stdout.splitlines() if line.startswith("{")][-1])
     assert all(len(group) == 2 for group in r["seeded1"])  # one list of K per prompt, as the stock caller expects
