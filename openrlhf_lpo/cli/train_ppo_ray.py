@@ -216,18 +216,19 @@ def get_parser(extended: bool = True) -> argparse.ArgumentParser:
 
 
 def _stock_main_block():
-    """The stock CLI's source (the file ``_run_stock`` compiles, read through the same loader; not imported) and
-    the statements of its ``if __name__ == "__main__":`` block."""
+    """The stock CLI's parsed source (the file ``_run_stock`` compiles, read through the same loader; not
+    imported) and its ``if __name__ == "__main__":`` block."""
     import ast
 
     spec = importlib.util.find_spec(STOCK_CLI)
     source = spec.loader.get_source(STOCK_CLI) if spec is not None else None
     if not source:
         raise ContractBroken(f"{STOCK_CLI} has no Python source to execute")
-    for node in ast.parse(source).body:
+    tree = ast.parse(source)
+    for node in tree.body:
         if isinstance(node, ast.If) and isinstance(node.test, ast.Compare) and \
                 isinstance(node.test.left, ast.Name) and node.test.left.id == "__name__":
-            return source, node
+            return tree, node
     raise ContractBroken(f'{STOCK_CLI} has no `if __name__ == "__main__":` block')
 
 
@@ -270,8 +271,7 @@ def _stock_parse_args_contract() -> None:
 def _stock_train_contract() -> None:
     import ast
 
-    source, block = _stock_main_block()
-    tree = ast.parse(source)
+    tree, block = _stock_main_block()
     train = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "train"), None)
     if train is None or [a.arg for a in train.args.args] != ["args"] or train.args.vararg or train.args.kwonlyargs:
         raise ContractBroken(f"{STOCK_CLI}.train(args) changed")
@@ -291,8 +291,7 @@ def _stock_train_contract() -> None:
 def _stock_parse_only_contract() -> None:
     import ast
 
-    source, block = _stock_main_block()
-    tree = ast.parse(source)
+    tree, block = _stock_main_block()
     kept, dropped = set(dir(builtins)) | {"__name__", "__file__"}, set()
     for node in tree.body:
         if _train_only_import(node):

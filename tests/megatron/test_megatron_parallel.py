@@ -234,8 +234,11 @@ def large_dry_runs(math_data, tmp_path_factory):
     (tests/pipeline/dry_run_batch.py, the imports paid once). That a script's own dry run prints what its
     batched job prints is tests/pipeline/test_dry_run.py's HANDOFF test. Returns {script: (printed flags,
     CompletedProcess)}."""
-    import json
     import sys
+
+    if str(REPO / "tests" / "pipeline") not in sys.path:
+        sys.path.insert(0, str(REPO / "tests" / "pipeline"))
+    from dry_run_batch import run_batch
 
     root = tmp_path_factory.mktemp("large_dry")
     jobs, printed = [], {}
@@ -245,14 +248,7 @@ def large_dry_runs(math_data, tmp_path_factory):
         printed[script] = subprocess.run(["bash", str(SCRIPTS / script)], capture_output=True, text=True, check=True,
                                          cwd=str(root), env=dict(env, LPO_PRINT_ARGS="1")).stdout.splitlines()
         jobs.append({"name": script, "env": env, "argv": printed[script] + ["--dry-run"]})
-    (root / "jobs.json").write_text(json.dumps(jobs))
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    done = subprocess.run([sys.executable, str(REPO / "tests" / "pipeline" / "dry_run_batch.py"), str(root / "jobs.json"),
-                           str(root / "out.json")], env=env, capture_output=True, text=True, timeout=600, cwd=str(REPO))
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads((root / "out.json").read_text())
-    return {script: (printed[script], subprocess.CompletedProcess([script], r["returncode"], r["stdout"], r["stderr"]))
-            for script, r in results.items()}
+    return {script: (printed[script], out) for script, out in run_batch(jobs, root, timeout=600).items()}
 
 
 @pytest.mark.e2e

@@ -42,6 +42,23 @@ def run_job(job: dict) -> dict:
     return {"returncode": code, "stdout": out.getvalue(), "stderr": err.getvalue()}
 
 
+def run_batch(jobs: list, root, timeout: int = 900) -> dict:
+    """Run ``jobs`` through this script in one subprocess (files under ``root``); ``{name:
+    CompletedProcess}`` of each job's exit status, stdout and stderr."""
+    import subprocess
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    jobs_path, out_path = Path(root) / "jobs.json", Path(root) / "batch.json"
+    jobs_path.write_text(json.dumps(jobs))
+    env = dict(os.environ, PYTHONPATH=str(repo) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, __file__, str(jobs_path), str(out_path)], env=env, capture_output=True,
+                          text=True, timeout=timeout, cwd=str(repo))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {name: subprocess.CompletedProcess([name], r["returncode"], r["stdout"], r["stderr"])
+            for name, r in json.loads(out_path.read_text()).items()}
+
+
 def main(argv=None) -> int:
     jobs_path, out_path = (argv or sys.argv[1:])[:2]
     jobs = json.load(open(jobs_path))

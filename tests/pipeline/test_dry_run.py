@@ -7,14 +7,13 @@ import base64
 import json
 import os
 import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from dry_run_batch import run_batch
 
 REPO = Path(__file__).resolve().parents[2]
-HERE = Path(__file__).resolve().parent
 SCRIPTS = REPO / "examples" / "scripts"
 ALL_SCRIPTS = sorted(p.name for p in SCRIPTS.glob("*.sh"))
 
@@ -92,26 +91,20 @@ def dry_runs(tmp_path_factory, megatron_layout_model):
     jobs = [{"name": name, "env": env, "argv": _script_args("train_math_qwen3_8b.sh" if name == "invalid" else name,
                                                             env, root) + ["--dry-run"]}
             for name, env in envs.items()]
-    (root / "jobs.json").write_text(json.dumps(jobs))
     shell = {script: dict(base) for script in OTHERS}
     shell[HANDOFF + " (bash)"] = envs[HANDOFF]
 
     def run(item):
         name, env = item
         if name == "batch":
-            env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-            cmd = [sys.executable, str(HERE / "dry_run_batch.py"), str(root / "jobs.json"), str(root / "batch.json")]
-            out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=str(REPO))
-            assert out.returncode == 0, out.stderr[-3000:]
-            return name, json.loads((root / "batch.json").read_text())
+            return name, run_batch(jobs, root)
         script = name.split(" ")[0]
         return name, subprocess.run(["bash", str(SCRIPTS / script)], env=env, capture_output=True, text=True,
                                     timeout=600, cwd=str(root))
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         done = dict(pool.map(run, [("batch", None), *shell.items()]))
-    results = {name: subprocess.CompletedProcess([name], r["returncode"], r["stdout"], r["stderr"])
-               for name, r in done.pop("batch").items()}
+    results = done.pop("batch")
     results.update(done)
     return results
 

@@ -6,7 +6,6 @@ balancer) and real rollout engines behind OpenRLHF's engine interface (the CPU e
 both take the seed from SamplingParams.seed), the stock single-turn executor and a reward file."""
 
 import json
-import os
 import subprocess
 import sys
 
