@@ -37,7 +37,7 @@ EXACTNESS = [
     "tests/openrlhf/test_lpo_gradient_exactness.py::test_every_step_gradient_equals_window_reference_dp1",
 ]
 INTERNALS = "tests/openrlhf/test_lpo_trainer_internals.py"
-DP2_E2E = "tests/pipeline/test_e2e_layouts.py::test_two_ranks_update_like_one"
+DP2_E2E = "tests/pipeline/test_e2e_layouts.py::test_two_ranks_with_split_groups_update_like_the_float64_reference"
 
 
 @dataclass

@@ -118,6 +118,17 @@ def _stock_code(spec):
     return compile(tree, spec.origin, "exec", dont_inherit=True)
 
 
+def _require_a_reward(parser: argparse.ArgumentParser, parsed: argparse.Namespace) -> None:
+    """A run without a reward source is a flag error: the stock 0.11.2 CLI would go on to split the missing
+    reward model's path (AttributeError) or train against nothing."""
+    given = {key: getattr(parsed, key, None) for key in ("reward.remote_url", "reward.model_name_or_path",
+                                                         "train.agent_func_path")}
+    if not any(given.values()):
+        parser.error("no reward: give --reward.remote_url (a reward-function .py file or an HTTP URL, e.g. "
+                     "openrlhf_lpo/rewards/reward_func.py), --reward.model_name_or_path (a reward model) or "
+                     "--train.agent_func_path (an agent script)")
+
+
 def _run_stock(argv: Optional[List[str]], on_args: Callable[[argparse.Namespace], object]):
     """Execute the stock CLI's ``__main__`` block with our hooks (parse and validate only); return ``on_args``'
     result on the validated namespace."""
@@ -132,6 +143,9 @@ def _run_stock(argv: Optional[List[str]], on_args: Callable[[argparse.Namespace]
             state["parser"] = self
             _extend_parser(self)
             args = list(argv) if argv is not None else args
+            parsed = original_parse_args(self, args, namespace)
+            _require_a_reward(self, parsed)
+            return parsed
         return original_parse_args(self, args, namespace)
 
     result = {}

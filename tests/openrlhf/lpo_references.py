@@ -80,7 +80,7 @@ def reference_image_inputs(batch) -> dict:
 
 def reference_steps(model_dir, state_dict, experiences, windows, *, K, divergence="fwd", temperature="std",
                     correction=None, eps=(0.2, 0.2), lr=0.0, projection="listwise", kl_coef=0.0, entropy_coef=0.0,
-                    behaviour=None, temperature_scale=1.0):
+                    behaviour=None, temperature_scale=1.0, max_norm=None):
     """Window by window at the updated parameters: the gradient of the listwise loss averaged over
     each window's groups (one autograd call per window), then an SGD step of ``lr``. ``windows`` lists
     the global group ids of each optimizer step in training order. Targets and s_t are computed here
@@ -88,7 +88,8 @@ def reference_steps(model_dir, state_dict, experiences, windows, *, K, divergenc
     log-probs of replayed samples by :func:`sample_key`, whose s_t is the untruncated mean log-ratio
     unless ``correction`` is set; ``temperature_scale`` multiplies tau). ``kl_coef`` adds the k3 KL to
     the reference log-probs (``base_action_log_probs``) and ``entropy_coef`` subtracts the entropy, each
-    as a token mean over the window. Returns the list of gradients."""
+    as a token mean over the window. ``max_norm`` clips each window's gradient to that global norm as
+    DeepSpeed does (scale max_norm / (norm + 1e-6) when below 1). Returns the list of (clipped) gradients."""
     import numpy as np
 
     actor = make_actor(model_dir, packing=False)
@@ -148,6 +149,9 @@ def reference_steps(model_dir, state_dict, experiences, windows, *, K, divergenc
             ent = out.entropy[:, -mask.shape[1]:].double()
             loss = loss - entropy_coef * (ent * mask).sum() / mask.sum()
         g = torch.autograd.grad(loss, params)
+        if max_norm is not None:
+            scale = max_norm / (float(torch.sqrt(sum((x * x).sum() for x in g))) + 1e-6)
+            g = [x * scale for x in g] if scale < 1 else g
         grads.append([x.detach().clone() for x in g])
         with torch.no_grad():
             for p, x in zip(params, g):

@@ -107,6 +107,9 @@ BAD = [
     (BASE + ["--algo.advantage.estimator", "lpo", "--lpo.projection", "pointwise", "--lpo.divergence", "rev"],
      "--lpo.projection pointwise"),
     (BASE + ["--algo.advantage.estimator", "lpo", "--lpo.divergence", "chi2"], "--lpo.divergence: unknown divergence"),
+    # no reward source: the stock CLI would split a missing reward model's path (AttributeError)
+    (BASE[:-2], "no reward: give --reward.remote_url"),
+    (BASE[:-2] + ["--algo.advantage.estimator", "lpo"], "no reward: give --reward.remote_url"),
     # the stock CLI's own asserts come out as flag errors with today's flag names, not as tracebacks
     (BASE + ["--algo.advantage.estimator", "lpo", "--data.max_images_per_prompt", "1", "--ds.packing_samples"],
      "refuses this combination of flags: VLM training does not support --ds.packing_samples."),

@@ -95,7 +95,9 @@ def run_supervised(args: List[str], env: Dict[str, str], log: Path, worker_class
 
     1. as soon as checkpoint ``kill_after`` is complete (the run goes on with the next step), SIGKILL one Ray
        worker running a ``worker_class`` actor (a lost worker);
-    2. as soon as the restarted attempt's actors load that checkpoint, SIGKILL its driver process.
+    2. as soon as the restarted attempt places its actors on its new Ray cluster (its ``[placement]`` line:
+       the actors are starting), SIGKILL its driver process. Not later (as they load the checkpoint): the
+       supervisor sees the same death either way, and the actors' start-up is half a launch's cost.
 
     The supervisor must restart it both times and finish. Returns (returncode, seconds, log text, kills)."""
     t0 = time.time()
@@ -118,7 +120,7 @@ def run_supervised(args: List[str], env: Dict[str, str], log: Path, worker_class
                         kills.append(("worker", pids[-1], now - t0))
                 elif len(kills) == 1 and "attempt 2: pid" in text:
                     after = text[text.index("attempt 2: pid"):]
-                    if "Loading the checkpoint" in after:  # the restarted run is resuming from it
+                    if "[placement]" in after:  # the restarted run's actors are starting on its cluster
                         pid = int(after.split("attempt 2: pid", 1)[1].split()[0])
                         os.kill(pid, signal.SIGKILL)
                         kills.append(("driver", pid, now - t0))

@@ -1,6 +1,7 @@
 """lpo-train end to end in OpenRLHF's async recipe (configs/families/async.sh: partial rollout, behaviour
-log-probs from the engine, LPO's listwise off-policy correction) and a DAPO run (configs/methods/dapo.sh) with
-the listwise metrics and OpenRLHF's ``--eval.*`` path, both over partial last batches and two episodes on one rank. The
+log-probs from the engine, LPO's listwise off-policy correction; micro-batches of K: the one-pass path) and a
+DAPO run (configs/methods/dapo.sh) with the listwise metrics and OpenRLHF's ``--eval.*`` path, both over
+partial last batches and two episodes on one rank. The
 long-context hybrid recipe on two ranks: test_e2e_hybrid.py; GRPO's listwise metrics on two ranks: the
 demo's CI run (tests/demo/test_demo_ci_run.py, GRPO at dp 2 checks lpo/kl_end every step) and, against
 brute force with groups split across two gloo ranks,
@@ -19,8 +20,8 @@ def families(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
     return {
         # OpenRLHF's async recipe: partial rollout, behaviour log-probs from the engine, LPO's
-        # listwise off-policy correction (token clip)
-        "async": run_family(tiny_model_dir, root, "async", dp=1, extra=[
+        # listwise off-policy correction (token clip); micro-batches of K: the one-pass path
+        "async": run_family(tiny_model_dir, root, "async", dp=1, micro=4, extra=[
             *family_flags("async"), "--eval.dataset", str(root / "prompts6.jsonl"), "--eval.steps", "2",
             "--eval.n_samples_per_prompt", "2"]),
         # a policy-gradient run (the DAPO baseline as configs/methods/dapo.sh gives it: clip-higher, dynamic
@@ -40,6 +41,9 @@ def test_async_recipe_logs_the_behaviour_correction(families):
     assert [tb["train/lpo/groups"][s] for s in (1, 2, 3, 4)] == [4.0, 2.0, 4.0, 2.0]
     for key in ("train/lpo/behaviour_abs_mean", "train/lpo/behaviour_abs_max", "train/lpo/behaviour_ess"):
         assert sorted(tb[key]) == [1, 2, 3, 4], key
+    # micro-batches of K hold whole groups: each step's window in one pass (no pre-pass, no shortcut)
+    for key, want in (("one_pass_windows", 1.0), ("shortcut_windows", 0.0), ("pre_pass_windows", 0.0)):
+        assert [tb[f"train/lpo/{key}"][s] for s in (1, 2, 3, 4)] == [want] * 4, key
     # later batches were sampled by an older policy than the one that starts their update: s_t != 0
     assert max(tb["train/lpo/behaviour_abs_mean"].values()) > 1e-4
     assert all(0.0 < v <= 1.0 for v in tb["train/lpo/behaviour_ess"].values())
