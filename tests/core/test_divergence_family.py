@@ -43,7 +43,9 @@ def ref_divergence(s, w, name):
         return ref_divergence(s, w, "fwd")
     if a == 0.0:
         return ref_divergence(s, w, "rev")
-    return ((w ** a * p ** (1 - a)).sum(-1) - 1) / (a * (a - 1))
+    # sum_k w^a P^(1-a) - 1 = sum_k P (exp(a log(w/P)) - 1) (P sums to 1): the same value without the
+    # cancellation that a near 0 or 1 divides by a(a - 1) and finite differences then divide by h again
+    return (p * np.expm1(a * np.log(w / p))).sum(-1) / (a * (a - 1))
 
 
 def ref_coefficients(s, w, name, h=1e-6):
