@@ -121,9 +121,8 @@ def _stock_code(spec):
 def _require_a_reward(parser: argparse.ArgumentParser, parsed: argparse.Namespace) -> None:
     """A run without a reward source is a flag error: the stock 0.11.2 CLI would go on to split the missing
     reward model's path (AttributeError) or train against nothing."""
-    given = {key: getattr(parsed, key, None) for key in ("reward.remote_url", "reward.model_name_or_path",
-                                                         "train.agent_func_path")}
-    if not any(given.values()):
+    if not any(getattr(parsed, key, None) for key in ("reward.remote_url", "reward.model_name_or_path",
+                                                      "train.agent_func_path")):
         parser.error("no reward: give --reward.remote_url (a reward-function .py file or an HTTP URL, e.g. "
                      "openrlhf_lpo/rewards/reward_func.py), --reward.model_name_or_path (a reward model) or "
                      "--train.agent_func_path (an agent script)")

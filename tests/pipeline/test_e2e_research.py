@@ -14,11 +14,11 @@ with a checkpoint every 2 steps.
 
 Run B is run A's job with ``--ckpt.auto_resume 2``, preempted twice as a cluster would: a Ray worker (a
 policy actor) is SIGKILLed in step 3, after the step-2 checkpoint, then the restarted attempt's driver as its
-actors start on its new Ray cluster. The supervisor restarts it from global_step2 both times, and steps 3 and 4 must train
-exactly as run A did: the same divergence (the switch kept), the same replayed groups (the buffer restored)
-and run A's final weights, bit for bit (same seed: seeded prompt order, per-request engine seeds, canonical
-group order, the window shuffle keyed by DeepSpeed's restored step count). Each attempt starts a Ray cluster
-of its own, which dies with it.
+actors start on its new Ray cluster. The supervisor restarts it from global_step2 both times, and steps 3 and
+4 must train exactly as run A did: the same divergence (the switch kept), the same replayed groups (the
+buffer restored) and run A's final weights, bit for bit (same seed: seeded prompt order, per-request engine
+seeds, canonical group order, the window shuffle keyed by DeepSpeed's restored step count). Each attempt
+starts a Ray cluster of its own, which dies with it.
 """
 
 import re
