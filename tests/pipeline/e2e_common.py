@@ -78,15 +78,21 @@ def run_cli(args: List[str], env: Dict[str, str], log: Path):
     return proc.returncode, time.time() - t0, log.read_text(errors="replace")
 
 
-def _ray_actor_pids(class_name: str) -> List[int]:
-    """Pids of the Ray worker processes running an actor of ``class_name`` (their title is ``ray::<Class>...``)."""
+def ray_actor_pids(class_name: str, root: int) -> List[int]:
+    """Pids of the Ray worker processes running an actor of ``class_name`` (their title is ``ray::<Class>...``)
+    among the descendants of process ``root``. Only those: Ray's head and workers are children of the driver,
+    while the other xdist worker's runs (and this worker's shared cluster) have actors of the same class on
+    this machine."""
     import psutil
 
     pids = []
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        cmd = " ".join(p.info["cmdline"] or [])
+    for p in psutil.Process(root).children(recursive=True):
+        try:
+            cmd = " ".join(p.cmdline() or [])
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
         if cmd.startswith(f"ray::{class_name}"):
-            pids.append(p.info["pid"])
+            pids.append(p.pid)
     return sorted(pids)
 
 
@@ -114,7 +120,7 @@ def run_supervised(args: List[str], env: Dict[str, str], log: Path, worker_class
                 text = log.read_text(errors="replace")
                 if not kills:
                     done = latest.exists() and latest.read_text().strip() == kill_after
-                    pids = _ray_actor_pids(worker_class) if done else []
+                    pids = ray_actor_pids(worker_class, proc.pid) if done else []
                     if pids:  # steps take about a second here: at once, so the kill lands in step 3
                         os.kill(pids[-1], signal.SIGKILL)
                         kills.append(("worker", pids[-1], now - t0))

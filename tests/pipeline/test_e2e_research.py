@@ -21,13 +21,17 @@ seeds, canonical group order, the window shuffle keyed by DeepSpeed's restored s
 starts a Ray cluster of its own, which dies with it.
 """
 
+import os
 import re
+import signal
+import subprocess
+import time
 
 import pytest
 import torch
 
-from e2e_common import REPO, base_args, load_weights, max_weight_diff, read_jsonl, run_cli, run_env, run_supervised, \
-    tb_scalars, tb_steps, write_prompts
+from e2e_common import REPO, base_args, load_weights, max_weight_diff, ray_actor_pids, read_jsonl, run_cli, run_env, \
+    run_supervised, tb_scalars, tb_steps, write_prompts
 
 pytestmark = pytest.mark.e2e  # an lpo-train run with the research flags, and the same job preempted twice
 
@@ -119,6 +123,31 @@ def test_replay_trains_whole_replayed_groups(research_runs):
         assert 1.0 <= tb["train/lpo/replay_age_mean"][s] <= 2.0
     # rollout metrics count fresh samples only
     assert _col(tb, "rollout/num_samples") == [16.0] * STEPS
+
+
+def test_the_lost_worker_is_one_of_the_run_s_own():
+    """The preemption picks its Ray worker among the supervised run's descendants only: the other xdist
+    worker's runs (and this worker's shared cluster) have ``ray::LPOPolicyActor`` processes on the same
+    machine. When the pick scanned the whole machine, a CI run saw run B finish with no restart after its
+    worker kill: the kill had most likely hit another run's actor."""
+    title = 'exec -a "ray::LPOPolicyActor.train" sleep 60'
+    outside = subprocess.Popen(["bash", "-c", title])
+    run = subprocess.Popen(["bash", "-c", f"({title}) & wait"])
+    try:
+        for _ in range(100):
+            mine = ray_actor_pids("LPOPolicyActor", run.pid)
+            if mine:
+                break
+            time.sleep(0.05)
+        assert len(mine) == 1 and mine[0] not in (run.pid, outside.pid)
+        assert ray_actor_pids("LPOPolicyActor", outside.pid) == []  # its own title is not a descendant
+        assert ray_actor_pids("LPOCriticActor", run.pid) == []
+    finally:
+        for pid in ray_actor_pids("LPOPolicyActor", run.pid):  # before their parent: none is orphaned
+            os.kill(pid, signal.SIGKILL)
+        for proc in (outside, run):
+            proc.kill()
+            proc.wait()
 
 
 def test_auto_resume_survives_a_lost_worker_and_a_lost_driver(research_runs):
