@@ -88,7 +88,7 @@ def ray_actor_pids(class_name: str, root: int) -> List[int]:
     pids = []
     for p in psutil.Process(root).children(recursive=True):
         try:
-            cmd = " ".join(p.cmdline() or [])
+            cmd = " ".join(p.cmdline())
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
         if cmd.startswith(f"ray::{class_name}"):

@@ -1,10 +1,9 @@
-"""lpo-train end to end in OpenRLHF's async recipe (configs/families/async.sh: partial rollout, behaviour
-log-probs from the engine, LPO's listwise off-policy correction; micro-batches of K: the one-pass path) and a
-DAPO run (configs/methods/dapo.sh) with the listwise metrics and OpenRLHF's ``--eval.*`` path, both over
-partial last batches and two episodes on one rank. The
-long-context hybrid recipe on two ranks: test_e2e_hybrid.py; GRPO's listwise metrics on two ranks: the
-demo's CI run (tests/demo/test_demo_ci_run.py, GRPO at dp 2 checks lpo/kl_end every step) and, against
-brute force with groups split across two gloo ranks,
+"""lpo-train end to end in OpenRLHF's async recipe (configs/families/async.sh: partial rollout, behaviour log-probs from
+the engine, LPO's listwise off-policy correction; micro-batches of K: the one-pass path) and a DAPO run
+(configs/methods/dapo.sh) with the listwise metrics and OpenRLHF's ``--eval.*`` path, both over partial last batches
+and two episodes on one rank. The long-context hybrid recipe on two ranks: test_e2e_hybrid.py; GRPO's listwise
+metrics on two ranks: the demo's CI run (tests/demo/test_demo_ci_run.py, GRPO at dp 2 checks lpo/kl_end every step)
+and, against brute force with groups split across two gloo ranks,
 tests/openrlhf/test_lpo_gradient_exactness.py::test_pg_end_kl_with_groups_split_across_two_ranks.
 """
 
