@@ -12,21 +12,8 @@ one model replica are consecutive Ray actors; with ``duplicate_actors = tp*pp`` 
 ``RayActorGroup`` every replica receives one chunk of experiences, as OpenRLHF's chunking
 expects (see :func:`openrlhf_lpo.megatron.flags`).
 
-Weights to vLLM (``broadcast_to_vllm``): the HF-named stream of :func:`convert.export_hf_weights`
-in the engines' dtype (OpenRLHF 0.11.2 builds its vLLM engines in bfloat16 and asserts the dtype of
-every tensor it receives), over OpenRLHF's model-update group (NCCL, or Ray collectives with
-``--vllm.sync_with_ray``), then the engines' prefix caches are reset as upstream does. Engines that
-take state dicts (the CPU rollout engines) get one dict through Ray and a parity check.
-Colocated (``--train.colocate_all``, not async: the engines on the actor's GPUs, where NCCL refuses a
-group of two ranks on one GPU): the same export on every rank of every replica, handed over by IPC
-(:mod:`.weight_sync`, OpenRLHF's ``update_weight_cuda_ipc``; on CPU the shared-memory stand-in).
-
-Sleep (``--ds.enable_sleep``, the Megatron meaning: offload the actor between phases; with
-``--train.colocate_all``): after start-up and after every ``fit`` (OpenRLHF's trainer calls
-``offload_states``) the parameters, DDP gradient buffers and optimizer state go to host memory
-(:class:`.offload.HostOffload`, bit-exact); ``reload_states`` brings them back before ``fit``. The weights
-alone come back for the old-log-prob ``forward`` and stay until the next offload, and for the weight sync
-(offloaded again after it, since generation follows); checkpoints bring everything back for the save.
+Weights to the rollout engines (:mod:`.vllm_sync`), sleep between phases (:mod:`.sleep`) and checkpoints
+(:mod:`.actor_checkpoints`) are mixins of :class:`MegatronPolicyActor`.
 
 Training (``fit``): the rank's experiences are merged into one padded batch, split into
 optimizer windows of ``train.batch_size / dp`` responses made of whole prompt groups
@@ -47,7 +34,6 @@ upstream) and the entropy bonus are token means over the window, as on DeepSpeed
 
 from __future__ import annotations
 
-import contextlib
 import os
 from typing import Dict, List, Optional
 
@@ -55,12 +41,11 @@ import torch
 
 from dataclasses import replace
 
+from openrlhf_lpo.megatron.actor_checkpoints import CKPT_SUBDIR, CheckpointMixin
 from openrlhf_lpo.megatron.device import group_device as _group_device
 from openrlhf_lpo.megatron.losses import LossSpec
-
-# OpenRLHF 0.11.2's create_vllm_engines builds every engine with dtype="bfloat16" and its worker
-# asserts that each synced tensor has that dtype (tests/megatron check this contract upstream)
-VLLM_ENGINE_DTYPE = torch.bfloat16
+from openrlhf_lpo.megatron.sleep import SleepMixin, _is_weight  # noqa: F401  (_is_weight: tests)
+from openrlhf_lpo.megatron.vllm_sync import SYNC_IN_FLIGHT, VLLM_ENGINE_DTYPE, VLLMSyncMixin, colocated  # noqa: F401
 
 _BaseModelActor = None
 
@@ -121,9 +106,6 @@ def merge_experiences(experiences) -> Dict[str, torch.Tensor]:
 
 # MegatronActor.train_step metric -> the name OpenRLHF's ppo_train reports
 STATUS_KEYS = {"grad_norm": "actor_grad_norm", "entropy": "response_entropy"}
-
-# checkpoints live where OpenRLHF's PPOTrainer looks for the policy's (ckpt.path/_actor)
-CKPT_SUBDIR = "_actor"
 
 
 def plan_windows(num: int, window: int, generator, num_windows: Optional[int] = None) -> List[torch.Tensor]:
@@ -198,7 +180,6 @@ def _seed_of(args) -> int:
     return int(getattr(train, "seed", None) or getattr(args, "seed", 42))
 
 
-SYNC_IN_FLIGHT = 3  # weight-sync broadcasts rank 0 issues before waiting for the oldest (cluster review 2, N7)
 TE_CHOICES = {"auto": None, "on": True, "off": False}  # --megatron.te -> MegatronActorConfig.use_te
 
 
@@ -233,12 +214,6 @@ def megatron_config_from_args(args):
     )
 
 
-def colocated(args) -> bool:
-    """``--train.colocate_all`` without ``--train.async_enable``: the rollout engines share the actor's GPUs and
-    take the weights by IPC (as OpenRLHF's hybrid engine; async runs colocate the trained models only)."""
-    return bool(_get(args, "train.colocate_all", False)) and not bool(_get(args, "train.async_enable", False))
-
-
 def refuse_unsupported(args) -> None:
     """Raise ``ValueError`` naming a flag the Megatron actor cannot honour (checked again at start-up)."""
     if _get(args, "ds.enable_sleep", False) and not _get(args, "train.colocate_all", False):
@@ -249,14 +224,9 @@ def refuse_unsupported(args) -> None:
         )
 
 
-def _is_weight(where: str) -> bool:
-    """Tensors a forward reads (parameters, module buffers, DDP parameter buffers), by ``offload.tensors_of``'s
-    names; the rest of a model (gradients, DDP gradient buffers) is training state."""
-    return not where.endswith((".grad", ".main_grad", ".grad_data"))
-
-
-class MegatronPolicyActor:
-    """Mixin body; :func:`remote_class` binds it onto OpenRLHF's ``BaseModelActor``."""
+class MegatronPolicyActor(VLLMSyncMixin, SleepMixin, CheckpointMixin):
+    """Mixin body; :func:`remote_class` binds it onto OpenRLHF's ``BaseModelActor``. The weight sync, sleep and
+    checkpoints live in :mod:`.vllm_sync`, :mod:`.sleep` and :mod:`.actor_checkpoints`."""
 
     def init_model_from_pretrained(self, strategy, pretrain, max_steps=None, vllm_engines=None):
         from datetime import timedelta
@@ -510,211 +480,6 @@ class MegatronPolicyActor:
         group = self.actor.ps.get_data_parallel_group()
         return listwise_update_metrics(batch["lpo_gid"].long(), s_start, s_end, batch["target"].double(),
                                        self.args.rollout.n_samples_per_prompt, group=group, device=group_device(group))
-
-    # --------------------------------------------------------------------- weights
-    def _engines_take_state_dicts(self) -> bool:
-        return bool(self.vllm_engines) and all(hasattr(e, "update_weights") for e in self.vllm_engines)
-
-    def broadcast_to_vllm(self):
-        """Stream the HF-named weights (TP gather, PP broadcast, un-fused) to the rollout engines."""
-        with self._awake(state=False):  # asleep: the weights alone, offloaded again after (generation follows)
-            self._broadcast_to_vllm()
-
-    def _broadcast_to_vllm(self):
-        import ray
-        import torch.distributed as dist
-
-        rank = dist.get_rank()
-        first_replica = self.actor.ps.get_data_parallel_rank() == 0  # the export is collective per replica
-        if colocated(self.args) and self.vllm_engines:
-            self._ipc_to_vllm()
-        elif self._engines_take_state_dicts():  # CPU rollout engines: one state dict via Ray, actor dtype
-            state = {}
-            if first_replica:  # the stream reaches rank 0 only (each tensor sent once per stage)
-                for name, t in self.actor.export_hf_weights(dst=0):
-                    state[name] = t.detach().cpu().clone()
-            if rank == 0:
-                ref = ray.put(state)
-                ray.get([e.update_weights.remote(ref) for e in self.vllm_engines])
-            self._check_engine_parity(len(state) if rank == 0 else 0)
-        elif first_replica:
-            self._stream_to_vllm(rank)
-        dist.barrier()
-
-    def _stream_to_vllm(self, rank: int) -> None:
-        """Tensor by tensor, in the engines' dtype, over OpenRLHF's model-update group: each tensor reaches rank 0
-        once (``export_hf_weights(dst=0)``), and up to ``SYNC_IN_FLIGHT`` broadcasts are in flight before rank 0
-        waits for the engines' oldest ``update_weight``."""
-        from collections import deque
-
-        import ray
-
-        args = self.args
-        use_ray = bool(getattr(args.vllm, "sync_with_ray", False))
-        engines = self.vllm_engines or []
-        in_flight: deque = deque()  # (refs, tensor): a tensor stays alive until its engines took it
-        for name, t in self.actor.export_hf_weights(VLLM_ENGINE_DTYPE, dst=0):
-            if not engines:
-                continue
-            t = t.contiguous()
-            refs = [e.update_weight.remote(name, dtype=t.dtype, shape=t.shape, empty_cache=False) for e in engines]
-            if use_ray:
-                import ray.util.collective as collective
-
-                collective.broadcast(t, 0, group_name=self._model_update_group)
-            else:
-                self._model_update_group.broadcast(t, src=0)
-            in_flight.append((refs, t))
-            if len(in_flight) > SYNC_IN_FLIGHT:
-                ray.get(in_flight.popleft()[0])
-        while in_flight:
-            ray.get(in_flight.popleft()[0])
-        if rank == 0 and engines and getattr(args.vllm, "enable_prefix_caching", False):
-            # cached KV blocks were computed with the old weights
-            ray.get([e.reset_prefix_cache.remote() for e in engines])
-
-    def _ipc_to_vllm(self) -> None:
-        """Colocated engines: every rank of every replica receives each full HF tensor
-        (``export_hf_weights(dst=None)``, the NCCL stream's resharding and naming) and hands its engine worker an
-        IPC handle of it (:func:`.weight_sync.send_weights`); vLLM's ``load_weights`` cuts its own TP shard out of
-        the full tensor. vLLM engines get bf16 (their worker asserts it); the CPU engines the actor's dtype and a
-        parity check, as their state-dict sync."""
-        import torch.distributed as dist
-
-        from openrlhf_lpo.megatron import weight_sync
-
-        cpu_engines = self._engines_take_state_dicts()
-        transport = weight_sync.transport_for(self.actor.device)
-        info = weight_sync.send_weights(
-            self.actor.export_hf_weights(None if cpu_engines else VLLM_ENGINE_DTYPE), self.vllm_engines, transport,
-            in_flight=SYNC_IN_FLIGHT, reset_prefix_cache=bool(getattr(self.args.vllm, "enable_prefix_caching", False)))
-        self.last_sync = {"route": "ipc", "transport": transport.name, **info}
-        if cpu_engines:
-            self._check_engine_parity(info["tensors"] if dist.get_rank() == 0 else 0, route="ipc",
-                                      transport=transport.name, device_ids=info["device_ids"])
-
-    def _check_engine_parity(self, num_tensors: int, **record) -> None:
-        """After a state-dict sync: engines' log-probs of a fixed probe sequence must equal the
-        actor's (max |diff| <= LPO_CPU_PARITY_TOL, default 1e-4); appended to LPO_CPU_PARITY_LOG."""
-        import torch.distributed as dist
-
-        from openrlhf_lpo.runtime.parity import check_engine_parity, probe_sequence
-
-        ids = probe_sequence(self.tokenizer)
-        seq = torch.tensor([ids], dtype=torch.long)
-        batch = {"sequences": seq, "attention_mask": torch.ones_like(seq),
-                 "action_mask": torch.ones((1, len(ids) - 1), dtype=torch.bool)}
-        actor_lp = self.actor.log_probs(batch)[0].double().cpu()  # collective
-        if dist.get_rank() != 0:
-            return
-        check_engine_parity(self.vllm_engines, ids, actor_lp, float(self.actor.cfg.temperature),
-                            backend="megatron", num_tensors=num_tensors, **record)
-
-    # --------------------------------------------------------------------- checkpoints
-    def save_checkpoint(self, tag, client_states=None, metric_value=None, metric_key=None):
-        """``ckpt.path/_actor/<tag>`` (OpenRLHF passes ``global_step<N>``); ``--ckpt.max_num`` /
-        ``--ckpt.max_mem`` prune the oldest; ``--ckpt.save_hf`` also writes ``<tag>_hf`` (rotated with them)."""
-        with self._awake():  # asleep: everything comes back for the save, and goes again after it
-            self._save_checkpoint(tag, client_states)
-
-    def _save_checkpoint(self, tag, client_states=None):
-        args = self.args
-        state = {"client_states": client_states or {}}
-        self.actor.save_checkpoint(os.path.join(args.ckpt.path, CKPT_SUBDIR), tag, state,
-                                   max_num=getattr(args.ckpt, "max_num", None),
-                                   max_mem_gb=getattr(args.ckpt, "max_mem", None))
-        if getattr(args.ckpt, "save_hf", False):
-            self._save_hf(os.path.join(args.ckpt.path, f"{tag}_hf"))
-            import torch.distributed as dist
-
-            from openrlhf_lpo.runtime.hf_exports import rotate_for_args
-
-            if dist.get_rank() == 0:  # the exports follow the state's rotation (--ckpt.max_num / --ckpt.hf_max_num)
-                rotate_for_args(args.ckpt, CKPT_SUBDIR, keep=[tag])
-
-    def get_checkpoint_states(self):
-        return self.checkpoint_states
-
-    def _save_hf(self, out_dir: str):
-        import torch.distributed as dist
-
-        from openrlhf_lpo.megatron.checkpoint import save_barrier
-
-        self.actor.save_hf(out_dir)
-        if dist.get_rank() == 0:
-            self.tokenizer.save_pretrained(out_dir)
-        save_barrier(self.actor.cfg.save_timeout_minutes)  # rank 0 wrote the export
-
-    def save_model(self):
-        with self._awake(state=False):
-            self._save_hf(self.args.ckpt.output_dir)
-
-    # --------------------------------------------------------------------- sleep (--ds.enable_sleep)
-    def reload_states(self):
-        """Before ``fit`` (OpenRLHF's trainer, ``--ds.enable_sleep``): everything back on the device, bit-exact."""
-        self._onload()
-
-    def offload_states(self):
-        """After ``fit`` and at start-up (``--ds.enable_sleep``): parameters, DDP gradient buffers and the
-        optimizer's state (main shards, Adam moments) to host memory; nothing of them stays on the device.
-        Each rank logs the bytes moved and the parameter bytes left on the device (0)."""
-        import sys
-
-        import torch.distributed as dist
-
-        moved = self._offload()
-        params = sum(p.untyped_storage().nbytes() for p in self.actor.model.parameters())
-        entry = {"rank": dist.get_rank(), "weights_bytes": moved.get("weights", 0),
-                 "state_bytes": moved.get("state", 0), "param_bytes_resident": params,
-                 "tracked_bytes_resident": sum(o.resident_bytes() for o in (self._weights_off, self._state_off) if o)}
-        self.sleep_log.append(entry)
-        print(f"[megatron] rank {entry['rank']} asleep: {entry['weights_bytes']} weight bytes and "
-              f"{entry['state_bytes']} gradient/optimizer bytes moved to host memory; parameter bytes on the "
-              f"device: {params}", file=sys.stderr, flush=True)
-
-    def empty_cache(self):
-        """Hand the allocator's cached blocks back to the device (the engines use them while the actor sleeps)."""
-        from openrlhf_lpo.megatron.device import accelerator_available
-
-        if accelerator_available():
-            torch.accelerator.empty_cache()
-
-    def _offload(self, weights: bool = True, state: bool = True) -> Dict[str, int]:
-        """Offload the training state and / or the weights (whatever is still resident); bytes moved of each."""
-        from openrlhf_lpo.megatron.offload import HostOffload
-
-        moved: Dict[str, int] = {}
-        model, optimizer = self.actor.model, self.actor.optimizer
-        weights_off = HostOffload([model], where=_is_weight) if weights and self._weights_off is None else None
-        if state and self._state_off is None:  # built while the weights' storages can still be told apart
-            off = HostOffload([model], [optimizer], exclude=[weights_off or HostOffload([model], where=_is_weight)])
-            moved["state"] = off.offload()
-            self._state_off = off
-        if weights_off is not None:
-            moved["weights"] = weights_off.offload()
-            self._weights_off = weights_off
-        self.empty_cache()
-        return moved
-
-    def _onload(self, weights: bool = True, state: bool = True) -> None:
-        if weights and getattr(self, "_weights_off", None) is not None:
-            self._weights_off.onload()
-            self._weights_off = None
-        if state and getattr(self, "_state_off", None) is not None:
-            self._state_off.onload()
-            self._state_off = None
-
-    @contextlib.contextmanager
-    def _awake(self, state: bool = True):
-        """Inside: the weights (and the training state unless ``state=False``) on the device; what was offloaded
-        before goes back to host memory after."""
-        was = (getattr(self, "_weights_off", None) is not None, getattr(self, "_state_off", None) is not None)
-        self._onload(state=state)
-        try:
-            yield
-        finally:
-            if was[0] or (state and was[1]):
-                self._offload(weights=was[0], state=state and was[1])
 
 
 from openrlhf.trainer.ray.launcher import RayActorGroup as _RayActorGroup  # noqa: E402
