@@ -149,10 +149,14 @@ def sequence_log_ratio(
 # ----------------------------------------------------------------------------- temperature
 
 TEMPERATURES: Dict[str, Callable[[Tensor], Tensor]] = {}
+WEIGHTED_TEMPERATURES: set = set()  # names whose fn also takes the responses' token counts (``weights``)
 
 
-def register_temperature(name: str):
-    """Register ``fn(rewards[G,K]) -> tau[G,1]`` under ``name`` (like ``register_kl``)."""
+def register_temperature(name: str, weighted: bool = False):
+    """Register ``fn(rewards[G,K]) -> tau[G,1]`` under ``name`` (like ``register_kl``); ``weighted``:
+    ``fn(rewards, weights)`` with ``weights`` [G,K] the responses' token counts (or None)."""
+    if weighted:
+        WEIGHTED_TEMPERATURES.add(name)
     return registrar(TEMPERATURES, "temperature", name)
 
 
@@ -194,10 +198,11 @@ def batch_std_temperature(rewards: Tensor, weights: Optional[Tensor] = None) -> 
     REINFORCE++-baseline (OpenRLHF ``reinforce_baseline``) subtracts the group mean, then whitens the
     whole rollout batch: A = (a - m)/sigma with a = R - mean_g(R), m = sum w a / sum w and
     sigma^2 = max(sum w (a - m)^2 / sum w, 1e-8) over all G*K responses (OpenRLHF's floor on the
-    variance). ``weights`` None weighs every response 1, so m = 0 exactly and A = (R - mean_g)/sigma:
-    the Gibbs form of Eq. 2-3 with tau = sigma. ``weights`` [G,K] = response token counts gives
-    OpenRLHF's token-weighted sigma; its m != 0 then shifts every advantage by the same constant,
-    which a softmax over a group cannot represent (zero in expectation, not per sample).
+    variance). ``weights`` [G,K] = response token counts is OpenRLHF's token-weighted whitening (the
+    ``batch_std`` pairing uses it): A = (a - m)/sigma, whose part a/sigma is the Gibbs form of Eq. 2-3
+    with tau = sigma; the shift -m/sigma is the same for every response of the batch, which a softmax over
+    a group cannot represent (m = 0 when lengths carry no reward information, e.g. equal lengths; wrong
+    answers that are longer make m < 0). ``weights`` None weighs every response 1 (m = 0 exactly).
     ``rewards`` must hold every group of the batch (``group_temperature`` is called on the whole
     rollout batch)."""
     r = _wide(rewards)
@@ -215,11 +220,12 @@ def batch_std_temperature(rewards: Tensor, weights: Optional[Tensor] = None) -> 
     return var.clamp(min=1e-8).sqrt().expand(r.shape[0], 1).clone()
 
 
-@register_temperature("batch_std")
-def _batch_std_temperature(rewards: Tensor) -> Tensor:
-    """Batch-level std of R minus its group mean (every response weighs 1): pairs with
-    REINFORCE++-baseline (:func:`batch_std_temperature`)."""
-    return batch_std_temperature(rewards)
+@register_temperature("batch_std", weighted=True)
+def _batch_std_temperature(rewards: Tensor, weights: Optional[Tensor] = None) -> Tensor:
+    """Batch-level std of R minus its group mean, token-weighted as OpenRLHF whitens (``weights`` the
+    responses' token counts; None: every response weighs 1): pairs with REINFORCE++-baseline
+    (:func:`batch_std_temperature`)."""
+    return batch_std_temperature(rewards, weights)
 
 
 def parse_temperature(value: TemperatureSpec) -> TemperatureSpec:
@@ -242,11 +248,13 @@ def parse_temperature(value: TemperatureSpec) -> TemperatureSpec:
     raise ValueError(f"temperature must be a mode name or a positive number, got {type(value).__name__}")
 
 
-def group_temperature(rewards: Tensor, mode: TemperatureSpec) -> Tensor:
+def group_temperature(rewards: Tensor, mode: TemperatureSpec, weights: Optional[Tensor] = None) -> Tensor:
     """Per-group temperature tau [G,1] of the Gibbs target (Eq. 7-8).
 
     ``mode``: "std" (GRPO), "one" (Dr.GRPO), "mean" (MaxRL), any registered name, or a
-    positive float. Degenerate groups may give tau = 0; ``gibbs_target`` handles them.
+    positive float. ``weights`` [G,K]: the responses' token counts, for the temperatures registered
+    ``weighted`` (``batch_std``); the others ignore them. Degenerate groups may give tau = 0;
+    ``gibbs_target`` handles them.
     """
     _check_groups("rewards", rewards)
     _check_finite("rewards", rewards)
@@ -254,6 +262,8 @@ def group_temperature(rewards: Tensor, mode: TemperatureSpec) -> Tensor:
     r = _wide(rewards)
     if isinstance(spec, float):
         return torch.full_like(r[:, :1], spec)
+    if spec in WEIGHTED_TEMPERATURES:
+        return TEMPERATURES[spec](r, weights)
     return TEMPERATURES[spec](r)
 
 

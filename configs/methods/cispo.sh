@@ -1,2 +1,2 @@
-# CISPO (MiniMax-M1 2025, arXiv 2506.13585, Eq. 4): GRPO advantages, REINFORCE weighted by the detached importance ratio clipped to [0, 4] (no lower bound; cap 4 as ScaleRL, arXiv 2510.13786), token-mean loss.
+# CISPO (MiniMax-M1 2025, arXiv 2506.13585, Eq. 4): GRPO advantages, REINFORCE weighted by the detached importance ratio clipped to [0, 4] (no lower bound; cap 4 as ScaleRL, arXiv 2510.13786), token-mean loss (MiniMax-M1 Eq. 4's 1/sum|o_i|, kept: its LPO pair lpo_rev.sh is per prompt, docs/methods.md "Matched pairs").
 METHOD_ARGS=(--algo.advantage.estimator group_norm --actor.policy_loss_type cispo --actor.eps_clip_low_high 1.0 3.0 --actor.loss_agg_mode token-mean)

@@ -1,3 +1,4 @@
-# DAPO (Yu et al. 2025, arXiv 2503.14476): GRPO advantages, clip-higher 0.2/0.28, dynamic sampling (groups with mean reward in (0, 1)), overlong shaping over the last 20% of --rollout.max_new_tokens (paper 4096 of 20480), token-level loss.
+# DAPO (Yu et al. 2025, arXiv 2503.14476): GRPO advantages, clip-higher 0.2/0.28, dynamic sampling (drop groups whose scores are all equal), overlong shaping over the last 20% of --rollout.max_new_tokens (paper 4096 of 20480), token-level loss (its Sec. 3.3, kept:
+# its LPO pair lpo_*_dapo.sh is per prompt, so the pair's first steps differ by the token weighting, docs/methods.md "Matched pairs").
 DAPO_MAX_NEW=4096; for ((i = 0; i + 1 < ${#TASK_ARGS[@]}; i++)); do if [ "${TASK_ARGS[i]}" = --rollout.max_new_tokens ]; then DAPO_MAX_NEW="${TASK_ARGS[i + 1]}"; fi; done
 METHOD_ARGS=(--algo.advantage.estimator group_norm --actor.eps_clip_low_high 0.2 0.28 --algo.dynamic_filtering_enable --algo.dynamic_filtering_range 0 1 --reward.overlong_buffer_len $((DAPO_MAX_NEW / 5)) --reward.overlong_penalty_factor 1.0 --actor.loss_agg_mode token-mean)

@@ -377,11 +377,11 @@ def run_rank(model_dir: str, zero: int, dtype: str = "fp32") -> Optional[dict]:
                              "response_start": start, "old": it.action_log_probs.reshape(-1)[am].double().cpu(),
                              "reward": float(it.info["lpo_reward"])})
     windows = [sorted({int(items[i].info["lpo_gid"]) for mb in p.micro_batches for i in mb})
-               for p in trainer.last_window_plan]
+               for p in trainer.last_update.windows]
     gathered = [None] * world
     dist.all_gather_object(gathered, {"samples": mine_samples, "windows": windows})
     snaps = strategy.snapshots
-    modes = [p.mode for p in trainer.last_window_plan]
+    modes = [p.mode for p in trainer.last_update.windows]
     engine_gas = int(actor.model.gradient_accumulation_steps())
     dist.barrier()
     if rank != 0:

@@ -92,7 +92,7 @@ def dp_size(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------- LPO / MaxRL
 
 from openrlhf_lpo.core.config import (  # noqa: E402  (shared with the OpenRLHF extension)
-    EXTRA_ESTIMATORS, LPO_ESTIMATORS, PAIRED_TEMPERATURE, LPOConfig, uses_lpo_classes)
+    EXTRA_ESTIMATORS, LPO_ESTIMATORS, PAIRED_TEMPERATURE, LPOConfig)
 
 def _add_lpo_arguments(parser: argparse.ArgumentParser) -> None:
     """``--lpo.<field>`` for every field of :class:`LPOConfig` (its help; default None, so validation can tell a
@@ -114,6 +114,10 @@ def _validate_extra_estimators(args: argparse.Namespace) -> None:
 
     est = args.algo.advantage.estimator
     K = args.rollout.n_samples_per_prompt
+    # response entropy is one of the logged quantities of every method (core/metrics.py): with coefficient 0 it
+    # is computed without an autograd graph (LPOActorTrainer.training_step)
+    if args.actor.entropy_coef is None:
+        args.actor.entropy_coef = 0.0
     if est not in LPO_ESTIMATORS:
         given = [f"--{f}" for f in ("lpo.divergence", "lpo.projection") + RESEARCH_FLAGS if flag_was_given(args, f)]
         given += ["--lpo.force_two_pass"] if args.lpo.force_two_pass else []
@@ -214,11 +218,6 @@ def _validate_extra_estimators(args: argparse.Namespace) -> None:
             f"--rollout.batch_size x --rollout.n_samples_per_prompt = {rb * K} must be a multiple of "
             f"--train.batch_size {tb} (whole optimizer steps per rollout batch)"
         )
-
-    # response entropy is one of the logged quantities: with coefficient 0 it is computed without
-    # an autograd graph (LPOActorTrainer.training_step).
-    if args.actor.entropy_coef is None:
-        args.actor.entropy_coef = 0.0
 
 
 # the research-agenda flags (issue 25): a schedule, the entropy switch, tau scaling, listwise replay
@@ -339,6 +338,8 @@ def _validate_listwise_metrics(args: argparse.Namespace, est: str, K: int) -> No
         )
     if not temperature_given:
         args.lpo.temperature = PAIRED_TEMPERATURE[est]
+        if est == "reinforce_baseline" and getattr(args.algo.advantage, "no_std_norm", False):
+            args.lpo.temperature = "one"  # no whitening: the advantage is R - group mean, Dr.GRPO's
     try:
         args.lpo.temperature = listwise.parse_temperature(args.lpo.temperature)
     except ValueError as e:
@@ -346,11 +347,11 @@ def _validate_listwise_metrics(args: argparse.Namespace, est: str, K: int) -> No
 
 
 def _lpo_before_train(args: argparse.Namespace):
-    # every run gets the runtime safety nets (reward-error window, HF export rotation); lpo / maxrl /
-    # --lpo.end_kl runs get the LPO classes, which include them (openrlhf/ray_classes.py)
+    # every run uses the LPO classes: one update loop and one metric set for every estimator (core/update.py),
+    # the seeded prompt order, the project's in-training eval and the runtime safety nets (openrlhf/ray_classes.py)
     from openrlhf_lpo.openrlhf.patches import apply_patches
 
-    return apply_patches(lpo=uses_lpo_classes(args))
+    return apply_patches()
 
 
 register_flag_group(

@@ -3,7 +3,7 @@ add, the temperature that pairs each group policy-gradient estimator with LPO, a
 logs the listwise metrics. The CLI imports this module; nothing here imports the CLI.
 
 Public names (stable):
-    LPO_ESTIMATORS, EXTRA_ESTIMATORS, PAIRED_TEMPERATURE, dp_size(args),
+    LPO_ESTIMATORS, EXTRA_ESTIMATORS, PAIRED_TEMPERATURE, PAIRED_METHODS, dp_size(args),
     listwise_metrics_enabled(args), uses_lpo_classes(args)
     LPOConfig                     the frozen ``--lpo.*`` settings: each field holds its flag's default and help
                                   (``cli/flags.py`` builds the flags from them); ``LPOConfig.from_args(args)``
@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Optional, Union
 
-__all__ = ["LPO_ESTIMATORS", "EXTRA_ESTIMATORS", "PAIRED_TEMPERATURE", "dp_size", "listwise_metrics_enabled",
+__all__ = ["LPO_ESTIMATORS", "EXTRA_ESTIMATORS", "PAIRED_TEMPERATURE", "PAIRED_METHODS", "dp_size", "listwise_metrics_enabled",
            "uses_lpo_classes", "LPOConfig"]
 
 LPO_ESTIMATORS = ("lpo",)
@@ -24,6 +24,18 @@ EXTRA_ESTIMATORS = ("lpo", "maxrl")
 # --lpo.end_kl they log the same KL(w*||P) as LPO (metrics only), so the two can be compared.
 PAIRED_TEMPERATURE = {"group_norm": "std", "dr_grpo": "one", "maxrl": "mean", "rloo": "loo",
                       "reinforce_baseline": "batch_std"}
+# Each baseline method file of configs/methods and its LPO pairs (same temperature, same method-specific settings):
+# the pairs lpo-compare runs and the matched-pair test checks (docs/methods.md "Matched pairs").
+PAIRED_METHODS = {
+    "grpo": {"fwd": "lpo_fwd", "rev": "lpo_rev"},
+    "dr_grpo": {"fwd": "lpo_fwd_drgrpo", "rev": "lpo_rev_drgrpo"},
+    "maxrl": {"fwd": "lpo_fwd_maxrl", "rev": "lpo_rev_maxrl"},
+    "rloo": {"fwd": "lpo_fwd_rloo", "rev": "lpo_rev_rloo"},
+    "reinforce_pp": {"fwd": "lpo_fwd_reinforce_pp", "rev": "lpo_rev_reinforce_pp"},
+    "dapo": {"fwd": "lpo_fwd_dapo", "rev": "lpo_rev_dapo"},
+    "gspo": {"fwd": "lpo_fwd", "rev": "lpo_rev"},
+    "cispo": {"fwd": "lpo_fwd", "rev": "lpo_rev"},
+}
 
 
 def dp_size(args) -> int:

@@ -1,14 +1,14 @@
 """Listwise metrics of a rollout batch spread over data-parallel ranks.
 
 Public names (stable):
-    distributed_listwise_stats(gids, s, target, group_size, group=None, device=None)
+    distributed_listwise_stats(gids, s, target, group_size, all_reduce)
         -> {"kl", "entropy_p", "entropy_target", "groups"}: means over the global batch's groups of
         KL(w*||P) (Eq. 10), H(P) and H(w*), P = softmax(s). Each rank passes its own samples
-        (global group ids ``gids``); a group's members may sit on different ranks. Every rank of
-        ``group`` (default: the world, when torch.distributed is initialised) must call it.
-    listwise_update_metrics(gids, s_start, s_end, target, group_size, group=None, device=None)
-        -> the logged ``lpo/kl_start``, ``lpo/kl_end``, ``lpo/entropy_p_end``, ``lpo/entropy_target``,
-        ``lpo/groups`` of an update that moved s from ``s_start`` to ``s_end``.
+        (global group ids ``gids``); a group's members may sit on different ranks (a policy-gradient
+        estimator's batch). ``all_reduce(values, op)`` reduces over the data-parallel ranks (every rank calls it).
+    listwise_update_metrics(gids, s_start, s_end, target, group_size, all_reduce)
+        -> the logged ``lpo/kl_start``, ``lpo/kl_end``, ``lpo/entropy_p_start``, ``lpo/entropy_p_end``,
+        ``lpo/entropy_target``, ``lpo/groups`` of an update that moved s from ``s_start`` to ``s_end``.
 
     lpo_group_stats(s[G,K], w*[G,K]) -> per-group KL(w*||P), H(P), H(w*) (float64)
     update_metrics(...) -> the ``lpo/*`` metrics of one LPO update, the same on both backends (the
@@ -23,7 +23,6 @@ import math
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
 from openrlhf_lpo import listwise
 from openrlhf_lpo.core.offpolicy import behaviour_stats
@@ -35,24 +34,21 @@ Reduce = Callable[[List[float]], List[float]]
 
 
 def distributed_listwise_stats(gids: torch.Tensor, s: torch.Tensor, target: torch.Tensor, group_size: int,
-                               group=None, device: Optional[torch.device] = None) -> Dict[str, float]:
-    device = device if device is not None else s.device
-    reduce = dist.is_available() and dist.is_initialized()
-    n = torch.tensor([int(gids.max()) + 1 if gids.numel() else 0], dtype=torch.float64, device=device)
-    if reduce:
-        dist.all_reduce(n, op=dist.ReduceOp.MAX, group=group)
-    sums = listwise_group_sums(gids.to(device), s.to(device), target.to(device), int(n.item()))
-    if reduce:
-        dist.all_reduce(sums, group=group)
-    return listwise_stats_from_sums(sums.cpu(), group_size)
+                               all_reduce: Callable[[List[float], str], List[float]]) -> Dict[str, float]:
+    gids = torch.as_tensor(gids, dtype=torch.long)
+    n = int(all_reduce([float(int(gids.max()) + 1 if gids.numel() else 0)], "max")[0])
+    sums = listwise_group_sums(gids, s.double().cpu(), target.double().cpu(), n)
+    total = torch.tensor(all_reduce(sums.reshape(-1).tolist(), "sum"), dtype=torch.float64).view(5, n)
+    return listwise_stats_from_sums(total, group_size)
 
 
 def listwise_update_metrics(gids: torch.Tensor, s_start: torch.Tensor, s_end: torch.Tensor, target: torch.Tensor,
-                            group_size: int, group=None, device: Optional[torch.device] = None) -> Dict[str, float]:
-    start = distributed_listwise_stats(gids, s_start, target, group_size, group=group, device=device)
-    end = distributed_listwise_stats(gids, s_end, target, group_size, group=group, device=device)
-    return {"lpo/kl_start": start["kl"], "lpo/kl_end": end["kl"], "lpo/entropy_p_end": end["entropy_p"],
-            "lpo/entropy_target": start["entropy_target"], "lpo/groups": start["groups"]}
+                            group_size: int, all_reduce: Callable[[List[float], str], List[float]]) -> Dict[str, float]:
+    start = distributed_listwise_stats(gids, s_start, target, group_size, all_reduce)
+    end = distributed_listwise_stats(gids, s_end, target, group_size, all_reduce)
+    return {"lpo/kl_start": start["kl"], "lpo/kl_end": end["kl"], "lpo/entropy_p_start": start["entropy_p"],
+            "lpo/entropy_p_end": end["entropy_p"], "lpo/entropy_target": start["entropy_target"],
+            "lpo/groups": start["groups"]}
 
 
 def lpo_group_stats(s: torch.Tensor, target: torch.Tensor) -> Dict[str, torch.Tensor]:
@@ -70,14 +66,14 @@ def lpo_group_stats(s: torch.Tensor, target: torch.Tensor) -> Dict[str, torch.Te
 def update_metrics(gids: Sequence[int], target: torch.Tensor, prev: torch.Tensor, reward: torch.Tensor,
                    tau: torch.Tensor, last_s: torch.Tensor, abs_coef_sum: float, coef_count: int,
                    modes: Mapping[str, int], group_size: int, divergence: str, all_reduce_sum: Reduce,
-                   all_reduce_max: Reduce, correction: bool = False, s_end: Optional[torch.Tensor] = None,
-                   end: Optional[Dict[str, float]] = None) -> Dict[str, float]:
+                   all_reduce_max: Reduce, correction: bool = False,
+                   s_end: Optional[torch.Tensor] = None) -> Dict[str, float]:
     """The ``lpo/*`` metrics of one update over the rank's whole groups (float64, per sample [N]):
     KL(w*||P) (Eq. 10) and H(P) at s_t (``prev``) and at each sample's last training pass (``last_s``),
     H(w*), the trained divergence at both (and at ``s_end`` when given), the degenerate-group fraction,
     tau's mean / min / max, the mean |c|, the window counts by mode and, with ``correction``, the
-    behaviour policy's distance (offpolicy.behaviour_stats). ``end``: the ``--lpo.end_kl`` statistics of
-    :func:`distributed_listwise_stats`. Every rank calls it (two sums, one maximum)."""
+    behaviour policy's distance (offpolicy.behaviour_stats). ``s_end`` (``--lpo.end_kl``): s after the update,
+    for KL(w*||P), H(P) and the trained divergence at the end. Every rank calls it (two sums, one maximum)."""
     K = group_size
     order = torch.tensor(sorted(range(len(gids)), key=lambda i: (int(gids[i]), i)), dtype=torch.long)
     w = target.double()[order].view(-1, K)
@@ -99,7 +95,11 @@ def update_metrics(gids: Sequence[int], target: torch.Tensor, prev: torch.Tensor
         "div_last": float(listwise.listwise_divergence(s1, w, divergence).sum()),
     }
     if s_end is not None:
-        named["div_end"] = float(listwise.listwise_divergence(s_end.double()[order].view(-1, K), w, divergence).sum())
+        s2 = s_end.double()[order].view(-1, K)
+        end = lpo_group_stats(s2, w)
+        named["div_end"] = float(listwise.listwise_divergence(s2, w, divergence).sum())
+        named["kl_end"] = float(end["kl"].sum())
+        named["entropy_p_end"] = float(end["entropy_p"].sum())
     sums = dict(zip(named, all_reduce_sum(list(named.values()))))
     any_finite = bool(finite.any())
     ext = all_reduce_max([float(t[finite].max()) if any_finite else -math.inf,
@@ -124,11 +124,10 @@ def update_metrics(gids: Sequence[int], target: torch.Tensor, prev: torch.Tensor
     out.update({f"lpo/{mode}_windows": float(n) for mode, n in modes.items()})
     if "div_end" in sums:
         out["lpo/divergence_end"] = sums["div_end"] / G
+        out["lpo/kl_end"] = sums["kl_end"] / G
+        out["lpo/entropy_p_end"] = sums["entropy_p_end"] / G
     if correction:
         out["lpo/behaviour_abs_mean"] = sums["behaviour_abs"] / G
         out["lpo/behaviour_abs_max"] = ext[2]
         out["lpo/behaviour_ess"] = sums["behaviour_ess"] / G
-    if end is not None:
-        out["lpo/kl_end"] = end["kl"]
-        out["lpo/entropy_p_end"] = end["entropy_p"]
     return out

@@ -58,7 +58,6 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from openrlhf_lpo.core.update import WindowMode, window_coefficients
 from openrlhf_lpo.megatron import convert, rope
 from openrlhf_lpo.megatron.device import group_device, local_device
 from openrlhf_lpo.megatron.parallel_layout import validate_layout
@@ -453,17 +452,15 @@ class MegatronActor:
         dist.broadcast(t, src=self.ps.get_pipeline_model_parallel_last_rank(), group=group)
         return t
 
-    def _reduce_stats(self, vals: Dict[str, torch.Tensor], keys: List[str]) -> Dict[str, float]:
-        """Sum the last stage's statistics (0-d tensors, any device) over DP, share them over PP; one
-        host read for the whole step. ``keys`` is the same list on every rank."""
+    def _share_stats(self, vals: Dict[str, torch.Tensor], keys: List[str]) -> Dict[str, float]:
+        """The last stage's statistics (0-d tensors, any device) on every rank of the pipeline; one host read for
+        the whole step. ``keys`` is the same list on every rank. Not reduced over data-parallel ranks (the
+        update's caller reduces once, at the end)."""
         t = None
         if self.is_last_stage:
             t = torch.stack([vals[k].detach().to(torch.float64).reshape(()) if k in vals
                              else torch.zeros((), dtype=torch.float64, device=self.device) for k in keys])
         t = self._broadcast_from_last_stage(t, (len(keys),), torch.float64)
-        dp_group = self.ps.get_data_parallel_group()
-        t = t.to(group_device(dp_group))
-        dist.all_reduce(t, group=dp_group)
         return {k: float(v) for k, v in zip(keys, t.tolist())}
 
     def _window_totals(self, mbatches: List[Dict]) -> Dict[str, float]:
@@ -508,14 +505,20 @@ class MegatronActor:
 
     def train_step(self, batch: Dict[str, torch.Tensor], spec: LossSpec,
                    micro_batches: Optional[List[List[int]]] = None,
-                   coefficients: Optional[torch.Tensor] = None) -> Dict[str, float]:
-        """One optimizer step on this replica's batch (all replicas call it together).
+                   coefficients: Optional[torch.Tensor] = None) -> Dict[str, object]:
+        """One optimizer step on this replica's batch (all replicas call it together): the engine side of
+        ``core.update``'s ``step``.
 
         ``micro_batches``: row indices per micro-batch (default: ``micro_batch_size`` rows each); every
-        rank of a replica passes the same plan. ``coefficients`` [B] (``listwise_surrogate``): c_k from the
-        caller (s_t in the first window, -w* for the pointwise projection); None runs the no-grad
-        coefficient pass at the current parameters."""
-        from openrlhf_lpo.megatron.losses import count_key, policy_loss_module
+        rank of a replica passes the same plan. ``coefficients`` [B] (``listwise_surrogate``): the window's c_k
+        from the update plan (shortcut, pre-pass or pointwise). Returns ``{"sums", "grad_norm", "lr", "s"}``:
+        this replica's sums of core/metrics.py's ``STEP_SUMS`` (shared over the pipeline, not reduced over
+        data-parallel ranks), the global gradient norm before clipping, the learning rate of the next step (as
+        DeepSpeed's scheduler reports it after a step; ``applied_lr``: this step's) and,
+        for the listwise losses, s of every row at this step's parameters (float64, host)."""
+        from openrlhf_lpo.core.loss import token_statistics
+        from openrlhf_lpo.core.metrics import STEP_SUMS
+        from openrlhf_lpo.megatron.losses import clip_bounds, count_key, policy_loss_module
 
         loss = get_policy_loss(spec.name)
         batch = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
@@ -523,7 +526,8 @@ class MegatronActor:
         index_lists = micro_batches or self.fixed_micro_batches(B)
         if spec.name == "listwise_surrogate":
             if coefficients is None:
-                coefficients = self.surrogate_coefficients(batch, spec, index_lists)
+                raise ValueError("listwise_surrogate: the window's coefficients come from the update plan "
+                                 "(core.update.window_coefficients)")
             batch["coefficients"] = coefficients.detach().cpu().double()
         if spec.name == "listwise":
             bad = sorted({len(i) for i in index_lists if len(i) % spec.group_size})
@@ -546,6 +550,8 @@ class MegatronActor:
             totals = self._window_totals(mbatches)
             main = {"n_responses": "responses", "n_tokens": "tokens", "n_nonempty": "nonempty"}[count_key(spec)]
             aux_scale = totals[main] / max(totals["tokens"], 1.0)
+        band = spec.correction_band
+        clip_eps = clip_bounds(spec.clip_eps)
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -553,9 +559,15 @@ class MegatronActor:
         def loss_fn(mb, output):
             logp, ent = self._token_log_probs(output, mb, entropy_mode)
             total, count, stats = loss(logp, mb, spec)
-            mask = mb["action_mask"].to(logp.dtype)
-            ent_sum = (ent * mask).sum()
-            stats = dict(stats, entropy_sum=ent_sum.detach(), tokens=mask.sum(), responses=mb["n_responses"])
+            mask = mb["action_mask"]
+            fmask = mask.to(logp.dtype)
+            ent_sum = (ent * fmask).sum()
+            rollout = mb.get("rollout_log_probs")
+            stats = dict(stats, entropy_sum=ent_sum.detach(),
+                         **token_statistics(logp, mb["old_log_probs"], mask, clip_eps,
+                                            rollout if band is not None else None, band))
+            if spec.name == "pg":
+                stats["loss_count"] = count
             if spec.entropy_coef:
                 total = total - spec.entropy_coef * aux_scale * ent_sum
             if use_kl:
@@ -563,9 +575,9 @@ class MegatronActor:
 
                 kl = compute_approx_kl(logp, mb["base_log_probs"].to(logp.dtype), log_probs_old=mb["old_log_probs"],
                                        kl_estimator=spec.kl_estimator, unbiased_gradient=spec.kl_unbiased_gradient)
-                kl_sum = (kl * mask).sum()
+                kl_sum = (kl * fmask).sum()
                 total = total + spec.kl_coef * aux_scale * kl_sum
-                stats["kl_sum"] = kl_sum.detach()
+                stats["kl_loss_sum"] = kl_sum.detach()
             return total, count, stats
 
         outs = self._run(mbatches, loss_fn, forward_only=False)
@@ -582,46 +594,17 @@ class MegatronActor:
                         s_parts.append(v)
                         continue
                     local[k] = v if k not in local else local[k] + v
-        keys = ["entropy_sum", "tokens", "responses", "loss_sum", "surrogate_sum", "clip_sum", "ppo_kl_sum",
-                "vllm_kl_sum", "kl_sum"]
-        tot = self._reduce_stats(local, keys)
-        metrics = {"grad_norm": float(grad_norm) if grad_norm is not None else float("nan"), "update_ok": float(ok),
-                   "lr": lr, "next_lr": self.lr_schedule.lr}
-        tokens = max(tot["tokens"], 1.0)
-        metrics["entropy"] = tot["entropy_sum"] / tokens
-        if spec.name == "listwise":  # mean over groups
-            metrics["policy_loss"] = tot["loss_sum"] / max(tot["responses"] / spec.group_size, 1.0)
-        elif spec.name == "pg":
-            metrics["policy_loss"] = tot["loss_sum"] / (tokens if count_key(spec) == "n_tokens"
-                                                        else max(tot["responses"], 1.0))
-        if spec.name == "pg":
-            metrics["ppo_clip_ratio"] = tot["clip_sum"] / tokens
-            metrics["ppo_kl"] = tot["ppo_kl_sum"] / tokens
-            if spec.is_correction[0] != "off":
-                metrics["vllm_kl"] = tot["vllm_kl_sum"] / tokens
-        if use_kl:
-            metrics["kl"] = tot["kl_sum"] / tokens
-        if spec.name.startswith("listwise"):  # s of every row at this step's parameters (the lpo/*_last metrics)
+        sums = self._share_stats(local, list(STEP_SUMS))
+        out = {"sums": sums, "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+               "lr": self.lr_schedule.lr, "applied_lr": lr, "update_ok": bool(ok), "s": None}
+        if spec.name.startswith("listwise"):  # s of every row at this step's parameters
             s_rows = None
             if self.is_last_stage:
                 s_rows = torch.empty(B, dtype=torch.float64, device=self.device)
                 order = torch.as_tensor([i for idx in index_lists for i in idx], dtype=torch.long, device=self.device)
                 s_rows[order] = torch.cat([p.to(self.device, torch.float64).reshape(-1) for p in s_parts])
-            metrics["s"] = self._broadcast_from_last_stage(s_rows, (B,), torch.float64).cpu()
-        if spec.name == "listwise_surrogate":
-            metrics["c"] = batch["coefficients"]
-        return metrics
-
-    def surrogate_coefficients(self, batch, spec: LossSpec, micro_batches: Optional[List[List[int]]] = None) -> torch.Tensor:
-        """c_k = dL/ds_k of the projection's loss (``listwise.projection_coefficients``: dD/ds for
-        ``listwise``, -w* for ``pointwise``) from a no-grad pass at the current parameters (over
-        ``micro_batches``, the step's own plan); the replica's batch holds whole groups, K consecutive."""
-        from openrlhf_lpo.megatron.losses import listwise_log_ratio
-
-        logp = self.log_probs(batch, micro_batches=micro_batches).cpu()
-        s = listwise_log_ratio(logp.double(), {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}, spec)
-        return window_coefficients(WindowMode.PRE_PASS, batch["target"], spec.divergence, spec.projection,
-                                   spec.group_size, s=s)
+            out["s"] = self._broadcast_from_last_stage(s_rows, (B,), torch.float64).cpu()
+        return out
 
     # ------------------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, root: str, tag: Optional[str] = None, client_state: Optional[dict] = None,

@@ -6,7 +6,8 @@ Every loss returns ``(loss_sum, count, stats)``: megatron's schedule (with
 data-parallel ranks. So the optimizer sees the *global* mean over whatever ``count`` counts,
 independent of the TP/PP/DP layout and of how sequences are split into micro-batches.
 
-Listwise losses count **responses** and multiply the per-group loss by K: the sum over groups of
+Listwise losses are core/loss.py's (written once for both backends); this module keeps Megatron's
+normalisation: they count **responses** and multiply the per-group loss by K, so the sum over groups of
 D_g divided by the number of groups G equals ``sum_g K*D_g / (G*K)``, i.e. the LPO objective
 (mean over prompts, Eq. 10/11) whatever the grouping of micro-batches.
 
@@ -38,7 +39,7 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-from openrlhf_lpo import listwise
+from openrlhf_lpo.core.loss import clip_bounds  # noqa: F401  (one epsilon or a pair -> (low, high))
 from openrlhf_lpo.core.policy_loss import POLICY_LOSS_TYPES, policy_loss_outputs, token_correction
 from openrlhf_lpo.registry import lookup, registrar
 
@@ -73,6 +74,17 @@ class LossSpec:
     kl_unbiased_gradient: bool = False
     entropy_coef: float = 0.0  # --actor.entropy_coef: minus coef times the token-mean entropy
 
+    @property
+    def correction_band(self) -> Optional[Tuple[float, float]]:
+        """The train/rollout ratio band of the behaviour correction (None when it is off): the logged
+        ``is_filter_ratio`` counts the tokens outside it."""
+        if self.name == "pg":
+            level, _, _, threshold = self.is_correction
+            return None if level == "off" else (float(threshold[0]), float(threshold[1]))
+        if self.correction is None or self.correction.mode == "none":
+            return None
+        return float(self.correction.low), float(self.correction.high)
+
 
 def register_policy_loss(name: str):
     return registrar(POLICY_LOSSES, "policy loss", name)
@@ -82,12 +94,6 @@ def get_policy_loss(name: str):
     return lookup(POLICY_LOSSES, "policy loss", name)
 
 
-def clip_bounds(clip_eps) -> Tuple[float, float]:
-    """(low, high) from one epsilon or a pair."""
-    if isinstance(clip_eps, (tuple, list)):
-        lo, hi = clip_eps
-        return float(lo), float(hi)
-    return float(clip_eps), float(clip_eps)
 
 
 def _count(mb, key: str, fallback) -> torch.Tensor:
@@ -96,44 +102,29 @@ def _count(mb, key: str, fallback) -> torch.Tensor:
     return c if c is not None else torch.tensor(int(fallback()), dtype=torch.int)
 
 
-def listwise_log_ratio(log_probs, mb, spec: LossSpec) -> torch.Tensor:
-    """s = (1/n) sum_t clip(log pi_theta - log pi_t) + delta over the tokens the behaviour correction
-    keeps (offpolicy.py placement B); delta = ``mb["prev_log_ratio"]`` (absent: 0)."""
-    from openrlhf_lpo.core.offpolicy import token_keep_mask
+def _listwise_terms(log_probs, mb, spec: LossSpec, coefficients):
+    from openrlhf_lpo.core.loss import listwise_micro_loss
 
-    mask = token_keep_mask(mb["old_log_probs"], mb.get("rollout_log_probs"), mb["action_mask"], spec.correction)
-    # float64 like the DeepSpeed trainer's LPO math (B scalars)
-    s = listwise.sequence_log_ratio(log_probs.double(), mb["old_log_probs"].double(), mask, spec.clip_eps)
-    prev = mb.get("prev_log_ratio")
-    return s if prev is None else s + prev.to(device=s.device, dtype=s.dtype)
+    return listwise_micro_loss(log_probs, mb["old_log_probs"], mb["action_mask"], mb["target"], spec.group_size,
+                               spec.divergence, spec.projection, spec.clip_eps, prev=mb.get("prev_log_ratio"),
+                               coefficients=coefficients, rollout_log_probs=mb.get("rollout_log_probs"),
+                               correction=spec.correction)
 
 
 @register_policy_loss("listwise")
 def _listwise(log_probs, mb, spec: LossSpec) -> Tuple[torch.Tensor, torch.Tensor, dict]:
-    """LPO on whole groups: K * sum_g D(w*_g, softmax(s_g)) (Eq. 4, 8, 10/11)."""
-    b = log_probs.shape[0]
-    K = spec.group_size
-    if b % K:
-        raise ValueError(f"micro-batch of {b} responses does not hold whole groups of K={K}")
-    s = listwise_log_ratio(log_probs, mb, spec)
-    g = b // K
-    per_group_mean = listwise.listwise_loss(
-        s.view(g, K), mb["target"].view(g, K).to(s.dtype), spec.divergence, spec.projection
-    )
-    total = (per_group_mean * g * K).to(log_probs.dtype)
-    return total, _count(mb, "n_responses", lambda: b), {"loss_sum": per_group_mean.detach() * g, "s_rows": s.detach()}
+    """LPO on whole groups (K consecutive rows): K * sum_g D(w*_g, softmax(s_g)) (core/loss.py)."""
+    terms = _listwise_terms(log_probs, mb, spec, None)
+    total = (terms.total * spec.group_size).to(log_probs.dtype)
+    return total, _count(mb, "n_responses", lambda: log_probs.shape[0]), {"s_rows": terms.s}
 
 
 @register_policy_loss("listwise_surrogate")
 def _listwise_surrogate(log_probs, mb, spec: LossSpec):
-    """Two-pass LPO: K * sum_k stopgrad(c_k) s_k with c from ``projection_coefficients`` (the
-    gradient of the projection's loss: dD/ds for listwise, -w* for pointwise), computed by a no-grad
-    pass, from s_t in the first window, or as -w* for the pointwise projection."""
-    s = listwise_log_ratio(log_probs, mb, spec)
-    sur = listwise.listwise_surrogate(s.unsqueeze(-1), mb["coefficients"].to(s.dtype).unsqueeze(-1))
-    total = (sur.sum() * spec.group_size).to(log_probs.dtype)
-    return total, _count(mb, "n_responses", lambda: s.shape[0]), {"surrogate_sum": sur.detach().sum(),
-                                                                  "s_rows": s.detach()}
+    """Two-pass LPO: K * sum_k stopgrad(c_k) s_k with the window's c from the update plan (core/update.py)."""
+    terms = _listwise_terms(log_probs, mb, spec, mb["coefficients"])
+    total = (terms.total * spec.group_size).to(log_probs.dtype)
+    return total, _count(mb, "n_responses", lambda: log_probs.shape[0]), {"s_rows": terms.s}
 
 
 class RegisteredPolicyLoss:
@@ -188,14 +179,10 @@ def _pg(log_probs, mb, spec: LossSpec):
     fn = mb.get("_policy_loss_fn") or policy_loss_module(spec)
     old = mb["old_log_probs"].to(log_probs.dtype)
     rollout = mb.get("rollout_log_probs")
-    total, clip_ratio, ppo_kl, vllm_kl, filtered = fn(
+    total, *_ = fn(
         log_probs, old, adv, action_mask=mask, rollout_log_probs=None if rollout is None else rollout.to(log_probs.dtype),
         dp_size=1, batch_num_tokens=1.0, global_batch_size=1.0)
-    fmask = mask.to(log_probs.dtype)
-    tokens = fmask.sum()
-    stats = {"loss_sum": total.detach(), "clip_sum": clip_ratio.detach() * tokens, "ppo_kl_sum": ppo_kl.detach() * tokens}
-    if vllm_kl is not None:
-        stats["vllm_kl_sum"] = vllm_kl.detach() * tokens
+    stats = {"loss_sum": total.detach()}
     if spec.loss_agg_mode == "token-mean" and spec.policy_loss_type != "gspo":
         return total, _count(mb, "n_tokens", lambda: mask.sum()), stats
     return total, _count(mb, "n_nonempty", lambda: (mask.sum(-1) > 0).sum()), stats

@@ -15,32 +15,27 @@ expects (see :func:`openrlhf_lpo.megatron.flags`).
 Weights to the rollout engines (:mod:`.vllm_sync`), sleep between phases (:mod:`.sleep`) and checkpoints
 (:mod:`.actor_checkpoints`) are mixins of :class:`MegatronPolicyActor`.
 
-Training (``fit``): the rank's experiences are merged into one padded batch, split into
-optimizer windows of ``train.batch_size / dp`` responses made of whole prompt groups
-(group-level shuffle, seeded), and each window is one :meth:`MegatronActor.train_step`; the
-data-parallel replicas agree on the number of windows (LPO: equal by construction, checked;
-policy-gradient estimators: a partial batch dealt 520 / 512 samples gives both replicas the same
-number of windows, each replica's samples split evenly over them). Micro-batches hold
-``--train.micro_batch_size`` samples or, with ``--train.dynamic_batch_enable``, up to
-``--train.max_tokens_per_gpu`` tokens (the group-aware planner of ``openrlhf_lpo/core/layout.py``,
-counts agreed over the replicas; every rank of a replica plans the same). Like the DeepSpeed trainer,
-LPO takes c per window from one of three places: one pass (micro-batches hold whole groups), the
-shortcut (the first window of a rollout batch runs at the parameters that produced the old log-probs,
-so s = s_t and c needs no forward) or a no-grad pre-pass (later windows); the pointwise projection's
-c = -w* needs none. Every other estimator uses OpenRLHF's ``PolicyLoss`` with its advantages.
-KL loss (``--algo.kl.use_loss``, reference log-probs from OpenRLHF's DeepSpeed reference actor as
-upstream) and the entropy bonus are token means over the window, as on DeepSpeed.
+Training (``fit``): the replica's experiences are merged into one padded batch and handed to
+``core.update.run_update`` (the update loop written once for both backends: windows of whole prompt groups
+for LPO or of ``--train.batch_size / dp`` samples for a policy-gradient estimator, shuffled from
+``--train.seed``, micro-batches of ``--train.micro_batch_size`` samples or ``--train.max_tokens_per_gpu``
+tokens, where each window's c comes from, the metric set of core/metrics.py) with :class:`MegatronEngine`:
+one :meth:`MegatronActor.train_step` per window, its no-grad ``log_probs`` for s, reductions over the
+data-parallel group. KL loss (``--algo.kl.use_loss``, reference log-probs from OpenRLHF's DeepSpeed
+reference actor as upstream) and the entropy bonus are token means over the window, as on DeepSpeed.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 
 from dataclasses import replace
 
+from openrlhf_lpo.core.update import (StepResult, UpdateBatch, UpdateEngine, UpdateSettings, Window, WindowMode,
+                                      run_update)
 from openrlhf_lpo.megatron.actor_checkpoints import CKPT_SUBDIR, CheckpointMixin
 from openrlhf_lpo.megatron.device import group_device as _group_device
 from openrlhf_lpo.megatron.losses import LossSpec
@@ -104,45 +99,12 @@ def merge_experiences(experiences) -> Dict[str, torch.Tensor]:
     return batch
 
 
-# MegatronActor.train_step metric -> the name OpenRLHF's ppo_train reports
-STATUS_KEYS = {"grad_norm": "actor_grad_norm", "entropy": "response_entropy"}
-
-
-def plan_windows(num: int, window: int, generator, num_windows: Optional[int] = None) -> List[torch.Tensor]:
-    """Index sets of the optimizer windows of a policy-gradient estimator (no groups): a random order cut
-    every ``window`` samples, or into ``num_windows`` near-equal windows when the replicas hold different
-    numbers of samples (see :func:`agree_windows`). LPO's windows of whole groups: ``core.update``."""
-    order = torch.randperm(num, generator=generator)
-    if num_windows is not None:
-        if num < num_windows:
-            raise ValueError(f"{num} samples cannot fill the {num_windows} optimizer windows the other "
-                             "data-parallel replicas run")
-        return list(torch.tensor_split(order, num_windows))
-    return [order[i : i + window] for i in range(0, num, window)]
-
-
-def agree_windows(num: int, window: int, group) -> Optional[int]:
-    """Collective over the data-parallel group: None when every replica holds ``num`` samples (each cuts
-    its own windows of ``window``), else the largest window count any replica needs, which all of them
-    then run (every ``train_step`` is collective over DP: a replica that stops early leaves the others
-    waiting in the gradient all-reduce until the NCCL timeout)."""
-    import torch.distributed as dist
-
-    from openrlhf_lpo.megatron.device import group_device
-
-    n_w = -(-num // window)
-    t = torch.tensor([n_w, num, -num], dtype=torch.float64, device=group_device(group))
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    most, n_max, n_min = int(t[0]), int(t[1]), -int(t[2])
-    return None if n_max == n_min else most
-
-
 from openrlhf_lpo.megatron.pipeline_plan import _get  # noqa: E402  (args.a.b with a default)
 
 
-def loss_spec_from_args(args, micro_batch_size: int, kl_ctl: float = 0.0) -> LossSpec:
-    """The loss of ``fit``'s windows from the flags (LPO: ``listwise`` when micro-batches of fixed size hold
-    whole groups, else the surrogate; the pointwise / shortcut / pre-pass choice is per window)."""
+def loss_spec_from_args(args, kl_ctl: float = 0.0) -> LossSpec:
+    """The loss of ``fit``'s windows from the flags: ``listwise`` for LPO (each window's plan picks one pass or the
+    surrogate, and the update's divergence), ``pg`` (OpenRLHF's ``PolicyLoss`` or a registered type) otherwise."""
     est = args.algo.advantage.estimator
     K = args.rollout.n_samples_per_prompt
     lo, hi = getattr(args.actor, "eps_clip_low_high", None) or (args.actor.eps_clip, args.actor.eps_clip)
@@ -157,9 +119,8 @@ def loss_spec_from_args(args, micro_batch_size: int, kl_ctl: float = 0.0) -> Los
 
         lpo = LPOConfig.from_args(args)
         level = _get(args, "algo.advantage.is_correction_level", "off")
-        two_pass = lpo.force_two_pass or micro_batch_size % K != 0 or bool(_get(args, "train.dynamic_batch_enable", False))
         return LossSpec(
-            name="listwise_surrogate" if two_pass else "listwise",
+            name="listwise",
             divergence=lpo.divergence,
             projection=lpo.projection,
             clip_eps=(lo, hi) if lo != hi else lo,
@@ -175,9 +136,58 @@ def loss_spec_from_args(args, micro_batch_size: int, kl_ctl: float = 0.0) -> Los
                     is_correction=correction, **common)
 
 
-def _seed_of(args) -> int:
-    train = getattr(args, "train", None)
-    return int(getattr(train, "seed", None) or getattr(args, "seed", 42))
+class MegatronEngine(UpdateEngine):
+    """core.update's engine over one replica's merged batch: ``MegatronActor.train_step`` per window, its no-grad
+    ``log_probs`` for s, the reductions over the data-parallel group."""
+
+    def __init__(self, policy: "MegatronPolicyActor", batch: Dict[str, torch.Tensor], spec: LossSpec):
+        self.actor = policy.actor
+        self.batch = batch
+        self.spec = spec
+        self.group = self.actor.ps.get_data_parallel_group()
+
+    def update_index(self) -> int:
+        return int(self.actor.step)  # optimizer steps before this update (restored by a resume)
+
+    def all_reduce(self, values: List[float], op: str) -> List[float]:
+        import torch.distributed as dist
+
+        ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+        t = torch.tensor(values, dtype=torch.float64, device=_group_device(self.group))
+        dist.all_reduce(t, op=ops[op], group=self.group)
+        return t.tolist()
+
+    def forward_s(self, micro_batches: List[List[int]], extra: int = 0) -> torch.Tensor:
+        from openrlhf_lpo.core.loss import log_ratio
+
+        rows = [i for mb in micro_batches for i in mb]
+        if not rows:  # (a data-parallel peer's forwards do not wait on this replica)
+            return torch.zeros(0, dtype=torch.float64)
+        b = self.batch
+        lp = self.actor.log_probs({k: b[k] for k in ("sequences", "attention_mask", "action_mask")},
+                                  micro_batches=micro_batches).double().cpu()
+        idx = torch.tensor(rows, dtype=torch.long)
+        rollout, prev = b.get("rollout_log_probs"), b.get("prev_log_ratio")
+        lpo = self.spec.name != "pg"
+        return log_ratio(lp[idx], b["old_log_probs"][idx].double(), b["action_mask"][idx],
+                         rollout[idx] if rollout is not None else None,
+                         prev[idx] if prev is not None and lpo else None, self.spec.clip_eps,
+                         self.spec.correction if lpo else None)
+
+    def step(self, window: Window) -> StepResult:
+        plan = window.plan
+        idx = torch.tensor(plan.indices, dtype=torch.long)
+        sub = {k: v[idx] for k, v in self.batch.items() if isinstance(v, torch.Tensor) and k != "lpo_gid"}
+        micro, lo = [], 0
+        for mb in plan.micro_batches:  # rows of ``sub`` are the plan's indices in order
+            micro.append(list(range(lo, lo + len(mb))))
+            lo += len(mb)
+        spec = self.spec
+        if plan.mode is not None:
+            spec = replace(spec, name="listwise" if plan.mode is WindowMode.ONE_PASS else "listwise_surrogate",
+                           divergence=window.divergence)
+        out = self.actor.train_step(sub, spec, micro_batches=micro, coefficients=window.coefficients)
+        return StepResult(sums=out["sums"], grad_norm=out["grad_norm"], lr=out["lr"], s=out["s"])
 
 
 TE_CHOICES = {"auto": None, "on": True, "off": False}  # --megatron.te -> MegatronActorConfig.use_te
@@ -202,7 +212,7 @@ def megatron_config_from_args(args):
         use_distributed_optimizer=bool(getattr(m, "distributed_optimizer", False)),
         micro_batch_size=args.train.micro_batch_size,
         temperature=args.rollout.temperature,
-        seed=_seed_of(args),
+        seed=int(args.train.seed),
         recompute=bool(getattr(args.actor, "gradient_checkpointing_enable", False)),
         sequence_parallel=bool(getattr(m, "sequence_parallel", False)),
         timeout_minutes=int(getattr(m, "timeout_minutes", 60)),
@@ -312,33 +322,6 @@ class MegatronPolicyActor(VLLMSyncMixin, SleepMixin, CheckpointMixin):
         self.buffer.append(experience)
 
     # --------------------------------------------------------------------- training
-    def _micro_plan(self, sub, spec: LossSpec, whole_groups_fixed: bool):
-        """Micro-batches of one window (row indices of ``sub``, groups K consecutive for LPO) and whether
-        each holds whole groups. Token budgets: the group-aware planner, counts agreed over DP."""
-        import torch.distributed as dist
-
-        from openrlhf_lpo.megatron.device import group_device
-        from openrlhf_lpo.core import layout
-
-        n = sub["sequences"].shape[0]
-        self._local_micro_count = None
-        if not _get(self.args, "train.dynamic_batch_enable", False):
-            return self.actor.fixed_micro_batches(n), whole_groups_fixed
-        K = spec.group_size if spec.name.startswith("listwise") else 1
-        lengths = sub["attention_mask"].sum(1).tolist()
-        groups = [list(range(g * K, (g + 1) * K)) for g in range(n // K)]
-        whole, per_sample = layout.budget_micro_count(groups, lengths, int(self.args.train.max_tokens_per_gpu))
-        group = self.actor.ps.get_data_parallel_group()
-        dev = group_device(group)
-        flag = torch.tensor([0.0 if (whole is None or K == 1) else 1.0], dtype=torch.float64, device=dev)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-        all_whole = bool(flag.item() > 0)
-        count = torch.tensor([float(whole if all_whole else per_sample)], dtype=torch.float64, device=dev)
-        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
-        n_micro = min(int(count.item()), len(groups) if all_whole else n)
-        self._local_micro_count = whole if all_whole else per_sample  # before agreement (tests read it)
-        return layout.budget_micro_batches(groups, lengths, n_micro, all_whole), all_whole or K == 1
-
     def set_lpo_divergence(self, divergence: str) -> None:
         """--lpo.divergence_schedule: the divergence of the next updates (the driver's schedule calls it on
         every rank before an update whose divergence changes, as on DeepSpeed)."""
@@ -347,139 +330,31 @@ class MegatronPolicyActor(VLLMSyncMixin, SleepMixin, CheckpointMixin):
         listwise.parse_divergence(divergence)
         self.lpo_divergence = divergence
 
-    def _reducers(self):
-        """Sum and maximum of a few floats over the data-parallel group (on the group's device)."""
-        import torch.distributed as dist
-
-        group = self.actor.ps.get_data_parallel_group()
-
-        def reduce(op):
-            def run(values: List[float]) -> List[float]:
-                t = torch.tensor(values, dtype=torch.float64, device=_group_device(group))
-                dist.all_reduce(t, op=op, group=group)
-                return t.tolist()
-            return run
-
-        return reduce(dist.ReduceOp.SUM), reduce(dist.ReduceOp.MAX)
-
     def fit(self, kl_ctl: float = 0):
-        from openrlhf_lpo.core import update
-        from openrlhf_lpo.core.update import WindowMode
-
-        args = self.args
+        """One update of this replica's experiences: core.update's loop with :class:`MegatronEngine`."""
         import torch.distributed as dist
+
+        from openrlhf_lpo.core.metrics import experience_info
 
         self._onload()  # (the trainer's reload_states did it already when --ds.enable_sleep is on)
-        dp = self.actor.ps.get_data_parallel_world_size()
-        dp_group = self.actor.ps.get_data_parallel_group()
+        info = experience_info(self.buffer)
         batch = merge_experiences(self.buffer)
         self.buffer = []
-        mbs = self.actor.cfg.micro_batch_size
-        spec = loss_spec_from_args(args, mbs, kl_ctl)
-        lpo = spec.name.startswith("listwise")
-        if lpo and "target" not in batch:
-            raise ValueError("estimator lpo: experiences carry no info['lpo_target'] (use the LPO experience maker)")
-        if lpo and self.lpo_divergence is not None:
-            spec = replace(spec, divergence=self.lpo_divergence)
-        self.last_spec = spec  # inspection/tests
-        K = spec.group_size
-        window = args.train.batch_size // dp
-        from openrlhf_lpo.core.config import LPOConfig
-
-        settings = LPOConfig.from_args(args)
-        force_two_pass = settings.force_two_pass
-        all_sum, all_max = self._reducers()
-        update_index = self.actor.step  # optimizer steps before this update (restored by a resume)
-        status: Dict[str, float] = {}
-        modes = {m.value: 0 for m in WindowMode}
-        self.last_plan: List[dict] = []  # per optimizer step: where c came from, its samples, micro-batch sizes
-        n = 0
+        settings = UpdateSettings.from_args(self.args, self.actor.ps.get_data_parallel_world_size())
+        spec = loss_spec_from_args(self.args, kl_ctl)
         N = batch["sequences"].shape[0]
-        prev_all = batch.get("prev_log_ratio", torch.zeros(N, dtype=torch.float64)).double()
-        last_s = prev_all.clone()
-        abs_coef_sum, coef_count = 0.0, 0
-        for epoch in range(args.train.max_epochs):
-            generator = update.window_generator(_seed_of(args), update_index, epoch)
-            if lpo:  # whole groups, K consecutive rows each
-                groups = update.group_windows(batch["lpo_gid"].tolist(), K,
-                                              update.groups_per_window(args.train.batch_size, dp, K), generator)
-                update.check_window_count(len(groups), all_max)
-                windows = [torch.tensor([i for g in win for i in g], dtype=torch.long) for win in groups]
-            else:
-                windows = plan_windows(N, window, generator, agree_windows(N, window, dp_group))
-            for w, idx in enumerate(windows):
-                sub = {k: v[idx] for k, v in batch.items() if k != "lpo_gid"}
-                micro, whole = self._micro_plan(sub, spec, mbs % K == 0)
-                step_spec, coefficients, mode = spec, None, "pg"
-                if lpo:
-                    mode = update.choose_mode(spec.projection, whole, epoch == 0 and w == 0, force_two_pass)
-                    if mode in (WindowMode.SHORTCUT, WindowMode.POINTWISE):  # s = s_t at the rollout's parameters
-                        coefficients = update.window_coefficients(mode, sub["target"], spec.divergence,
-                                                                  spec.projection, K, s=prev_all[idx])
-                    modes[mode.value] += 1
-                    step_spec = replace(spec, name="listwise" if mode is WindowMode.ONE_PASS else "listwise_surrogate")
-                m = self.actor.train_step(sub, step_spec, micro_batches=micro, coefficients=coefficients)
-                s_rows, c_rows = m.pop("s", None), m.pop("c", None)
-                if lpo:
-                    last_s[idx] = s_rows.double()
-                    if c_rows is None:  # one pass: the c its loss differentiated, at the same s
-                        c_rows = update.window_coefficients(WindowMode.PRE_PASS, sub["target"], spec.divergence,
-                                                            spec.projection, K, s=s_rows)
-                    abs_coef_sum += float(c_rows.abs().sum())
-                    coef_count += len(idx)
-                self.last_plan.append({"mode": str(mode), "samples": idx.tolist(), "micro": [len(i) for i in micro],
-                                       "micro_tokens": [int(sub["attention_mask"][i].sum()) for i in micro],
-                                       "local_micro_count": getattr(self, "_local_micro_count", None),
-                                       "grad_norm": m["grad_norm"], "lr": m["lr"]})
-                for k, v in m.items():
-                    status[k] = status.get(k, 0.0) + v
-                n += 1
-        last_lr = self.actor.lr_schedule.lr
-        status = {STATUS_KEYS.get(k, k): v / max(n, 1) for k, v in status.items() if k not in ("lr", "next_lr")}
-        status["actor_lr"] = last_lr  # as DeepSpeed's: the scheduler's learning rate after the last step
-        status["optimizer_steps"] = float(n)
-        end_kl = settings.end_kl
-        if lpo:
-            from openrlhf_lpo.core.listwise_metrics import update_metrics
-
-            s_end = self._end_log_ratio(batch) if end_kl else None
-            status.update(update_metrics(
-                batch["lpo_gid"].tolist(), batch["target"], prev_all, batch.get("lpo_reward", torch.zeros(N)),
-                batch.get("lpo_tau", torch.full((N,), float("nan"))), last_s, abs_coef_sum, coef_count, modes, K,
-                spec.divergence, all_sum, all_max, correction=spec.correction is not None, s_end=s_end))
-            if s_end is not None:
-                status.update(self._listwise_end_metrics(batch, s_end))
-        elif end_kl:
-            status.update(self._listwise_end_metrics(batch))
+        has_targets = "target" in batch and "lpo_gid" in batch
+        update = UpdateBatch(
+            lengths=[int(x) for x in batch["attention_mask"].sum(1).tolist()],
+            gids=[int(g) for g in batch["lpo_gid"].tolist()] if has_targets else None,
+            target=batch["target"].double() if has_targets else None,
+            prev=batch.get("prev_log_ratio", torch.zeros(N, dtype=torch.float64)).double() if has_targets else None,
+            reward=batch["lpo_reward"].double() if "lpo_reward" in batch else None,
+            tau=batch["lpo_tau"].double() if "lpo_tau" in batch else None, info=info)
+        status, self.last_update = run_update(update, settings, MegatronEngine(self, batch, spec),
+                                              divergence=self.lpo_divergence)
         dist.barrier()
         return status
-
-    def _end_log_ratio(self, batch) -> torch.Tensor:
-        """s of the rank's rollout batch at the current parameters (one no-grad forward), against the
-        behaviour policy plus s_t as in w* (0 on-policy)."""
-        from openrlhf_lpo.megatron.losses import listwise_log_ratio
-
-        args = self.args
-        lp = self.actor.log_probs({k: batch[k] for k in ("sequences", "attention_mask", "action_mask")})
-        spec = loss_spec_from_args(args, self.actor.cfg.micro_batch_size)
-        spec = replace(spec, clip_eps=tuple(args.actor.eps_clip_low_high)) if spec.name != "pg" else \
-            LossSpec(clip_eps=tuple(args.actor.eps_clip_low_high))
-        return listwise_log_ratio(lp.double().cpu(), batch, spec)
-
-    def _listwise_end_metrics(self, batch, s_end: Optional[torch.Tensor] = None) -> Dict[str, float]:
-        """--lpo.end_kl: KL(w*||P) of the rank's rollout batch before and after this update,
-        P = softmax(s) at the current parameters, reduced over DP."""
-        from openrlhf_lpo.core.listwise_metrics import listwise_update_metrics
-        from openrlhf_lpo.megatron.device import group_device
-
-        if "target" not in batch or "lpo_gid" not in batch:
-            raise ValueError("--lpo.end_kl: experiences carry no info['lpo_target'] / info['lpo_gid'] "
-                             "(the LPO experience maker writes them)")
-        s_end = self._end_log_ratio(batch) if s_end is None else s_end
-        s_start = batch.get("prev_log_ratio", torch.zeros_like(s_end)).double()
-        group = self.actor.ps.get_data_parallel_group()
-        return listwise_update_metrics(batch["lpo_gid"].long(), s_start, s_end, batch["target"].double(),
-                                       self.args.rollout.n_samples_per_prompt, group=group, device=group_device(group))
 
 
 from openrlhf.trainer.ray.launcher import RayActorGroup as _RayActorGroup  # noqa: E402

@@ -366,9 +366,12 @@ def _attach_targets(experiences: List[Experience], args) -> None:
     rewards = torch.empty_like(flat)
     rewards[order] = flat
     rewards = rewards.view(-1, K)  # [G, K], prompt-major like the rollout
+    tokens = torch.empty_like(flat)
+    tokens[order] = torch.cat([exp.action_mask.reshape(len(exp.index), -1).sum(-1) for exp in experiences]).to(flat.dtype)
     lpo = args.algo.advantage.estimator == "lpo"
     settings = LPOConfig.from_args(args)
-    tau = listwise.group_temperature(rewards, settings.temperature)
+    # the response token counts: batch_std whitens token-weighted, as OpenRLHF's reinforce_baseline does
+    tau = listwise.group_temperature(rewards, settings.temperature, weights=tokens.view(-1, K))
     if lpo:  # --lpo.temperature_scale: tau x scale for any temperature mode
         tau = tau * float(settings.temperature_scale)
     prev = torch.zeros_like(rewards)

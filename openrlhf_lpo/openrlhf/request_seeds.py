@@ -38,6 +38,8 @@ from openrlhf.trainer import ppo_trainer as _ppo_trainer_mod
 from openrlhf.trainer import ppo_trainer_async as _async_mod
 from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
 
+from openrlhf_lpo.openrlhf.dynamic_filter import InformativeGroups
+
 from openrlhf_lpo.engines.responses import PerSampleResponses, PlainSamplingParams, TokenizerHandle
 
 __all__ = ["prompt_seed", "sample_seed", "SeededSamplesGenerator", "seeded_samples_generator", "seeded_rollout_actor"]
@@ -100,8 +102,9 @@ def engine_settings(handle) -> dict:
     return ray.get(method.remote())
 
 
-class SeededSamplesGenerator(SamplesGenerator):
-    """The stock generator; each dispatch hands the stock loop engine handles that seed every sample."""
+class SeededSamplesGenerator(InformativeGroups, SamplesGenerator):
+    """The stock generator; each dispatch hands the stock loop engine handles that seed every sample. Its dynamic
+    filtering keeps the groups whose scores are not all equal (DAPO's criterion, openrlhf/dynamic_filter.py)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

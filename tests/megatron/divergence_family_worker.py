@@ -30,6 +30,10 @@ dist.init_process_group("gloo", rank=0, world_size=1)
 from openrlhf_lpo import listwise  # noqa: E402
 from openrlhf_lpo.megatron.actor import MegatronActor, MegatronActorConfig  # noqa: E402
 from openrlhf_lpo.megatron.losses import LossSpec  # noqa: E402
+from dataclasses import replace  # noqa: E402
+
+from openrlhf_lpo.core.loss import log_ratio  # noqa: E402
+from openrlhf_lpo.core.update import WindowMode, window_coefficients  # noqa: E402
 from openrlhf_lpo.megatron.ray_actor import loss_spec_from_args  # noqa: E402
 from openrlhf_lpo.testing.tiny import tiny_config  # noqa: E402
 
@@ -88,13 +92,14 @@ def main():
     for name, spec_name, mbs in (("alpha:0.5", "listwise", 2), ("alpha:-0.5", "listwise_surrogate", 1),
                                  ("alpha:2", "listwise", 2), ("hellinger", "listwise_surrogate", 1),
                                  ("tv", "listwise", 2)):
-        # the spec lpo-train builds from --lpo.divergence (whole groups when micro % K == 0, else two-pass)
+        # the spec lpo-train builds from --lpo.divergence; the update plan takes one pass when micro % K == 0, else the
+        # surrogate with c from a no-grad pass (core/update.py)
         args.algo = type("X", (), {"advantage": type("Y", (), {"estimator": "lpo"})()})()
         args.rollout = type("R", (), {"n_samples_per_prompt": K})()
         args.actor = type("C", (), {"eps_clip_low_high": (0.2, 0.2), "eps_clip": 0.2})()
         args.lpo = type("L", (), {"divergence": name, "projection": "listwise", "force_two_pass": False})()
-        spec = loss_spec_from_args(args, mbs)
-        assert (spec.name, spec.divergence) == (spec_name, name), (spec.name, spec.divergence)
+        spec = replace(loss_spec_from_args(args), name=spec_name)
+        assert spec.divergence == name, spec.divergence
         ref = copy.deepcopy(hf).double().train()
         s = listwise.sequence_log_ratio(hf_logp(ref), old.double(), act, 0.2)
         loss = definition(name, target.double().view(G, K), torch.log_softmax(s.view(G, K), -1)).mean()
@@ -103,7 +108,11 @@ def main():
         actor = MegatronActor(cfg, MegatronActorConfig(tp=1, pp=1, micro_batch_size=mbs, lr=1e5, adam_eps=1e5,
                                                        clip_grad=1e9, params_dtype="fp32"),
                               hf_weights=hf_sd.__getitem__)
-        actor.train_step({**batch, "old_log_probs": old, "target": target}, spec)
+        coefficients = None
+        if spec_name == "listwise_surrogate":  # the pre-pass at the same parameters
+            s_now = log_ratio(actor.log_probs(batch).double(), old.double(), act, None, None, 0.2, None)
+            coefficients = window_coefficients(WindowMode.PRE_PASS, target.double(), name, "listwise", K, s=s_now)
+        actor.train_step({**batch, "old_log_probs": old, "target": target}, spec, coefficients=coefficients)
         after = dict(actor.export_hf_weights())
         keys = [k for k in after if k in grads]
         scale = max(float(grads[k].abs().max()) for k in keys)

@@ -32,7 +32,7 @@ def test_stock_flags_reach_the_megatron_config(tiny_dir):
                      "--actor.eps_clip_low_high", "0.2", "0.28", "--megatron.timeout_minutes", "90"))
     cfg = megatron_config_from_args(a)
     assert cfg.recompute is True and cfg.timeout_minutes == 90
-    assert loss_spec_from_args(a, 2).clip_eps == (0.2, 0.28)
+    assert loss_spec_from_args(a).clip_eps == (0.2, 0.28)
 
 
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
@@ -44,10 +44,10 @@ def test_the_kl_flags_reach_the_megatron_loss(tiny_dir, estimator):
     for est in ("lpo", "group_norm"):
         a = _parse(_argv(tiny_dir, "--backend", "megatron", "--algo.advantage.estimator", est, "--algo.kl.use_loss",
                          "--algo.kl.init_coef", "0.05", "--algo.kl.estimator", estimator))
-        spec = loss_spec_from_args(a, 2, kl_ctl=0.05)
+        spec = loss_spec_from_args(a, kl_ctl=0.05)
         assert (spec.kl_estimator, spec.kl_coef) == (estimator, 0.05), (est, spec)
     off = _parse(_argv(tiny_dir, "--backend", "megatron", "--algo.kl.estimator", estimator))
-    assert loss_spec_from_args(off, 2, kl_ctl=0.05).kl_coef == 0.0
+    assert loss_spec_from_args(off, kl_ctl=0.05).kl_coef == 0.0
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ from types import SimpleNamespace as NS
 import pytest
 import torch
 
-from openrlhf_lpo.megatron.ray_actor import loss_spec_from_args, merge_experiences, plan_windows
+from openrlhf_lpo.megatron.ray_actor import loss_spec_from_args, merge_experiences
 
 
 def _exp(prompt_w, resp_w, rows, tag):
@@ -49,28 +49,19 @@ def test_merge_repads_prompts_left_and_responses_right():
     assert b["target"].dtype == torch.float64 and torch.equal(b["lpo_gid"], torch.tensor([10, 10, 20, 20]))
 
 
-def test_policy_gradient_windows_cover_every_sample_once():
-    wins = plan_windows(10, 4, torch.Generator().manual_seed(0))
-    assert [len(w) for w in wins] == [4, 4, 2] and sorted(torch.cat(wins).tolist()) == list(range(10))
-    wins = plan_windows(10, 4, torch.Generator().manual_seed(0), num_windows=4)  # another replica needs 4
-    assert [len(w) for w in wins] == [3, 3, 2, 2] and sorted(torch.cat(wins).tolist()) == list(range(10))
-    with pytest.raises(ValueError, match="cannot fill the 4 optimizer windows"):
-        plan_windows(3, 4, torch.Generator(), num_windows=4)
-
-
 def test_loss_spec_from_args():
+    """LPO: the listwise loss (each window's plan picks one pass or the surrogate), its divergence and clip band;
+    any other estimator: OpenRLHF's PolicyLoss with --actor.eps_clip_low_high."""
     args = NS(algo=NS(advantage=NS(estimator="lpo")), rollout=NS(n_samples_per_prompt=4),
               actor=NS(eps_clip=0.2, eps_clip_low_high=None, loss_agg_mode="seq-mean-token-mean"),
               lpo=NS(divergence="rev", projection="listwise", force_two_pass=False))
-    assert loss_spec_from_args(args, 8).name == "listwise"
-    assert loss_spec_from_args(args, 6).name == "listwise_surrogate"  # groups straddle micro-batches
-    args.lpo.force_two_pass = True
-    assert loss_spec_from_args(args, 8).name == "listwise_surrogate"
+    spec = loss_spec_from_args(args)
+    assert (spec.name, spec.divergence, spec.group_size, spec.clip_eps) == ("listwise", "rev", 4, 0.2)
     args.algo.advantage.estimator = "group_norm"
-    spec = loss_spec_from_args(args, 8)
+    spec = loss_spec_from_args(args)
     assert spec.name == "pg" and spec.clip_eps == (0.2, 0.2)
     args.actor.eps_clip_low_high = (0.2, 0.28)  # clip-higher reaches the PG loss
-    assert loss_spec_from_args(args, 8).clip_eps == (0.2, 0.28)
+    assert loss_spec_from_args(args).clip_eps == (0.2, 0.28)
 
 
 def test_merge_carries_the_off_policy_log_ratio():

@@ -114,6 +114,8 @@ class CPUStrategy(DeepspeedStrategy):
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        inner = getattr(model, "model", model)
+        inner.global_steps = int(getattr(inner, "global_steps", 0)) + 1  # DeepSpeed's optimizer-step count
 
     def get_grad_norm(self, model):
         return self._last_norm
@@ -274,6 +276,7 @@ def make_trainer(cls, args, strategy, actor, lr=0.0):
     # the DeepSpeed engine's accumulation interface, as DeepSpeed implements it (see CPUStrategy)
     actor.model.set_gradient_accumulation_boundary = strategy.set_gradient_accumulation_boundary
     actor.model.gradient_accumulation_steps = strategy.gradient_accumulation_steps
+    actor.model.global_steps = 0  # DeepSpeed's engine counts optimizer steps (the window shuffle reads it)
     with cpu_cuda_queries(0):
         return cls(strategy, actor, None, optim, sched, micro_train_batch_size=args.train.micro_batch_size,
                    tokenizer=None, dataloader_pin_memory=False, eps_clip=args.actor.eps_clip, vllm_engines=None)
@@ -299,7 +302,7 @@ def run_lpo_step(args, actor, experiences, rank=0, dp=1, lr=0.0, kl_ctl=0.0):
 def plan_group_windows(trainer, items, world=1):
     """The global group ids of each optimizer window of the trainer's last plan (all ranks)."""
     mine = [sorted({int(items[i].info["lpo_gid"]) for mb in w.micro_batches for i in mb})
-            for w in trainer.last_window_plan]
+            for w in trainer.last_update.windows]
     if world == 1:
         return mine
     gathered = [None] * world

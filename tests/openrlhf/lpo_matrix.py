@@ -111,7 +111,7 @@ def run_matrix_case(model_dir, state, actor, samples, *, K, G, micro, dp, rank, 
     grads, status, trainer = run_lpo_step(args, actor, exps, rank=rank, dp=dp, lr=MATRIX_LR,
                                           kl_ctl=0.1 if composed else 0.0)
     windows = plan_group_windows(trainer, trainer.replay_buffer.items, dp)
-    result = {"grads": grads, "status": status, "modes": [w.mode for w in trainer.last_window_plan]}
+    result = {"grads": grads, "status": status, "modes": [w.mode for w in trainer.last_update.windows]}
     if rank == 0:
         result["refs"] = reference_steps(model_dir, state, exps, windows, K=K, divergence=div,
                                          temperature=temperature, correction=correction,

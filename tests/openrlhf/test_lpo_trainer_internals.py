@@ -267,7 +267,7 @@ def test_metrics_match_independent_computation(tiny_model_dir, gloo_world1):
     ref = reference_listwise_stats(actor, exps, K, "std", args.actor.eps_clip_low_high)  # brute force, end of update
     assert status["lpo/kl_end"] == pytest.approx(ref["kl"], abs=1e-10)
     assert status["lpo/entropy_p_end"] == pytest.approx(ref["entropy_p"], abs=1e-10)
-    for key in ("actor_grad_norm", "response_length", "response_entropy", "policy_loss", "ppo_clip_ratio"):
+    for key in ("actor_grad_norm", "response_length", "response_entropy", "policy_loss", "clip_ratio"):
         assert key in status, key
     assert status["actor_grad_norm"] > 0 and status["response_entropy"] > 0
     # group stats helper against a direct formula
@@ -365,7 +365,7 @@ def test_pre_pass_and_end_kl_follow_the_token_budget(tiny_model_dir, gloo_world1
     grads, status, trainer = run_lpo_step(args, actor, exps, lr=0.5)
     items = trainer.replay_buffer.items
     tokens = [int(it.total_length.reshape(-1)[0]) for it in items]
-    plans = trainer.last_window_plan
+    plans = trainer.last_update.windows
     assert [p.mode for p in plans] == ["shortcut", "pre_pass", "pre_pass", "pre_pass"]
     assert len(grads) == 4 and status["lpo/kl_end"] >= 0.0
     no_grad = [t for grad, t in forwards if not grad]

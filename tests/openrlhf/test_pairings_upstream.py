@@ -3,22 +3,18 @@
 * the advantages of the stock ``RemoteExperienceMaker`` for ``rloo`` and ``reinforce_baseline`` are the paired
   temperatures' (R - mean)/tau: tau = (K-1)/K (``loo``), tau = the batch std of R - group mean (``batch_std``;
   token-weighted with unequal lengths, ``batch_std_temperature(rewards, weights)``);
-* Prop. 1 through the real trainers: one on-policy optimizer step of the stock ``ActorPPOTrainer`` with RLOO,
-  REINFORCE++-baseline, GSPO and DAPO's clip-higher equals one step of ``LPOActorTrainer`` with LPO-rev at the
-  paired temperature (``tests/core/test_baseline_pairings.py`` checks the same against a closed form).
+* Prop. 1 through the shipped method files and the real trainer: tests/openrlhf/test_matched_pairs.py
+  (``tests/core/test_baseline_pairings.py`` checks the same against a closed form).
 """
 
-import copy
 
 import numpy as np
 import pytest
 import torch
 
-from lpo_fixtures import (CPUStrategy, cpu_cuda_queries, make_actor, make_experiences, make_rollout_samples,
-                          make_trainer, max_abs, max_abs_diff, parse_args, rollout_sample, run_lpo_step,
-                          equal_length_samples)
+from lpo_fixtures import (CPUStrategy, make_actor, make_experiences, make_rollout_samples,
+                          parse_args, equal_length_samples)
 from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
-from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
 
 from openrlhf_lpo import listwise as lw
 
@@ -61,42 +57,3 @@ def test_stock_rloo_and_reinforce_baseline_advantages_are_the_paired_temperature
             m = (length * a).sum() / length.sum()
             np.testing.assert_allclose(adv, (a - m) / sigma, rtol=1e-5, atol=1e-6)
             assert abs(m) > 1e-3  # unequal lengths shift the advantages (docs/lpo_flags.md)
-
-
-def _stock_step(args, actor, samples):
-    exps = make_experiences(args, CPUStrategy(args), actor, samples, maker_cls=RemoteExperienceMaker)
-    strategy = CPUStrategy(args)
-    trainer = make_trainer(ActorPPOTrainer, args, strategy, actor)
-    for e in exps:
-        trainer.replay_buffer.append(copy.deepcopy(e))
-    with cpu_cuda_queries("cpu"):
-        trainer.ppo_train(0.0)
-    assert len(strategy.step_grads) == 1
-    return strategy.step_grads[0]
-
-
-CASES = [  # (name, stock estimator and flags, LPO temperature and clip flags, equal response lengths)
-    ("rloo", "rloo", ["--actor.loss_agg_mode", "seq-mean-token-mean"], "loo", [], False),
-    ("reinforce_pp", "reinforce_baseline", [], "batch_std", [], True),
-    ("gspo", "group_norm", ["--actor.policy_loss_type", "gspo", "--actor.eps_clip_low_high", "3e-4", "4e-4"],
-     "std", [], False),
-    ("dapo", "group_norm", ["--actor.eps_clip_low_high", "0.2", "0.28", "--actor.loss_agg_mode", "token-mean"],
-     "std", ["--actor.eps_clip_low_high", "0.2", "0.28"], True),
-]
-
-
-@pytest.mark.parametrize("name,estimator,flags,temperature,lpo_flags,equal", CASES, ids=[c[0] for c in CASES])
-def test_prop1_on_policy_step_equals_lpo_rev_at_the_paired_temperature(tiny_model_dir, gloo_world1, name, estimator,
-                                                                       flags, temperature, lpo_flags, equal):
-    samples = _equal_length_samples(seed=2) if equal else make_rollout_samples(G, K, seed=2)
-    actor = make_actor(tiny_model_dir)
-    state = copy.deepcopy(actor.model.state_dict())
-    lpo_args = parse_args(tiny_model_dir, micro=2, extra=["--lpo.divergence", "rev", "--lpo.temperature", temperature,
-                                                          *lpo_flags])
-    lpo_grads, _, _ = run_lpo_step(lpo_args, actor, make_experiences(lpo_args, CPUStrategy(lpo_args), actor, samples))
-    actor.model.load_state_dict(state)
-    stock = _stock_step(parse_args(tiny_model_dir, estimator=estimator, micro=2, extra=flags), actor, samples)
-    scale = max_abs(stock)
-    assert scale > 1e-3
-    # upstream's advantages are float32 (LPO's target float64): agreement to float32 rounding
-    assert max_abs_diff(lpo_grads[0], stock) < 1e-6 * scale

@@ -56,6 +56,14 @@ for n in (1, 2):
 resumed = generator(SeededSamplesGenerator, 2)
 resumed.prompts_dispatched = 4  # a resume restores total_consumed_prompts
 out["resumed"] = dispatch(resumed)
+# dynamic sampling: groups of constant fractional scores (labels const:x) are dropped and replaced under DAPO's
+# criterion (openrlhf/dynamic_filter.py); upstream's mean-in-(0, 1) test keeps them
+rows = [(f"Say something {i}:", lab) for i, lab in enumerate(["const:0.5", "x", "const:0.25", "x", "x", "x"])]
+for name, cls in (("dapo", SeededSamplesGenerator), ("stock_filter", SamplesGenerator)):
+    it = iter([(None, [p], [lab], [None]) for p, lab in rows])
+    exps, consumed, exhausted = generator(cls, 2)._generate_vllm(it, 4, True, **kw)
+    out[name] = {"scores": [[float(e.scores.reshape(-1)[0]) for e in exps[i:i + 2]] for i in range(0, len(exps), 2)],
+                 "consumed": consumed, "exhausted": exhausted}
 print(json.dumps(out))
 """
 
@@ -85,6 +93,12 @@ def test_samples_depend_on_their_position_not_on_the_engine(tiny_model_dir, repo
     # upstream (no seed in SamplingParams): the samples depend on the engine (seeded --train.seed + i) and on
     # what it generated before
     assert r["stock1"] != r["stock2"]
+    # DAPO's dynamic sampling: the two constant-score groups (0.5, 0.25: mean inside (0, 1), zero variance) are
+    # dropped and each replaced by one new prompt; upstream's mean test keeps them
+    dapo, stock = r["dapo"], r["stock_filter"]
+    assert [0.5, 0.5] in stock["scores"] and [0.25, 0.25] in stock["scores"], stock
+    assert dapo["scores"] and all(max(g) > min(g) for g in dapo["scores"]), dapo
+    assert dapo["consumed"] == 6, dapo  # at least two dropped: the two remaining prompts were drawn
 
 
 def test_seeds_are_a_fixed_function_of_run_seed_and_position():

@@ -18,6 +18,7 @@ from openrlhf_lpo.megatron import convert
 from openrlhf_lpo.megatron.actor import MegatronActor, MegatronActorConfig
 from openrlhf_lpo.megatron.losses import LossSpec
 
+from . import world as W
 from .references import CLIP, EPS, K, LR, dp_slice, masked_maxdiff, reference_inputs, reference_step, state_maxdiff
 from .registry import check
 
@@ -91,6 +92,20 @@ class ParityRun:
                    batch["action_mask"].double(), extra, extra_far)
 
 
+def prepass_coefficients(actor: MegatronActor, batch: dict, spec: LossSpec):
+    """The surrogate's c as the update plan's pre-pass makes it (core/update.py): s from a no-grad pass at the current
+    parameters, c = dL/ds of the projection's loss (None for the other losses)."""
+    if spec.name != "listwise_surrogate":
+        return None
+    from openrlhf_lpo.core.loss import log_ratio
+    from openrlhf_lpo.core.update import WindowMode, window_coefficients
+
+    s = log_ratio(actor.log_probs(batch).double(), batch["old_log_probs"].double(), batch["action_mask"],
+                  batch.get("rollout_log_probs"), batch.get("prev_log_ratio"), spec.clip_eps, spec.correction)
+    return window_coefficients(WindowMode.PRE_PASS, batch["target"], spec.divergence, spec.projection,
+                               spec.group_size, s=s)
+
+
 def run_layouts(run: ParityRun, layouts: Sequence[Layout],
                 after_step: Optional[Callable[[MegatronActor, Layout, LossSpec], dict]] = None) -> dict:
     """Each layout's parity record, keyed ``<model>/<layout key>``; ``after_step(actor, layout, spec)`` adds
@@ -120,13 +135,13 @@ def run_layouts(run: ParityRun, layouts: Sequence[Layout],
             set(exported) == set(hf_sd) - ({"lm_head.weight"} if tied else set())
         )
         local = dp_slice({**batch, **ex}, actor)
-        m = actor.train_step(local, spec)
+        m = actor.train_step(local, spec, coefficients=prepass_coefficients(actor, local, spec))
         rec["grad_norm"] = m["grad_norm"]
         rec["grad_norm_ref"] = ref_norm
         if lay.spec == "pg_hi":
             rec["grad_norm_sym_ref"] = refs["pg_sym_far"][0]
-            rec["clip_ratio"] = m.get("ppo_clip_ratio")
-        rec["entropy"] = m["entropy"]
+            rec["clip_ratio"] = W.step_metrics(actor, m)["clip_ratio"]
+        rec["entropy"] = W.step_metrics(actor, m)["entropy"]
         after = dict(actor.export_hf_weights())
         rec["weights_vs_ref"] = state_maxdiff(after, ref_sd, tied)
         rec["weights_moved"] = max(float((after[k] - hf_sd[k]).abs().max()) for k in after)

@@ -153,13 +153,15 @@ def dynamic_batching():
     adv = listwise.pg_advantages(rewards, "grpo").reshape(-1).float()
     rec = {"lengths": lengths.tolist()}
     group_max = int(max(lengths.view(-1, K).sum(1)))
-    for layout, tp, pp in (("tp2pp2", 2, 2), ("pp2dp2", 1, 2)):
+    from openrlhf_lpo.core import layout
+
+    for layout_name, tp, pp in (("tp2pp2", 2, 2), ("pp2dp2", 1, 2)):
         for name, est, budget in (("lpo_whole", "lpo", group_max + 4), ("lpo_split", "lpo", int(lengths.max()) + 2),
                                   ("grpo", "group_norm", int(lengths.max()) + 6)):
             pa = make_policy_actor(model_dir, megatron__tp=tp, megatron__pp=pp, algo__advantage__estimator=est,
                                train__dynamic_batch_enable=True, train__max_tokens_per_gpu=budget,
                                train__batch_size=n_groups * K, train__micro_batch_size=1,
-                               ckpt__path=os.path.join(W.OUT, f"dyn_{layout}_{name}"))
+                               ckpt__path=os.path.join(W.OUT, f"dyn_{layout_name}_{name}"))
             dp, r = pa.actor.ps.get_data_parallel_world_size(), pa.actor.ps.get_data_parallel_rank()
             with torch.no_grad():
                 old_full = pa.actor.log_probs(batch).cpu().float()
@@ -170,20 +172,23 @@ def dynamic_batching():
             info = {"lpo_target": target, "lpo_gid": gid, "lpo_prev_log_ratio": torch.zeros(n_groups * K, dtype=torch.float64)}
             append(pa, batch, mine, info, advantages=adv if est != "lpo" else None)
             pa.fit()
-            plan = pa.last_plan
+            plan = pa.last_update.windows
+            rows = batch["attention_mask"][torch.as_tensor(mine)].sum(1).tolist()  # the replica's merged rows
+            micro_tokens = [[int(sum(rows[i] for i in mb)) for mb in p.micro_batches] for p in plan]
+            local_count = layout.first_fit_count([rows[i] for i in plan[0].indices], budget)  # before agreement
             spec = LossSpec(name="listwise" if est == "lpo" else "pg", group_size=K, clip_eps=0.2)
             extra = {"old_log_probs": old_full, "target": target, "advantages": adv}
             ref_norms, ref_sd = reference_windows(hf, batch, extra, spec, [list(range(n_groups * K))])
             final = dict(pa.actor.export_hf_weights())
             counts = [None] * dist.get_world_size()
-            dist.all_gather_object(counts, [p["micro"] for p in plan])
-            rec[f"{layout}/{name}"] = {"budget": budget, "modes": [p["mode"] for p in plan],
-                                       "micro": [p["micro"] for p in plan],
-                                       "micro_tokens": [p["micro_tokens"] for p in plan],
-                                       "counts_all_ranks": [[len(m) for m in c] for c in counts],
-                                       "local_count": plan[0]["local_micro_count"],
-                                       "grad_norm": plan[0]["grad_norm"], "grad_norm_ref": ref_norms[0],
-                                       "weights_vs_ref": state_maxdiff(final, ref_sd, hf.config.tie_word_embeddings)}
+            dist.all_gather_object(counts, [[len(mb) for mb in p.micro_batches] for p in plan])
+            rec[f"{layout_name}/{name}"] = {"budget": budget, "modes": [str(p.mode or "pg") for p in plan],
+                                            "micro": [[len(mb) for mb in p.micro_batches] for p in plan],
+                                            "micro_tokens": micro_tokens,
+                                            "counts_all_ranks": [[len(m) for m in c] for c in counts],
+                                            "local_count": local_count,
+                                            "grad_norm": pa.last_update.grad_norms[0], "grad_norm_ref": ref_norms[0],
+                                            "weights_vs_ref": state_maxdiff(final, ref_sd, hf.config.tie_word_embeddings)}
             del pa
     return {"dynamic_batching": rec}
 

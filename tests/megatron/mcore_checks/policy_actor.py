@@ -141,7 +141,7 @@ def policy_actor():
     saved = dict(pa.actor.export_hf_weights())
     pa.set_lpo_divergence("rev")  # --lpo.divergence_schedule fwd@0,rev@1: the driver's call before update 2
     st2 = one_iteration(pa)
-    rec["iter2_divergence"] = pa.last_spec.divergence
+    rec["iter2_divergence"] = pa.last_update.divergence
     after2 = dict(pa.actor.export_hf_weights())
     # resume from the checkpoint in a fresh actor, replay iteration 2
     pa2 = cls.__new__(cls)

@@ -198,7 +198,7 @@ def kl_entropy():
             "--actor.loss_agg_mode", "seq-mean-token-mean",  # the reference's PG aggregation (stock: token-mean)
             "--algo.kl.use_loss", "--algo.kl.init_coef", str(kl), "--algo.kl.estimator", est,
             "--actor.entropy_coef", str(ent), "--actor.lr_scheduler", "constant", "--actor.lr_warmup_ratio", "0"]),
-            mbs, kl_ctl=kl)
+            kl_ctl=kl)
         assert spec.name == name, (spec.name, name)
         ref_norms, ref_sd = reference_windows(hf, batch, extra, ref_spec, [list(range(G * K))])
         plain_norm = reference_windows(hf, batch, extra, LossSpec(name=name, group_size=K, clip_eps=0.2),
@@ -208,7 +208,7 @@ def kl_entropy():
         rec[f"tp{tp}pp{pp}/{name}/{est}"] = {
             "flags": {"kl_estimator": spec.kl_estimator, "kl_coef": spec.kl_coef, "entropy_coef": spec.entropy_coef},
             "grad_norm": m["grad_norm"], "grad_norm_ref": ref_norms[0], "grad_norm_without_terms": plain_norm,
-            "weights_vs_ref": state_maxdiff(dict(actor.export_hf_weights()), ref_sd, True), "kl": m.get("kl")}
+            "weights_vs_ref": state_maxdiff(dict(actor.export_hf_weights()), ref_sd, True), "kl": W.step_metrics(actor, m)["kl"]}
         del actor
     return {"kl_entropy": rec}
 
@@ -240,7 +240,7 @@ def lr_schedule():
         lrs = []
         for i in range(6):
             m = actor.train_step(dp_slice(data, actor), spec)
-            lrs.append(m["lr"])
+            lrs.append(m["applied_lr"])
             if i == 0:
                 rec["step0_moved"] = max(float((v - hf_sd[k]).abs().max()) for k, v in actor.export_hf_weights())
             if i == 2:
@@ -250,7 +250,7 @@ def lr_schedule():
         rec["actor_lr_after"] = actor.lr_schedule.lr
         fresh = mk()
         fresh.load_checkpoint(os.path.join(W.OUT, "lr_ckpt"))
-        rec["resumed_lrs"] = [fresh.train_step(dp_slice(data, fresh), spec)["lr"] for _ in range(3)]
+        rec["resumed_lrs"] = [fresh.train_step(dp_slice(data, fresh), spec)["applied_lr"] for _ in range(3)]
         del fresh
     finally:
         type(actor.optimizer).step = orig_step
@@ -295,9 +295,9 @@ def offpolicy_fit():
         before = pa.actor.forwards
         st = pa.fit()
         forwards = pa.actor.forwards - before
-        plan = pa.last_plan
+        plan = pa.last_update.windows
         # the global groups of each step: this replica's window + the other replica's
-        mine_g = [sorted({int(gid[torch.as_tensor(mine)[i]]) for i in p["samples"]}) for p in plan]
+        mine_g = [sorted({int(gid[torch.as_tensor(mine)[i]]) for i in p.indices}) for p in plan]
         allg = [None] * dist.get_world_size()
         dist.all_gather_object(allg, mine_g)
         windows = [sorted(set().union(*(a[w] for a in allg))) for w in range(len(plan))]
@@ -324,10 +324,10 @@ def offpolicy_fit():
         spec = LossSpec(name="listwise", group_size=K, clip_eps=0.2)
         ref_norms, ref_sd = reference_windows(hf, batch, extra, spec, [gids_to_rows(w) for w in windows])
         final = dict(pa.actor.export_hf_weights())
-        rec[mode] = {"modes": [p["mode"] for p in plan], "grad_norms": [p["grad_norm"] for p in plan],
+        rec[mode] = {"modes": [str(p.mode) for p in plan], "grad_norms": pa.last_update.grad_norms,
                      "grad_norms_ref": ref_norms, "weights_vs_ref": state_maxdiff(final, ref_sd, hf.config.tie_word_embeddings),
                      "weights_moved": max(float((final[k] - hf_sd[k]).abs().max()) for k in final),
-                     "forwards": forwards, "micro": [p["micro"] for p in plan],
+                     "forwards": forwards, "micro": [[len(mb) for mb in p.micro_batches] for p in plan],
                      "delta_abs_max": float(delta.abs().max()),
                      "delta_vs_ref": float((delta - torch.tensor(d_ref)).abs().max()),
                      "shortcut_windows": st["lpo/shortcut_windows"], "pre_pass_windows": st["lpo/pre_pass_windows"]}
@@ -357,8 +357,8 @@ def pg_partial_batch():
     pa.append(exp)
     st = pa.fit()
     rec = {
-        "samples": n, "optimizer_steps": st["optimizer_steps"], "windows": [len(p["samples"]) for p in pa.last_plan],
-        "grad_norms": [p["grad_norm"] for p in pa.last_plan], "seconds": time.time() - t}
+        "samples": n, "optimizer_steps": st["optimizer_steps"], "windows": [len(p.indices) for p in pa.last_update.windows],
+        "grad_norms": pa.last_update.grad_norms, "seconds": time.time() - t}
     del pa
     return {"pg_partial_batch": rec}
 

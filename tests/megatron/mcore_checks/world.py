@@ -47,3 +47,18 @@ def write_record(record: dict = RECORD) -> None:
     with open(tmp, "w") as f:
         json.dump(record, f, indent=1)
     os.replace(tmp, os.path.join(OUT, f"rank{RANK}.json"))
+
+
+def step_metrics(actor, out: dict) -> dict:
+    """The global token means of one ``MegatronActor.train_step`` (its sums are this replica's: summed here over
+    the data-parallel ranks, as core.update does at the end of an update)."""
+    import torch
+    import torch.distributed as dist
+
+    keys = sorted(out["sums"])
+    t = torch.tensor([out["sums"][k] for k in keys], dtype=torch.float64)
+    dist.all_reduce(t, group=actor.ps.get_data_parallel_group())
+    sums = dict(zip(keys, t.tolist()))
+    tokens = max(sums["tokens"], 1.0)
+    return {"entropy": sums["entropy_sum"] / tokens, "clip_ratio": sums["out_of_band"] / tokens,
+            "ppo_kl": sums["ppo_kl_sum"] / tokens, "kl": sums["kl_loss_sum"] / tokens, "tokens": sums["tokens"]}
