@@ -1,4 +1,5 @@
-"""`lpo-explain`: LPO's target and coefficients on a worked example, next to the paired PG baseline.
+"""`lpo-explain`: Listwise Policy Optimization (LPO): its target and coefficients on a worked example, next to the
+paired PG baseline.
 
     lpo-explain --rewards 1 0 0 0 1 0 0 0 --temperature std --divergence fwd
     lpo-explain --rewards 1 0 0 0 --divergence alpha:0.5 --log-ratio 0.1 0 -0.1 0
@@ -51,7 +52,7 @@ def explain(rewards, temperature="std", divergence="fwd", prev_log_ratio=None, l
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="lpo-explain", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="lpo-explain", description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--rewards", type=float, nargs="+", default=[1, 0, 0, 1, 0, 0, 0, 0])
     ap.add_argument("--temperature", default="std",
                     help="std | one | mean | loo | batch_std (the --rewards as the whole batch) | <positive float>")

@@ -99,7 +99,7 @@ def _add_lpo_arguments(parser: argparse.ArgumentParser) -> None:
     flag that was not given, then fills the field's default)."""
     from dataclasses import fields
 
-    g = parser.add_argument_group("LPO (Listwise Policy Optimization, arXiv 2605.06139)")
+    g = parser.add_argument_group("Listwise Policy Optimization (LPO, arXiv 2605.06139)")
     for f in fields(LPOConfig):
         md = f.metadata
         if md["type"] is None:  # a switch

@@ -21,7 +21,6 @@ placement group.
 
 from __future__ import annotations
 
-import math
 import os
 from typing import List, Optional, Tuple
 
@@ -140,32 +139,42 @@ def _count_rows(path: str) -> int:
 
 
 def _batch_shape(args, groups: int) -> str:
-    """Windows and passes of one rollout batch of ``groups`` prompts (lpo)."""
+    """Windows and passes of one rollout batch of ``groups`` prompts (lpo), from the update's own planner
+    (core/update.plan_update, as every rank would run it with every sample at --data.max_len tokens)."""
+    from collections import Counter
+
+    import torch
+
+    from openrlhf_lpo.core.update import UpdateBatch, UpdateSettings, plan_update
+
     K, dp = args.rollout.n_samples_per_prompt, dp_size(args)
     used = groups - groups % dp
     if used == 0:
         return f"{groups} prompts < {dp} ranks: skipped"
     per_rank = used // dp
-    per_window = max(args.train.batch_size // (dp * K), 1)
-    windows = math.ceil(per_rank / per_window)
+    n = per_rank * K
+    batch = UpdateBatch(lengths=[int(args.data.max_len)] * n, gids=[i // K for i in range(n)],
+                        target=torch.full((n,), 1.0 / K, dtype=torch.float64), prev=torch.zeros(n, dtype=torch.float64))
+    plans = plan_update(batch, UpdateSettings.from_args(args, dp), lambda values, op: list(values), 0)
     epochs = args.train.max_epochs
+    windows = len(plans) // max(epochs, 1)
+    modes = Counter(p.mode.value for p in plans)
     if args.lpo.projection == "pointwise":
         passes = "pointwise (no extra pass)"
-    elif args.train.dynamic_batch_enable:
-        fits = K * args.data.max_len <= args.train.max_tokens_per_gpu
-        passes = ("one pass while each group's tokens fit --train.max_tokens_per_gpu" if fits else
-                  "groups may exceed --train.max_tokens_per_gpu: first window from s_t, later windows a no-grad pre-pass")
-    elif args.train.micro_batch_size % K == 0 and not args.lpo.force_two_pass:
-        passes = "one pass in every window (micro-batches hold whole groups)"
+    elif args.lpo.force_two_pass:
+        passes = "a no-grad pre-pass in every window (--lpo.force_two_pass)"
+    elif modes["one_pass"] == len(plans):
+        passes = ("one pass while each group's tokens fit --train.max_tokens_per_gpu" if args.train.dynamic_batch_enable
+                  else "one pass in every window (micro-batches hold whole groups)")
     else:
-        later = windows * epochs - 1
-        passes = "micro-batches split groups; first window: c from s_t, no extra forward"
+        later = modes["pre_pass"]
+        split = ("groups may exceed --train.max_tokens_per_gpu (at --data.max_len)" if args.train.dynamic_batch_enable
+                 else "micro-batches split groups")
+        passes = f"{split}; first window: c from s_t, no extra forward"
         passes += f"; {later} later window(s): one no-grad pre-pass each" if later else ""
-        if args.lpo.force_two_pass:
-            passes = "a no-grad pre-pass in every window (--lpo.force_two_pass)"
     dropped = f", {groups - used} dropped to keep ranks equal" if groups != used else ""
     return (f"{per_rank} groups per rank{dropped}; {windows} optimizer window(s) x {epochs} epoch(s) = "
-            f"{windows * epochs} step(s); {passes}")
+            f"{len(plans)} step(s); {passes}")
 
 
 def _placement_lines(args) -> List[str]:

@@ -133,7 +133,7 @@ class DivergenceSchedule:
             return False
         if entropy is None or not math.isfinite(float(entropy)):
             raise ValueError(f"update {step} logged no finite response entropy ({entropy!r}); the entropy switch "
-                             "needs it (response_entropy, logged with --actor.entropy_coef set, 0 by default for lpo)")
+                             "needs it (response_entropy; --actor.entropy_coef is 0 by default, so every run logs it)")
         self.history = (self.history + [float(entropy)])[-self.window:]
         mean = self.running_entropy
         nxt = min(self.stage(step + 1) + 1, len(self.stages) - 1)

@@ -20,7 +20,9 @@ batch's samples; step quantities are per optimizer step.
                       loss; else the sample mean of each response's token-mean KL to the reference (0 without a
                       reference model). OpenRLHF's KL controller reads this key.
     reward, return, response_length, total_length, truncated, group_reward_std, logprobs_diff
-                      sample means over the rollout batch (return: the shaped sequence reward the estimator used)
+                      sample means over the rollout batch (return: the shaped sequence reward the estimator used);
+                      also every other per-sample value of the experiences' info (the reward function's
+                      extra_logs, e.g. reward/error_frac; score), the same keys for every method of a task
     vllm_kl, is_filter_ratio   with --algo.advantage.is_correction_level: token mean of log mu - log pi_old, and the
                       token fraction whose train/rollout ratio pi_old/mu lies outside --algo.advantage.is_correction_threshold
     lpo/*             LPO: core/listwise_metrics.update_metrics; a policy-gradient estimator with --lpo.end_kl: the
@@ -66,23 +68,27 @@ _EPISODE_FIELDS = ("response_length", "total_length", "truncated")
 
 
 def experience_info(experiences: Iterable) -> Dict[str, torch.Tensor]:
-    """Per-sample float64 values of EXPERIENCE_KEYS from OpenRLHF ``Experience`` objects (batched or single-sample),
-    in their order; a key that some experience lacks is left out."""
-    parts: Dict[str, List[torch.Tensor]] = {k: [] for k in EXPERIENCE_KEYS}
+    """Per-sample float64 values from OpenRLHF ``Experience`` objects (batched or single-sample), in their order: the
+    episode fields of EXPERIENCE_KEYS and every numeric per-sample ``info`` entry (the reward function's
+    ``extra_logs`` included) except the listwise fields (``lpo_*``); a key that some experience lacks is left out."""
+    parts: Dict[str, List[torch.Tensor]] = {}
     n = 0
     for exp in experiences:
         mask = exp.action_mask
         b = 1 if mask.dim() == 1 else int(mask.shape[0])  # a replay-buffer item has no batch dimension
         n += 1
-        for k in EXPERIENCE_KEYS:
-            v = getattr(exp, k, None) if k in _EPISODE_FIELDS else (exp.info or {}).get(k)
-            if v is None:
+        values = {k: getattr(exp, k, None) for k in _EPISODE_FIELDS}
+        values.update({k: v for k, v in (exp.info or {}).items() if not k.startswith("lpo_")})
+        for k, v in values.items():
+            if v is None or isinstance(v, (str, bytes)):
                 continue
-            v = torch.as_tensor(v).detach().reshape(-1).to("cpu", torch.float64)
-            if v.numel() != b:
+            try:
+                v = torch.as_tensor(v).detach().reshape(-1).to("cpu", torch.float64)
+            except (TypeError, ValueError, RuntimeError):
                 continue
-            parts[k].append(v)
-    return {k: torch.cat(v) for k, v in parts.items() if v and len(v) == n}
+            if v.numel() == b:
+                parts.setdefault(k, []).append(v)
+    return {k: torch.cat(v) for k, v in parts.items() if len(v) == n}
 
 
 def update_status(sums: Dict[str, float], window_loss: List[float], window_count: List[float],

@@ -448,7 +448,9 @@ def run_update(batch: UpdateBatch, settings: UpdateSettings, engine: UpdateEngin
     status = metrics.update_status(sums, window_loss, window_count, record.grad_norms, lr, batch.info, settings,
                                    reduce)
     if lpo:
-        status.update(update_metrics(batch.gids, target, prev, batch.reward, batch.tau, last_s, abs_coef_sum,
+        reward = batch.reward if batch.reward is not None else torch.zeros(N, dtype=torch.float64)
+        tau = batch.tau if batch.tau is not None else torch.full((N,), float("nan"), dtype=torch.float64)
+        status.update(update_metrics(batch.gids, target, prev, reward, tau, last_s, abs_coef_sum,
                                      coef_count, modes, K, divergence, lambda v: reduce(v, "sum"),
                                      lambda v: reduce(v, "max"), correction=settings.correction, s_end=s_end))
     elif target is not None and settings.end_kl:

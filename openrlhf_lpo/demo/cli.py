@@ -1,4 +1,4 @@
-"""``lpo-demo``: see LPO work on a CPU-only machine in minutes.
+"""``lpo-demo``: see Listwise Policy Optimization (LPO) work on a CPU-only machine in minutes.
 
     lpo-demo                         # = lpo-demo --preset cpu-demo
     lpo-demo --task addition         # the 2-digit addition task (one right answer per prompt)

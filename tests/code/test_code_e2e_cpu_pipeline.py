@@ -108,7 +108,10 @@ def e2e(tmp_path_factory):
     log = log_path.read_text(errors="replace")
     assert proc.returncode == 0, f"lpo-train failed (rc={proc.returncode}); tail:\n{log[-6000:]}"
     print(f"\n[code e2e] {time.time() - t0:.1f}s")
-    return {"log": log, "scalars": tb_scalars(out / "tb")}
+    return {"log": log, "scalars": tb_scalars(out / "tb"), "argv": args}
+
+
+CODE_REWARD_INFO = ()  # the code reward's per-sample extra logs
 
 
 def test_the_taught_answers_grade_as_designed(box):
@@ -119,7 +122,7 @@ def test_the_taught_answers_grade_as_designed(box):
 def test_two_cispo_iterations_with_sandboxed_code_rewards(e2e):
     log, scalars = e2e["log"], e2e["scalars"]
     # steps from TensorBoard below (Ray may drop the trainer's last forwarded log line at exit)
-    assert "RuntimePPOTrainer" in log and "CPURolloutEngine" in log
+    assert "LPOTrainer" in log and "CPURolloutEngine" in log
     # the method file's CISPO settings, in effect (the plan line lpo-train prints at its start)
     assert "policy loss cispo: detached token ratio clipped to [0, 4] as a weight; aggregation token-mean" in log
     # the engine's reward file probed the real sandbox when it loaded
@@ -133,3 +136,11 @@ def test_two_cispo_iterations_with_sandboxed_code_rewards(e2e):
     assert any(0.0 < v < 1.0 for v in mean.values()) and any(s > 0 for s in std.values())
     assert sorted(grad) == [1, 2] and max(grad.values()) > 0  # non-degenerate groups: a real CISPO update
     assert wait_no_sandbox_processes() == []
+
+
+def test_cispo_logs_the_metric_contract(e2e):
+    """CISPO (a registered policy-loss type) logs exactly the keys of docs/metrics.md, the code reward's extra logs
+    included."""
+    from metric_contract import check_run
+
+    check_run(e2e["scalars"], e2e["argv"], info=CODE_REWARD_INFO)

@@ -77,3 +77,55 @@ def test_pointwise_and_one_pass_coefficients():
     assert update.window_coefficients(WindowMode.ONE_PASS, w, "fwd", "listwise", 2) is None
     with pytest.raises(ValueError, match="shortcut window: its coefficients need s"):
         update.window_coefficients(WindowMode.SHORTCUT, w, "fwd", "listwise", 2)
+
+
+def _settings(**kw):
+    base = dict(group_size=4, batch_size=8, dp=1, epochs=1, seed=0, micro_batch_size=2, max_tokens=None,
+                listwise=False, clip_eps=(0.2, 0.2))
+    base.update(kw)
+    return update.UpdateSettings(**base)
+
+
+def test_policy_gradient_windows_cover_every_sample_once_and_agree_over_ranks():
+    """A policy-gradient estimator's windows: --train.batch_size / dp samples shuffled from the seed; when the ranks
+    hold different numbers (a stock partial batch, 10 here vs 12 elsewhere), every rank runs the largest window
+    count any rank needs, its samples split evenly over them (each optimizer step is collective)."""
+    batch = update.UpdateBatch(lengths=[5] * 10)
+    same = update.plan_update(batch, _settings(), lambda v, op: list(v), 0)
+    assert [len(p.indices) for p in same] == [8, 2]
+    assert sorted(i for p in same for i in p.indices) == list(range(10))
+    assert all(p.mode is None and p.groups == 0 for p in same)
+
+    def other_rank_holds_17(values, op):  # this rank 10 samples (2 windows), the other 17 (3 windows)
+        if op == "max" and len(values) == 3:
+            return [3.0, 17.0, -10.0]
+        return list(values)
+
+    agreed = update.plan_update(batch, _settings(), other_rank_holds_17, 0)
+    assert [len(p.indices) for p in agreed] == [4, 3, 3]
+    assert sorted(i for p in agreed for i in p.indices) == list(range(10))
+    # the same seed and update index give the same windows (the rule both backends use); another index, others
+    again = update.plan_update(batch, _settings(), lambda v, op: list(v), 0)
+    assert [p.indices for p in again] == [p.indices for p in same]
+    assert [p.indices for p in update.plan_update(batch, _settings(), lambda v, op: list(v), 1)] != \
+        [p.indices for p in same]
+
+
+def test_token_budget_micro_batches_respect_the_budget_and_agree():
+    """One budget rule on both backends: first-fit counts agreed over the ranks (the largest), no micro-batch over
+    the budget unless it holds a single sample."""
+    lengths = [30, 10, 25, 5, 40, 12, 8, 20]
+    batch = update.UpdateBatch(lengths=lengths, gids=[0, 0, 0, 0, 1, 1, 1, 1],
+                               target=torch.full((8,), 0.25, dtype=torch.float64))
+    settings = _settings(listwise=True, max_tokens=45, batch_size=8, micro_batch_size=1)
+
+    def more_elsewhere(values, op):  # another rank needs 6 micro-batches
+        if op == "max" and len(values) == 1:
+            return [max(values[0], 6.0)]
+        return list(values)
+
+    plans = update.plan_update(batch, settings, more_elsewhere, 0)
+    assert len(plans) == 1 and len(plans[0].micro_batches) == 6
+    for mb in plans[0].micro_batches:
+        assert len(mb) == 1 or sum(lengths[i] for i in mb) <= 45, mb
+    assert plans[0].mode is WindowMode.SHORTCUT  # groups split: the first window takes c from s_t

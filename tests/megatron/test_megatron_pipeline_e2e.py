@@ -68,18 +68,20 @@ def e2e(tmp_path_factory):
         "--ckpt.save_hf", "--algo.advantage.estimator", "lpo", "--lpo.end_kl",
         "--backend", "megatron", "--megatron.tp", "2", "--megatron.params_dtype", "fp32",
     ]
-    rc1, log1 = _run(base + ["--data.max_samples", "8", "--train.num_episodes", "1",
-                             "--logger.tensorboard_dir", str(w / "tb1")], env, w / "run1.log")
+    argv1 = base + ["--data.max_samples", "8", "--train.num_episodes", "1", "--logger.tensorboard_dir", str(w / "tb1")]
+    rc1, log1 = _run(argv1, env, w / "run1.log")
     parity1 = [json.loads(x) for x in (w / "parity.jsonl").read_text().splitlines()] if (w / "parity.jsonl").exists() else []
     n1 = len(parity1)
     hf1 = sorted(p.name for p in (w / "ckpt").glob("*_hf"))  # HF exports after run 1 (rotated with the state)
     # the resumed run trains its two steps with the RLOO baseline as its method file gives it (a checkpoint holds
     # weights, optimizer and data position, no estimator state): a baseline's steps on the Megatron backend
-    rc2, log2 = _run(base + ["--data.max_samples", "8", "--train.num_episodes", "2", "--ckpt.load_enable",
-                             "--logger.tensorboard_dir", str(w / "tb2"), *method_flags("rloo")], env, w / "run2.log")
+    argv2 = base + ["--data.max_samples", "8", "--train.num_episodes", "2", "--ckpt.load_enable",
+                    "--logger.tensorboard_dir", str(w / "tb2"), *method_flags("rloo")]
+    rc2, log2 = _run(argv2, env, w / "run2.log")
     # steps and metrics from tensorboard: Ray may drop the trainer's last forwarded log lines at exit
     parity2 = [json.loads(x) for x in (w / "parity.jsonl").read_text().splitlines()][n1:] if (w / "parity.jsonl").exists() else []
     return dict(w=w, rc1=rc1, log1=log1, rc2=rc2, log2=log2, parity1=parity1, parity2=parity2, hf1=hf1,
+                argv1=argv1, argv2=argv2,
                 tb1=tb_scalars(w / "tb1"), tb2=tb_scalars(w / "tb2"))
 
 
@@ -148,3 +150,15 @@ def test_resume_continues_from_checkpoint(e2e):
     ck = e2e["w"] / "ckpt"
     assert sorted(p.name for p in ck.glob("*_hf")) == ["global_step4_hf"]
     assert (ck / "global_step4_hf" / "model.safetensors.index.json").exists()
+
+
+def test_both_runs_log_the_metric_contract(e2e):
+    """The Megatron backend's LPO run and its RLOO run (--lpo.end_kl) log exactly the keys of docs/metrics.md: the
+    same contract the DeepSpeed runs check (tests/pipeline/test_e2e_cpu_pipeline.py)."""
+    from metric_contract import check_run
+
+    assert e2e["rc1"] == 0 and e2e["rc2"] == 0
+    check_run(e2e["tb1"], e2e["argv1"])
+    check_run(e2e["tb2"], e2e["argv2"])
+    for s in (1, 2):  # the token fraction outside the band, and the per-step mean gradient norm
+        assert 0.0 <= e2e["tb1"]["train/clip_ratio"][s] <= 1.0 and e2e["tb1"]["train/response_entropy"][s] > 0.0

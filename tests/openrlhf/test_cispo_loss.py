@@ -168,7 +168,12 @@ def test_megatron_pg_loss_computes_cispo_as_a_sum():
             n = float(mask.sum())
             assert int(count) == n and count_key(spec) == "n_tokens"
             np.testing.assert_allclose(x.grad.numpy(), grad * n, rtol=1e-12, atol=1e-15)
-            assert float(stats["clip_sum"]) == pytest.approx(frac * n, rel=1e-12)
+            # the clip ratio every method logs (core/loss.py token_statistics, computed beside the loss by the actor):
+            # CISPO's capped tokens are the tokens outside the band
+            from openrlhf_lpo.core.loss import token_statistics
+
+            band = token_statistics(lp, old, mask, (0.2, 0.28))
+            assert float(band["out_of_band"]) == pytest.approx(frac * n, rel=1e-12)
         else:
             rows = int((mask.sum(-1) > 0).sum())
             assert int(count) == rows and count_key(spec) == "n_nonempty"
@@ -185,7 +190,12 @@ def test_megatron_pg_loss_computes_cispo_as_a_sum():
     c = np.clip(np.exp((old - rollout).numpy()), 0.7, 1.5)
     weight = np.clip(np.exp((lp - old).numpy()), 0.8, 1.28) * c
     np.testing.assert_allclose(x.grad.numpy(), -weight * adv.numpy() * mask.numpy(), rtol=1e-12, atol=1e-15)
-    assert "vllm_kl_sum" in stats
+    from openrlhf_lpo.core.loss import token_statistics
+
+    tok = token_statistics(lp, old, mask, (0.2, 0.28), rollout, (0.7, 1.5))
+    assert float(tok["vllm_kl_sum"]) == pytest.approx(float(((rollout - old) * mask).sum()), rel=1e-12)
+    assert float(tok["filtered"]) == float((((old - rollout).exp() < 0.7) | ((old - rollout).exp() > 1.5)).double()
+                                           .mul(mask).sum())
     with pytest.raises(ValueError, match="--algo.advantage.is_correction_level seq"):
         get_policy_loss("pg")(lp, mb, LossSpec(name="pg", policy_loss_type="cispo",
                                                is_correction=("seq", "mask", "ratio", (0.5, 5.0))))

@@ -193,4 +193,4 @@ def run_family(model: str, root: Path, name: str, *, dp: int, extra=(), estimato
     rc, wall, log = run_cli(args, run_env(env), root / f"{name}.log")
     assert rc == 0, f"{name} failed (rc={rc}); tail:\n{log[-6000:]}"
     print(f"\n[e2e family] {name}: {wall:.0f}s")
-    return {"log": log, "tb": tb_scalars(out / "tb")}
+    return {"log": log, "tb": tb_scalars(out / "tb"), "argv": args}

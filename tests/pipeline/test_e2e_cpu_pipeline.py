@@ -106,3 +106,17 @@ def test_the_preflight_reads_a_real_deepspeed_checkpoint(e2e, capsys):
         main(one_rank)
     err = capsys.readouterr().err
     assert exc.value.code == 2 and "was written by 2 data-parallel ranks, this run has 1" in err
+
+
+def test_both_jobs_log_the_metric_contract(e2e, demo_ci_run):
+    """LPO-fwd and its GRPO pair (with --lpo.end_kl) log exactly the keys of docs/metrics.md, with one meaning."""
+    from metric_contract import check_run
+
+    check_run(e2e["tb_a"], shlex.split((e2e["job"] / "command.txt").read_text()))
+    grpo_job = demo_ci_run["run"] / "pipeline" / "grpo"
+    check_run(tb_scalars(grpo_job / "tb"), shlex.split((grpo_job / "command.txt").read_text()))
+    tb = e2e["tb_a"]
+    steps = range(1, e2e["steps"] + 1)
+    for s in steps:  # one meaning: the token fraction outside the band, a mean over the update's steps
+        assert 0.0 <= tb["train/clip_ratio"][s] <= 1.0 and tb["train/optimizer_steps"][s] == 2.0
+        assert tb["train/response_entropy"][s] > 0.0

@@ -73,3 +73,12 @@ def test_policy_gradient_run_logs_the_listwise_kl_over_partial_batches(families)
                     "dynamic sampling (group mean score in (0, 1))", "overlong shaping over the last 1 of 8 tokens (x1)"):
         assert setting in log, setting
     assert tb["train/dynamic_filtering_pass_rate"] == {1: 400.0, 2: 400.0, 3: 400.0, 4: 400.0}
+
+
+def test_both_runs_log_the_metric_contract(families):
+    """The async LPO run (behaviour correction: vllm_kl, is_filter_ratio, lpo/behaviour_*) and DAPO with --lpo.end_kl
+    log exactly the keys of docs/metrics.md."""
+    from metric_contract import check_run
+
+    for name in ("async", "dapo_dp1"):
+        check_run(families[name]["tb"], families[name]["argv"])

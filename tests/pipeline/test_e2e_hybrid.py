@@ -36,4 +36,4 @@ def test_hybrid_recipe_with_dynamic_batching_trains_two_episodes(hybrid):
                for s in (1, 2, 3, 4))
     assert all(tb["train/lpo/abs_coef_mean"][s] > 1e-3 for s in (1, 2, 3, 4))
     assert all(tb["train/kl"][s] > 0.0 for s in (2, 3, 4))  # the KL loss against the reference model
-    assert all(tb["train/entropy_loss"][s] > 0.0 for s in (1, 2, 3, 4))
+    assert all(tb["train/response_entropy"][s] > 0.0 for s in (1, 2, 3, 4))

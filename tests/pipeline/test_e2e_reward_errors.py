@@ -49,15 +49,15 @@ def runs(tiny_model_dir, tmp_path_factory):
     once = _data(root / "once.jsonl", [GOOD] * 3 + [BAD] + [GOOD] * 4)
     # run a trains with the GSPO baseline (configs/methods/gspo.sh): OpenRLHF's sequence-level ratio loss
     gspo = ("group_norm", "--actor.policy_loss_type", "gspo", "--actor.eps_clip_low_high", "3e-4", "4e-4")
-    rc_a, wall_a, log_a = run_cli(_args(tiny_model_dir, once, root / "a", ["--ckpt.save_hf", "--ckpt.max_num", "1"],
-                                        estimator=gspo), run_env(), root / "a.log")
+    argv_a = _args(tiny_model_dir, once, root / "a", ["--ckpt.save_hf", "--ckpt.max_num", "1"], estimator=gspo)
+    rc_a, wall_a, log_a = run_cli(argv_a, run_env(), root / "a.log")
     persistent = _data(root / "persistent.jsonl", [GOOD, BAD] * 4)
     rc_b, wall_b, log_b = run_cli(_args(tiny_model_dir, persistent, root / "b",
                                         ["--ckpt.save_steps", "-1", "--reward.error_window", "32",
                                          "--reward.error_stop_frac", "0.4"],
                                         estimator=tuple(method_flags("reinforce_pp")[1:])), run_env(), root / "b.log")
     print(f"\n[e2e reward errors] one bad prompt {wall_a:.0f}s (rc {rc_a}), all bad {wall_b:.0f}s (rc {rc_b})")
-    return {"a": (rc_a, log_a, root / "a"), "b": (rc_b, log_b, root / "b")}
+    return {"a": (rc_a, log_a, root / "a"), "b": (rc_b, log_b, root / "b"), "argv_a": argv_a}
 
 
 def test_a_failing_reward_costs_its_samples_not_the_run(runs):
@@ -70,8 +70,11 @@ def test_a_failing_reward_costs_its_samples_not_the_run(runs):
     # the bad prompt's 4 samples out of its batch's 16; the other batch has none (seeded prompt order)
     assert sorted(frac.values()) == [0.0, 0.25]
     assert (out / "final" / "config.json").exists()
-    # a GSPO update ran: the stock trainer with the sequence-level loss logged its policy loss at both steps
-    assert "RuntimePPOTrainer" in log and sorted(tb["train/policy_loss"]) == [1, 2]
+    # a GSPO update ran: OpenRLHF's sequence-level loss through the one update loop logged its policy loss at both steps
+    assert "LPOTrainer" in log and sorted(tb["train/policy_loss"]) == [1, 2]
+    from metric_contract import check_run
+
+    check_run(tb, runs["argv_a"])
 
 
 def test_hf_exports_rotate_with_the_training_state(runs):
@@ -90,7 +93,7 @@ def test_persistent_reward_errors_stop_the_run_naming_the_cause(runs):
     assert "lpo-train: rewards could not be computed for 16 of the last 32 samples" in log
     assert "x task chess: ValueError: label task 'chess' is unknown" in log
     assert "--reward.error_stop_frac" in log
-    assert "RuntimePPOTrainer" in log  # the stock trainer class with the safety nets
+    assert "LPOTrainer" in log  # every estimator's trainer class (the safety nets included)
     assert "advantage R - group mean, whitened over the rollout batch" in log  # the method file's estimator
     tb = tb_scalars(out / "tb")
     assert tb_steps(tb) == [1]  # the first batch trained; the run stopped before training on the second

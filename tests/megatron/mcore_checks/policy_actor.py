@@ -17,6 +17,7 @@ import torch.distributed as dist
 from openrlhf_lpo import listwise
 
 from . import world as W
+from .policy_fit import policy_args
 from .references import G, K, hf_logp, make_batch, masked_maxdiff
 from .registry import check
 
@@ -68,19 +69,11 @@ def policy_actor():
                          num_kv_heads=2, head_dim=16, intermediate_size=128)
     dist.barrier()
 
-    def make_args(load):
-        return NS(
-            megatron=NS(tp=2, pp=1, vpp=1, params_dtype="fp32", distributed_optimizer=False),
-            actor=NS(adam=NS(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0), max_norm=1.0,
-                     eps_clip=0.2, eps_clip_low_high=(0.2, 0.2), gradient_checkpointing_enable=False),
-            train=NS(micro_batch_size=2, batch_size=8, max_epochs=1),
-            rollout=NS(temperature=1.0, n_samples_per_prompt=K),
-            algo=NS(advantage=NS(estimator="lpo")),
-            lpo=NS(divergence="fwd", projection="listwise", force_two_pass=False, end_kl=True),
-            ckpt=NS(path=os.path.join(W.OUT, "policy_ckpt"), load_enable=load, save_hf=True,
-                    output_dir=os.path.join(W.OUT, "policy_final"), max_num=3, max_mem=float("inf")),
-            vllm=NS(sync_backend="gloo", sync_with_ray=False, enable_prefix_caching=False), seed=42,
-        )
+    def make_args(load):  # the policy actor's flags (policy_fit.policy_args: every flag fit() reads)
+        return policy_args(actor__adam=NS(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0), actor__max_norm=1.0,
+                           train__micro_batch_size=2, lpo__end_kl=True,
+                           ckpt__path=os.path.join(W.OUT, "policy_ckpt"), ckpt__load_enable=load, ckpt__save_hf=True,
+                           ckpt__output_dir=os.path.join(W.OUT, "policy_final"))
 
     cls = plain_class()
     engine = FakeRolloutEngine(model_dir)
