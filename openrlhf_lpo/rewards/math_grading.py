@@ -212,6 +212,8 @@ _WARMUP = (
     ("\\boxed{1,2}", "\\{2, 1\\}"),
     ("\\boxed{10\\%}", "0.1"),
     ("\\boxed{4.5 \\times 10^{33}}", "4.5e33"),
+    ("\\boxed{x < 2 \\text{ or } x > 3}", "(-\\infty, 2) \\cup (3, \\infty)"),  # as_set: sympy's inequality solver
+    ("\\boxed{p=5,q=2;p=7,q=2}", "p = 5, q = 2 \\quad \\text{and} \\quad p = 7, q = 2"),
 )
 
 
