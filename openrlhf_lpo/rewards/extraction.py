@@ -21,6 +21,9 @@ Pure python, safe anywhere (no sympy, nothing that can hang).
   and answers written that way (58 of Minerva's 272 golds) never match ``4.5 \\times 10^{33}``.
   :func:`normalize_math` rewrites e-notation numbers as ``4.5\\times10^{33}`` (and LaTeX's ``~`` space,
   which makes math-verify drop what precedes a unit, as a plain space).
+* **The end of an answer** (issue 44): :func:`normalize_math` also drops what ends an answer but is not part
+  of it (a stray backslash, a line break, a full stop, a squared unit abbreviation after a number, the
+  scale after degrees) and reads ``°`` as ``^\\circ`` and ``\\lor`` / ``\\vee`` as ``\\text{ or }``.
 """
 
 from __future__ import annotations
@@ -149,9 +152,44 @@ def _sci_latex(m: re.Match) -> str:
     return f"{mantissa}\\times10^{{{sign}{digits}}}"
 
 
+# a unit abbreviation squared or cubed at the end of an answer, after a number: "15 cm^2", "864 in^{2}"
+# (math-verify drops "cm" but reads "cm^2" as c*m^2); one-letter units (m, g, s) could be variables: left alone
+_UNIT_POWER_RE = re.compile(r"(?<=[\d}])\s*(?:mm|cm|km|in|ft|yd|mi|units?)\s*\^\s*(?:\{\s*[23]\s*\}|[23])$")
+
+
+# degrees Celsius / Fahrenheit at the end: "30^\circ C", "30^{\circ}\mathrm{F}" (math-verify reads C as a variable)
+_DEGREES_END_RE = re.compile(r"\^\s*\{?\s*\\circ\s*\}?\s*(?:\\(?:mathrm|text)\s*\{\s*[CF]\s*\}|[CF])$")
+# a logical or between two conditions
+_LOGICAL_OR_RE = re.compile(r"\s*\\(?:lor|vee)(?![A-Za-z])\s*")
+# the degree sign, with the scale it may carry: "30°", "30 °C"
+_DEGREE_SIGN_RE = re.compile(r"\s*\u00b0\s*(?:[CF](?![A-Za-z]))?")
+
+
+def _tidy_end(latex: str) -> str:
+    """An answer without what ends it but is not part of it.
+
+    A stray backslash (``185\\`` of a model escaping its closing brace, or a gold stored that way), a LaTeX
+    line break ``\\\\`` or ``\\ `` space, a sentence's full stop (``(2,\\infty).``, ``5.``; not an ellipsis), a
+    squared or cubed unit abbreviation after a number, the scale after degrees (``30^\\circ C``).
+    """
+    s = latex.rstrip()
+    while s.endswith("\\"):
+        run = len(s) - len(s.rstrip("\\"))
+        s = s[: len(s) - (1 if run % 2 else run)].rstrip()  # a stray one first, then whole line breaks
+    if len(s) > 1 and s.endswith(".") and s[-2] != ".":  # not an ellipsis
+        s = s[:-1].rstrip()
+    return _DEGREES_END_RE.sub(r"^\\circ", _UNIT_POWER_RE.sub("", s))
+
+
 def normalize_math(latex: str) -> str:
-    """A LaTeX answer (a box's content, a gold) with e-notation as ``\\times10^{n}`` and ``~`` as a space."""
-    return _SCI_RE.sub(_sci_latex, latex).replace("~", " ")
+    """A LaTeX answer (a box's content, a gold) as math-verify should read it.
+
+    E-notation as ``\\times10^{n}``, ``~`` as a space, ``°`` as ``^\\circ``, a logical or (``\\lor``, ``\\vee``,
+    which math-verify misreads: ``x < 2 \\lor x > 3`` parsed as 3) as ``\\text{ or }``, and the end tidied
+    (:func:`_tidy_end`: stray backslashes, line breaks, a full stop, a squared unit, a degree scale).
+    """
+    latex = _LOGICAL_OR_RE.sub(r" \\text{ or } ", _SCI_RE.sub(_sci_latex, latex).replace("~", " "))
+    return _tidy_end(_DEGREE_SIGN_RE.sub(r"^\\circ", latex))
 
 
 def normalize_text(text: str) -> str:

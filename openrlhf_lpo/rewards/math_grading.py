@@ -22,6 +22,12 @@ Rules (one grader for RL rewards and ``lpo-eval``):
   become a set ({12, 13} matches neither). Without any box the whole text goes to math-verify (it finds
   ``$...$`` and plain expressions) unless ``require_box``: then there is no answer (``no_answer``),
   the box-required policy of verl's math reward, NeMo-Skills and DeepScaleR.
+* **Forms** (issue 44): gold and box content are read through
+  :func:`~openrlhf_lpo.rewards.extraction.normalize_math` (e-notation, a tidied end: stray backslashes,
+  line breaks, a full stop, squared unit abbreviations, degrees); a condition is compared with a set
+  (math-verify's ``allow_set_relation_comp``: ``x > 2`` is ``(2,\\infty)``); solutions whose grouping the
+  parse lost are regrouped and conditions joined by "or" compared as a union
+  (:mod:`~openrlhf_lpo.rewards.answer_forms`). Units are dropped, never converted.
 * **Numbers are compared relatively**: math-verify rounds floats to 6 decimal places before comparing,
   so any two numbers below 5e-7 are "equal" (Minerva's ``2.88e-19`` accepted ``2.88e-18``, or 0). A
   verdict of "equal" between two plain numbers must also hold to a relative tolerance of
@@ -39,6 +45,7 @@ from __future__ import annotations
 
 import functools
 
+from .answer_forms import same_answer_form, solution_groups
 from .extraction import (
     answer_parts,
     box_list,
@@ -71,9 +78,17 @@ def _parse(text: str):
     return parse(text, parsing_timeout=None)
 
 
+def _parse_box(content: str):
+    """math-verify's parse of ``\\boxed{content}``, its solutions regrouped when the parse merged them
+    (:func:`~openrlhf_lpo.rewards.answer_forms.solution_groups`)."""
+    parsed = _parse("\\boxed{" + content + "}")
+    regrouped = solution_groups(content, parsed[0]) if parsed else None
+    return (_parse("\\boxed{" + regrouped + "}") or parsed) if regrouped else parsed
+
+
 def _parse_gold(gold: str):
     """The gold wrapped as ``\\boxed{gold}`` (an answer box with the same content shares the cache entry)."""
-    return _parse("\\boxed{" + normalize_math(gold) + "}")
+    return _parse_box(normalize_math(gold))
 
 
 def _normalize_all_boxes(text: str) -> str:
@@ -146,7 +161,8 @@ def grade_math_inprocess(response: str, gold: str, fast_path: bool = True, boxes
         return GradeResult(False, "error", None)
     box = extracted if boxes == "last" else None
     try:
-        pred = _parse(pred_text)
+        pred = _parse_box(pred_text[len("\\boxed{") : -1]) if from_box and pred_text.startswith("\\boxed{") \
+            else _parse(pred_text)
     except Exception:
         return GradeResult(False, "error", box)
     if not pred:
@@ -155,9 +171,12 @@ def grade_math_inprocess(response: str, gold: str, fast_path: bool = True, boxes
     from math_verify import verify
 
     try:
-        ok = verify(gold_parsed, pred, timeout_seconds=None) and _numbers_agree(gold_parsed[0], pred[0])
+        ok = verify(gold_parsed, pred, timeout_seconds=None, allow_set_relation_comp=True) and _numbers_agree(
+            gold_parsed[0], pred[0])
     except Exception:
         return GradeResult(False, "error", extracted)
+    if not ok:  # conditions joined by "or" for a union of intervals (answer_forms)
+        ok = same_answer_form(gold_parsed[0], pred[0], box if box is not None else pred_text)
     return GradeResult(bool(ok), "ok", extracted)
 
 
@@ -193,6 +212,8 @@ _WARMUP = (
     ("\\boxed{1,2}", "\\{2, 1\\}"),
     ("\\boxed{10\\%}", "0.1"),
     ("\\boxed{4.5 \\times 10^{33}}", "4.5e33"),
+    ("\\boxed{x < 2 \\text{ or } x > 3}", "(-\\infty, 2) \\cup (3, \\infty)"),  # as_set: sympy's inequality solver
+    ("\\boxed{p=5,q=2;p=7,q=2}", "p = 5, q = 2 \\quad \\text{and} \\quad p = 7, q = 2"),
 )
 
 
