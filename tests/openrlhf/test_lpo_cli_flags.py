@@ -66,10 +66,11 @@ def test_non_lpo_namespace_is_stock():
     assert args.lpo.divergence is None
     from openrlhf.trainer import ppo_trainer
 
-    from openrlhf_lpo.openrlhf.ray_classes import RuntimePPOTrainer, unwrap_ray_class
+    from openrlhf_lpo.openrlhf.ray_classes import RuntimePPOTrainer
+    from openrlhf_lpo.upstream import ray_class
 
     with flags._lpo_before_train(args):  # no LPO class: the stock trainer with the runtime safety nets
-        assert unwrap_ray_class(ppo_trainer.PPOTrainer) is RuntimePPOTrainer
+        assert ray_class(ppo_trainer.PPOTrainer) is RuntimePPOTrainer
 
 
 BAD = [
@@ -156,10 +157,11 @@ def test_main_swaps_classes_only_around_train(monkeypatch):
             main(BASE + ["--algo.advantage.estimator", "group_norm", "--preflight", "off"])
     # other estimators: the stock classes plus the runtime safety nets (reward errors, seeds, HF rotation)
     from openrlhf_lpo.openrlhf.ray_classes import (RemoteRuntimePolicyActor, RemoteRuntimePPOTrainer,
-                                                   RuntimePolicyActor, RuntimePPOTrainer, unwrap_ray_class)
+                                                   RuntimePolicyActor, RuntimePPOTrainer)
+    from openrlhf_lpo.upstream import ray_class
 
     assert seen == {"actor": RemoteRuntimePolicyActor, "trainer": RemoteRuntimePPOTrainer}
-    assert unwrap_ray_class(stock_trainer) in RuntimePPOTrainer.__mro__ and unwrap_ray_class(stock_actor) in \
+    assert ray_class(stock_trainer) in RuntimePPOTrainer.__mro__ and ray_class(stock_actor) in \
         RuntimePolicyActor.__mro__
     assert ppo_actor.PolicyModelActor is stock_actor and ppo_trainer.PPOTrainer is stock_trainer  # restored
 
