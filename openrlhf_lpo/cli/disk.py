@@ -102,7 +102,8 @@ def run_disk_need(args, params: int, rollout_batches: Optional[int]) -> DiskNeed
         best = 1 if getattr(args.eval, "dataset", None) and getattr(args.ckpt, "best_metric_key", "") != "none" else 0
         count = kept if saves is None else min(kept, saves)
         if count or best:
-            need.parts.append((f"{count + best} {backend.name} checkpoint(s) of {human_size(per)}", (count + best) * per, ckpt))
+            need.parts.append((f"{count + best} {backend.name} checkpoint(s) of {human_size(per)}",
+                               (count + best) * per, ckpt))
     if getattr(args.ckpt, "save_hf", False):
         keep = getattr(args.ckpt, "hf_max_num", None)
         keep = max_num if keep is None else int(keep)

@@ -40,7 +40,7 @@ import sys
 from typing import List
 
 from openrlhf_lpo.cli.flags import FlagError, FlagGroup, register_flag_group
-from openrlhf_lpo.megatron import patch_points  # noqa: F401  (registers the backend's patch points: lpo-train checks them)
+from openrlhf_lpo.megatron import patch_points  # noqa: F401  (registers the backend's points: lpo-train checks them)
 
 # why context parallelism (and with it ring attention) is refused, and what to use instead
 CP_REFUSAL = (

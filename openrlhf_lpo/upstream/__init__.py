@@ -212,7 +212,8 @@ def definition(tree: ast.AST, dotted: str):
 def calls(node: ast.AST, name: str) -> List[ast.Call]:
     """The calls of ``name`` (``name(...)`` or ``x.name(...)``) anywhere under ``node``, in source order."""
     found = [c for c in ast.walk(node) if isinstance(c, ast.Call) and (
-        (isinstance(c.func, ast.Name) and c.func.id == name) or (isinstance(c.func, ast.Attribute) and c.func.attr == name))]
+        (isinstance(c.func, ast.Name) and c.func.id == name) or
+        (isinstance(c.func, ast.Attribute) and c.func.attr == name))]
     return sorted(found, key=lambda c: (c.lineno, c.col_offset))
 
 

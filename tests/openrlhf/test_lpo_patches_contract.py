@@ -414,7 +414,8 @@ def _check(name):
 
 
 def test_policy_group_contract_detects_a_train_that_builds_the_policy_group_otherwise(monkeypatch):
-    _edit_source(monkeypatch, megatron_points.STOCK_CLI, "        args.actor.num_gpus_per_node,\n        PolicyModelActor,\n",
+    _edit_source(monkeypatch, megatron_points.STOCK_CLI,
+                 "        args.actor.num_gpus_per_node,\n        PolicyModelActor,\n",
                  "        args.actor.num_gpus_per_node,\n        actor_class,\n")
     with pytest.raises(RuntimeError, match=r"patch point megatron-policy-group: train\(\) no longer builds the policy "
                                            r"group once as RayActorGroup\(num_nodes, num_gpus_per_node, "
@@ -462,7 +463,8 @@ def test_vllm_sync_group_contract_detects_a_borrowed_method_that_reads_more_of_s
 def test_rope_contract_detects_a_changed_megatron_function(monkeypatch):
     """A parameter added to megatron's apply_rotary_pos_emb: the contract names the point, and rope.install (the
     actor's call, in its process) refuses before it swaps anything."""
-    _edit_source(monkeypatch, megatron_points.ROPE_UTILS, "    config: TransformerConfig,\n    cu_seqlens: Optional[Tensor] = None,\n",
+    _edit_source(monkeypatch, megatron_points.ROPE_UTILS,
+                 "    config: TransformerConfig,\n    cu_seqlens: Optional[Tensor] = None,\n",
                  "    config: TransformerConfig,\n    cu_seqlens: Optional[Tensor] = None,\n    cp_rank: int = 0,\n")
     with pytest.raises(RuntimeError, match=r"patch point megatron-rope: rope_utils.apply_rotary_pos_emb\[.*'cp_rank'"):
         _check("megatron-rope")
