@@ -43,7 +43,7 @@ import types
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from openrlhf_lpo.openrlhf.patches import ContractBroken, module_source, params, patch_point  # stdlib only
+from openrlhf_lpo.upstream import ContractBroken, module_source, params, patch_point  # stdlib only
 
 K = 4  # responses per prompt
 GROUPS_PER_RANK = 4
@@ -83,7 +83,7 @@ def _needs_vllm(name: str):
 
 
 # ----------------------------------------------------------------------------- the check's patch points
-# (registered in openrlhf/patches.py's registry when this module is imported; the contracts import no vLLM)
+# (registered in openrlhf_lpo.upstream's registry when this module is imported; the contracts import no vLLM)
 
 
 @patch_point("trainer-check-ray-package", "openrlhf.trainer.ray", "create_vllm_engines, batch_vllm_engine_call",

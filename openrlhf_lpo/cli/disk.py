@@ -33,6 +33,8 @@ import os
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
+from openrlhf_lpo.core.training_backends import backend_of
+
 __all__ = ["model_params", "run_disk_need", "DiskNeed", "DTYPE_BYTES", "human_size"]
 
 DTYPE_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "half": 2, "fp32": 4, "float32": 4, "float": 4}
@@ -93,17 +95,15 @@ def run_disk_need(args, params: int, rollout_batches: Optional[int]) -> DiskNeed
     max_num = max(int(args.ckpt.max_num), 1)
     need = DiskNeed()
     ckpt = args.ckpt.path
-    backend = getattr(args, "backend", "deepspeed")
+    backend = backend_of(args)
     if not getattr(args.ckpt, "disable_ds", False):
-        if backend == "megatron":
-            per, kept = params * OPTIMIZER_BYTES, max_num + 1
-        else:
-            per = params * (OPTIMIZER_BYTES + (param_bytes if args.ds.zero_stage < 3 else 0))
-            kept = max_num
+        per = params * (OPTIMIZER_BYTES + (param_bytes if backend.checkpoint_holds_weights(args) else 0))
+        kept = max_num + (1 if backend.saves_before_pruning else 0)  # the new one is written before the oldest goes
         best = 1 if getattr(args.eval, "dataset", None) and getattr(args.ckpt, "best_metric_key", "") != "none" else 0
         count = kept if saves is None else min(kept, saves)
         if count or best:
-            need.parts.append((f"{count + best} {backend} checkpoint(s) of {human_size(per)}", (count + best) * per, ckpt))
+            need.parts.append((f"{count + best} {backend.name} checkpoint(s) of {human_size(per)}",
+                               (count + best) * per, ckpt))
     if getattr(args.ckpt, "save_hf", False):
         keep = getattr(args.ckpt, "hf_max_num", None)
         keep = max_num if keep is None else int(keep)

@@ -1,7 +1,7 @@
 """Flag groups: the extension hook of ``lpo-train`` (``openrlhf_lpo.cli.train_ppo_ray``).
 
 Public names (stable):
-    FlagGroup, FlagError, FLAG_GROUPS, register_flag_group(group), flag_groups(),
+    FlagGroup, FlagError, FLAG_GROUPS, register_flag_group(group), flag_groups(args=None),
     EXTRA_ESTIMATORS, LPO_ESTIMATORS, PAIRED_TEMPERATURE, dp_size(args), flag_was_given(args, dest)
 
 A flag group bundles what one feature adds to the stock OpenRLHF 0.11.2 CLI:
@@ -11,9 +11,12 @@ A flag group bundles what one feature adds to the stock OpenRLHF 0.11.2 CLI:
                               (``args.lpo.divergence``); raise ``FlagError`` naming the flags;
 * ``before_train(args)``      optional; returns a context manager (or None) entered around the
                               stock ``train(args)``: class swaps, CPU shims, another backend.
-* ``estimators``              extra ``--algo.advantage.estimator`` choices it owns.
+* ``estimators``              extra ``--algo.advantage.estimator`` choices it owns;
+* ``backend``                 the training backend it belongs to (``--backend``): its ``validate``,
+                              ``before_train`` and ``plan_lines`` run only for runs of that backend.
 
-Groups run in registration order. Other engineers add theirs (``--backend``/CPU mode,
+Groups run in registration order. ``--backend`` itself is this module's ``backend`` group, its choices the
+training-backend table (:mod:`openrlhf_lpo.core.training_backends`). Other engineers add theirs (CPU mode,
 ``--backend megatron --megatron.tp/pp``) with ``register_flag_group(FlagGroup(...))`` in their
 own module and import it from ``openrlhf_lpo.cli.train_ppo_ray`` (see ``PLUGIN_MODULES``) —
 nothing else in the CLI needs to change.
@@ -27,6 +30,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, ContextManager, Dict, List, Optional, Tuple
 
+from openrlhf_lpo.core.training_backends import DEFAULT_BACKEND, backend_names, backend_of
 from openrlhf_lpo.registry import register_unique
 
 __all__ = [
@@ -55,6 +59,7 @@ class FlagGroup:
     before_train: Optional[Callable[[argparse.Namespace], Optional[ContextManager]]] = None
     estimators: Tuple[str, ...] = field(default_factory=tuple)
     plan_lines: Optional[Callable[[argparse.Namespace], List[str]]] = None  # what --dry-run adds for the group
+    backend: Optional[str] = None  # a training backend's group: validate / before_train / plan_lines for its runs only
 
 
 FLAG_GROUPS: Dict[str, FlagGroup] = {}
@@ -65,8 +70,14 @@ def register_flag_group(group: FlagGroup) -> FlagGroup:
     return register_unique(FLAG_GROUPS, "flag group", group.name, group)
 
 
-def flag_groups() -> List[FlagGroup]:
-    return list(FLAG_GROUPS.values())
+def flag_groups(args: Optional[argparse.Namespace] = None) -> List[FlagGroup]:
+    """Every registered group (registration order); with ``args``, the groups of that run: those of every run and
+    those bound to its ``--backend``."""
+    groups = list(FLAG_GROUPS.values())
+    if args is None:
+        return groups
+    name = backend_of(args).name
+    return [g for g in groups if g.backend is None or g.backend == name]
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -365,6 +376,18 @@ register_flag_group(
 )
 
 
+def _add_backend_argument(parser: argparse.ArgumentParser) -> None:
+    if any(a.dest == "backend" for a in parser._actions):
+        return
+    names = backend_names()
+    parser.add_argument_group("Training backend").add_argument(
+        "--backend", type=str, choices=names, default=DEFAULT_BACKEND,
+        help=f"policy training backend: {', '.join(names)} (default {DEFAULT_BACKEND}; megatron: docs/megatron.md)")
+
+
+register_flag_group(FlagGroup(name="backend", add_arguments=_add_backend_argument))
+
+
 def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("lpo-train run control")
     g.add_argument("--dry-run", dest="dry_run", action="store_true", default=False,
@@ -421,18 +444,18 @@ def _validate_auto_resume(args: argparse.Namespace) -> None:
     if ckpt.save_steps is None or ckpt.save_steps <= 0:
         raise FlagError(f"--ckpt.auto_resume {n} restarts from the last checkpoint, but --ckpt.save_steps "
                         f"{ckpt.save_steps} saves none: add --ckpt.save_steps S (e.g. 20)")
-    if getattr(args, "backend", "deepspeed") == "deepspeed" and ckpt.max_num < 2:
-        raise FlagError(f"--ckpt.auto_resume {n} with --ckpt.max_num {ckpt.max_num}: OpenRLHF deletes the oldest "
-                        "DeepSpeed checkpoint before it writes the next, so a kill during that save would leave "
-                        "nothing to resume: keep at least 2 (--ckpt.max_num 2)")
+    if not backend_of(args).saves_before_pruning and ckpt.max_num < 2:
+        raise FlagError(f"--ckpt.auto_resume {n} with --ckpt.max_num {ckpt.max_num}: the {backend_of(args).name} "
+                        "backend deletes the oldest checkpoint before it writes the next, so a kill during that save "
+                        "would leave nothing to resume: keep at least 2 (--ckpt.max_num 2)")
 
 
 register_flag_group(FlagGroup(name="runtime", add_arguments=_add_runtime_arguments, validate=_validate_runtime))
 
 
 def enter_before_train(stack: contextlib.ExitStack, args: argparse.Namespace) -> None:
-    """Enter every group's ``before_train`` context on ``stack`` (registration order)."""
-    for group in flag_groups():
+    """Enter the run's groups' ``before_train`` contexts on ``stack`` (registration order)."""
+    for group in flag_groups(args):
         if group.before_train is not None:
             cm = group.before_train(args)
             if cm is not None:

@@ -51,6 +51,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from openrlhf_lpo.core.training_backends import backend_of, training_backend
+
 __all__ = ["OPS", "SKIP_ENV", "needed_op", "op_for_args", "NodeFacts", "build_problems", "is_prebuilt",
            "toolkit_home", "nvcc_release", "compiler_name", "gather_facts", "gather_cluster", "cluster_problems",
            "check_run_or_exit"]
@@ -75,8 +77,9 @@ PREBUILD_HINT = ("or pre-build the ops into deepspeed once (docs/install.md, \"D
 
 def needed_op(backend: str, adam_offload: bool, critic: bool) -> Optional[str]:
     """The DeepSpeed op the run's optimizer loads: ``cpu_adam`` with ``--ds.adam_offload``, else
-    ``fused_adam``; None when nothing trains on DeepSpeed (``--backend megatron`` without a critic)."""
-    if backend == "megatron" and not critic:
+    ``fused_adam``; None when nothing trains on DeepSpeed (a backend with its own optimizer, ``--backend
+    megatron``, without a critic)."""
+    if not training_backend(backend).deepspeed_optimizer and not critic:
         return None
     return "cpu_adam" if adam_offload else "fused_adam"
 
@@ -85,8 +88,7 @@ def op_for_args(args) -> Optional[str]:
     """:func:`needed_op` for lpo-train's hierarchised namespace."""
     ds = getattr(args, "ds", None)
     critic = getattr(getattr(args, "critic", None), "model_name_or_path", None)
-    return needed_op(getattr(args, "backend", "deepspeed") or "deepspeed",
-                     bool(getattr(ds, "adam_offload", False)), bool(critic))
+    return needed_op(backend_of(args).name, bool(getattr(ds, "adam_offload", False)), bool(critic))
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ import os
 from typing import List, Optional, Tuple
 
 from openrlhf_lpo.core.config import LPO_ESTIMATORS, dp_size
+from openrlhf_lpo.core.training_backends import backend_of
 
 __all__ = ["gpu_roles", "gpus_needed", "check_cluster", "dataset_rows", "plan_lines", "method_line", "ClusterTooSmall"]
 
@@ -43,11 +44,9 @@ def gpu_roles(args) -> List[Tuple[str, int, str]]:
     has_ref = args.algo.kl.init_coef > 0
     has_critic = bool(getattr(args.critic, "model_name_or_path", None))
     has_reward = not args.reward.remote_url
-    backend = getattr(args, "backend", "deepspeed")
+    backend = backend_of(args)
     roles = []
-    actor_note = f"{backend} actor, dp {dp_size(args)}"
-    if backend == "megatron":  # one model replica spans tp x pp GPUs
-        actor_note = f"{backend} actor, TP {args.megatron.tp} x PP {args.megatron.pp} x DP {dp_size(args)}"
+    actor_note = f"{backend.name} actor, {backend.layout_note(args, dp_size(args))}"
     if train.colocate_all:
         shared = ["actor"] + (["ref"] if has_ref else []) + (["critic"] if has_critic else []) + \
                  (["reward"] if has_reward else [])
@@ -181,21 +180,18 @@ def _placement_lines(args) -> List[str]:
     """The actor's rank-to-node map as lpo-train will place it (openrlhf/placement.py)."""
     from openrlhf_lpo.openrlhf.placement import planned_layout
 
-    if getattr(args, "backend", "deepspeed") == "megatron":
-        tp, pp = args.megatron.tp, args.megatron.pp
-    else:
-        tp, pp = args.ds.tensor_parallel_size * args.ds.ring_attn_size, 1
+    tp, pp = backend_of(args).model_parallel(args)  # the blocks of ranks one model replica spans
     nodes, gpn = args.actor.num_nodes, args.actor.num_gpus_per_node
     head = f"  actor ranks by node (node-major: each node's Ray bundles in rank order, {nodes} x {gpn} GPUs):"
     return [head] + [f"    {line}" for line in planned_layout(nodes, gpn, tp, pp)]
 
 
 def _flag_group_plan_lines(args) -> List[str]:
-    """What the registered flag groups add to the plan (``FlagGroup.plan_lines``; e.g. the Megatron backend's
+    """What the run's flag groups add to the plan (``FlagGroup.plan_lines``; e.g. the Megatron backend's
     pipeline efficiency): a plugin imports the CLI, never the reverse."""
-    from openrlhf_lpo.cli.flags import FLAG_GROUPS
+    from openrlhf_lpo.cli.flags import flag_groups
 
-    return [line for group in FLAG_GROUPS.values() if group.plan_lines for line in group.plan_lines(args)]
+    return [line for group in flag_groups(args) if group.plan_lines for line in group.plan_lines(args)]
 
 
 # the advantage each group / batch estimator computes (OpenRLHF 0.11.2's experience maker; maxrl is ours)

@@ -33,7 +33,8 @@ from typing import Callable, List, Optional
 from unittest import mock
 
 from openrlhf_lpo.cli import flags as _flags
-from openrlhf_lpo.openrlhf.patches import ContractBroken, params, patch_point  # (the standard library alone)
+from openrlhf_lpo.core.training_backends import backend_of
+from openrlhf_lpo.upstream import ContractBroken, params, patch_point  # (the standard library alone)
 
 __all__ = ["main", "build_parser_and_parse", "get_parser", "STOCK_CLI", "PLUGIN_MODULES"]
 
@@ -152,7 +153,7 @@ def _run_stock(argv: Optional[List[str]], on_args: Callable[[argparse.Namespace]
     def train_override(args):
         state["validated"] = True  # past the stock checks: an AssertionError from here on is a runtime fault
         parser = state["parser"]
-        for group in _flags.flag_groups():
+        for group in _flags.flag_groups(args):  # those of every run and of its --backend
             if group.validate is not None:
                 try:
                     group.validate(args)
@@ -225,7 +226,7 @@ def get_parser(extended: bool = True) -> argparse.ArgumentParser:
 
 
 # ----------------------------------------------------------------------------- the runner's patch points
-# (registered in openrlhf/patches.py's registry; lpo-train checks them with every other point before a run)
+# (registered in openrlhf_lpo.upstream's registry; lpo-train checks them with every other point before a run)
 
 
 def _stock_main_block():
@@ -356,7 +357,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     # a run checks every contract (importing each patched module); a dry run and a supervisor check the version
     # (the supervisor's child checks the contracts when it starts: exit 2, which it does not retry)
     _check_upstream_or_exit("lpo-train --dry-run" if args.dry_run else "lpo-train",
-                            full=not (args.dry_run or supervisor))
+                            full=not (args.dry_run or supervisor), backend=backend_of(args).name)
     if not args.dry_run:
         repaired = auto_resume.repair_before_preflight(args)  # a cut-off save is never what gets resumed
         if repaired:
@@ -395,18 +396,25 @@ def main(argv: Optional[List[str]] = None) -> None:
             raise SystemExit(4) from None
 
 
-def _check_upstream_or_exit(prog: str, full: bool = True) -> None:
+def _check_upstream_or_exit(prog: str, full: bool = True, backend: str = "") -> None:
     """The installed OpenRLHF is the version our patch points are written for and (``full``: a run, not a dry
-    run, which imports every patched module) every contract holds (signatures, the source lines a swap relies
-    on): else exit 2 naming the version or the broken contract."""
-    from openrlhf_lpo.openrlhf import patches
+    run, which imports every patched module) every contract of the run holds (signatures, the source lines a swap
+    relies on): the points of every run, then those of ``backend`` (``--backend megatron``: megatron-core's and the
+    policy group's, megatron/patch_points.py); else exit 2 naming the version or the broken contract."""
+    from openrlhf_lpo import upstream
+    from openrlhf_lpo.openrlhf import patches  # noqa: F401  (registers the DeepSpeed backend's points)
 
     try:
-        # the CPU mode's process-wide patches are checked when it turns on (cpu/mode.py, _cpu_before_train)
-        patches.check_contracts(exclude_kinds=("process-swap",)) if full else patches.check_version()
+        if full:
+            # the CPU mode's process-wide patches are checked when it turns on (cpu/mode.py, _cpu_before_train)
+            upstream.check_contracts(exclude_kinds=("process-swap",), backends=("",))
+            upstream.check_contracts(backends=(backend,)) if backend else None
+        else:
+            upstream.check_version()
     except RuntimeError as e:
-        print(f"{prog}: {e}; openrlhf-lpo extends openrlhf {patches.OPENRLHF_VERSION} only: install it with "
-              f"pip install openrlhf=={patches.OPENRLHF_VERSION} (setup.py pins it)", file=sys.stderr, flush=True)
+        print(f"{prog}: {e}; openrlhf-lpo extends openrlhf {upstream.OPENRLHF_VERSION} (and megatron-core "
+              f"{upstream.MEGATRON_CORE_VERSION} for --backend megatron) only: install it with pip install "
+              f"openrlhf=={upstream.OPENRLHF_VERSION} (setup.py pins them)", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
 
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Optional, Union
 
+from openrlhf_lpo.core.training_backends import backend_of
+
 __all__ = ["LPO_ESTIMATORS", "EXTRA_ESTIMATORS", "PAIRED_TEMPERATURE", "PAIRED_METHODS", "dp_size", "listwise_metrics_enabled",
            "uses_lpo_classes", "LPOConfig"]
 
@@ -40,13 +42,10 @@ PAIRED_METHODS = {
 
 def dp_size(args) -> int:
     """Effective data-parallel size of the actor (what OpenRLHF chunks experiences by): the actor
-    GPUs divided by what one model replica spans, ``--megatron.tp x --megatron.pp`` with
-    ``--backend megatron``, DeepSpeed's ring-attention and tensor-parallel sizes otherwise."""
-    world = args.actor.num_nodes * args.actor.num_gpus_per_node
-    if getattr(args, "backend", "deepspeed") == "megatron":
-        m = args.megatron
-        return world // max(int(m.tp) * int(m.pp), 1)
-    return world // max(args.ds.ring_attn_size, 1) // max(args.ds.tensor_parallel_size, 1)
+    GPUs divided by what one model replica spans (the backend's ``model_parallel``: ``--megatron.tp x
+    --megatron.pp`` with ``--backend megatron``, DeepSpeed's ring-attention and tensor-parallel sizes otherwise)."""
+    tp, pp = backend_of(args).model_parallel(args)
+    return args.actor.num_nodes * args.actor.num_gpus_per_node // max(tp * pp, 1)
 
 
 def listwise_metrics_enabled(args) -> bool:

@@ -207,7 +207,7 @@ def _patch_megatron() -> None:
     mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
 
 
-# ----------------------------------------------------------------------------- contracts (patches.py's registry)
+# ----------------------------------------------------------------------------- contracts (openrlhf_lpo.upstream)
 # The CPU mode registers the points (cpu/mode.py: cpu-megatron-core, cpu-megatron-accelerator); their contracts
 # live here, next to what they guard. Neither applies anything.
 
@@ -219,7 +219,7 @@ def megatron_contract():
     mode's import hook where it is installed."""
     import ast
 
-    from openrlhf_lpo.openrlhf.patches import ContractBroken, module_source
+    from openrlhf_lpo.upstream import ContractBroken, module_source
 
     name = "megatron.core.tensor_parallel.random"
     tree = ast.parse(module_source(name))
@@ -242,7 +242,7 @@ def accelerator_contract():
     """What :func:`apply` replaces in torch exists (the patch point's attributes, looked up by check_contracts) and
     torch names a CPU tensor's type ``torch.<T>Tensor`` for every dtype of ``_TYPE_NAMES`` (``_tensor_type`` puts
     the accelerator's name in between, as megatron's dtype assertions expect)."""
-    from openrlhf_lpo.openrlhf.patches import ContractBroken
+    from openrlhf_lpo.upstream import ContractBroken
 
     for dtype, name in _TYPE_NAMES.items():
         got = _TENSOR_TYPE(torch.zeros((), dtype=dtype))  # torch's own Tensor.type, also where apply() ran

@@ -30,8 +30,8 @@ What it does, in the driver and in every Ray worker (through Ray's
    ``LPO_CPU_THREADS`` threads per process (default 1) so every process computes the same
    numbers for the same input, which the parity check relies on.
 
-Every one of these patches is a patch point of :mod:`openrlhf_lpo.openrlhf.patches` (``cpu-*``, registered below
-with a contract on the upstream code it relies on; ``lpo-train`` checks them before a run).
+Every one of these patches is a patch point in :mod:`openrlhf_lpo.upstream` (``cpu-*``, registered below
+with a contract on the upstream code it relies on; the CPU mode checks them when it turns on).
 
 Run any OpenRLHF entry point in CPU mode with::
 
@@ -55,7 +55,7 @@ import sys
 import time
 from typing import Callable, Dict, List, Optional
 
-from openrlhf_lpo.openrlhf.patches import (  # the patch-point registry: the standard library alone at import
+from openrlhf_lpo.upstream import (  # the patch-point registry: the standard library alone at import
     ContractBroken, module_source, params, patch_point, ray_class)
 
 _DEVICE = "cpu"
@@ -272,7 +272,7 @@ PATCHES: Dict[str, Callable] = {
 }
 
 
-# ----------------------------------------------------------------------------- the patch points (patches.py's registry)
+# ----------------------------------------------------------------------------- the patch points (openrlhf_lpo.upstream)
 # One point per key of PATCHES (tests/openrlhf/test_lpo_patches_contract.py holds that), plus megatron_redirect's
 # accelerator calls, the flash-attn fallback and the args adjuster. A contract reads upstream as it stands before
 # the CPU mode patches it: in a process where the CPU mode has already patched the module, it says so instead.
@@ -583,7 +583,9 @@ def adjust_args(args) -> List[str]:
         # reads the packed sequences' boundaries from the restarting position ids
         ds.attn_implementation = "sdpa"
         notes.append("ds.attn_implementation -> sdpa (flash-attention kernels need a GPU)")
-    if getattr(args, "backend", "deepspeed") == "megatron":  # its offload is plain torch copies: it runs here too
+    from openrlhf_lpo.core.training_backends import backend_of
+
+    if backend_of(args).offload_on_cpu:  # (the Megatron actor's sleep is plain torch copies: it runs here too)
         return notes
     if ds is not None and getattr(ds, "enable_sleep", False):
         ds.enable_sleep = False
@@ -754,10 +756,10 @@ def _cpu_before_train(args):
     if gpu_available():
         raise RuntimeError("--cpu.mode on but this driver sees a GPU: hide it with CUDA_VISIBLE_DEVICES= (the CPU "
                            "mode replaces CUDA calls) or use --cpu.mode auto")
-    from openrlhf_lpo.openrlhf import patches
+    from openrlhf_lpo import upstream
 
     try:  # what the process-wide patches below rely on (their registered points), before any is applied
-        patches.check_contracts(kinds=("process-swap",))
+        upstream.check_contracts(kinds=("process-swap",), backends=("",))
     except RuntimeError as e:
         print(f"lpo-train: the CPU mode cannot patch this installation: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None

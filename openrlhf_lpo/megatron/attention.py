@@ -13,23 +13,31 @@ group ``g`` are consecutive), as in the local attention.
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Sequence
 
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
+from openrlhf_lpo.megatron.patch_points import BOUNDS_ATTR
+
+
+def attach_bounds(packed_seq_params, bounds: Sequence[int]) -> None:
+    """Remember the host copy of the padded cumulative lengths on megatron's ``PackedSeqParams`` (patch point
+    ``megatron-packed-seq-bounds``): :func:`segment_bounds` then reads no device tensor."""
+    setattr(packed_seq_params, BOUNDS_ATTR, [int(b) for b in bounds])
+
 
 def segment_bounds(packed_seq_params) -> List[int]:
     """Python list of the padded cumulative lengths (one host read per forward, cached)."""
-    cached = getattr(packed_seq_params, "_lpo_bounds", None)
+    cached = getattr(packed_seq_params, BOUNDS_ATTR, None)
     if cached is not None:
         return cached
     p = packed_seq_params
     cu = p.cu_seqlens_q_padded if p.cu_seqlens_q_padded is not None else p.cu_seqlens_q
     bounds = [int(x) for x in cu.tolist()]
     try:
-        packed_seq_params._lpo_bounds = bounds
+        setattr(packed_seq_params, BOUNDS_ATTR, bounds)
     except AttributeError:  # a frozen/slotted params object: recompute next time
         pass
     return bounds

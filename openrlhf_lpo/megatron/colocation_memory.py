@@ -121,9 +121,10 @@ def colocated_memory(hf_config, tp: int, pp: int, dp: int, tokens: int, action_t
 
 
 def is_colocated(args: argparse.Namespace) -> bool:
-    """A Megatron run whose vLLM engines share the actor's GPUs (OpenRLHF colocates them unless async)."""
-    return (getattr(args, "backend", "deepspeed") == "megatron" and bool(getattr(args.train, "colocate_all", False))
-            and not getattr(args.train, "async_enable", False) and (args.vllm.num_engines or 0) > 0)
+    """The vLLM engines of a Megatron run share the actor's GPUs (OpenRLHF colocates them unless async); the flag
+    group below is bound to ``--backend megatron``, so its checks and plan lines only see Megatron runs."""
+    return (bool(getattr(args.train, "colocate_all", False)) and not getattr(args.train, "async_enable", False)
+            and (args.vllm.num_engines or 0) > 0)
 
 
 def _hf_config(args) -> Optional[dict]:
@@ -251,15 +252,13 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _validate(args: argparse.Namespace) -> None:
-    if getattr(args, "backend", "deepspeed") != "megatron":
-        return
     if args.megatron.gpu_memory_gb < 0:
         raise FlagError(f"--megatron.gpu_memory_gb must be >= 0 (0: no check), got {args.megatron.gpu_memory_gb:g}")
     check_colocated_fit(args)
 
 
 register_flag_group(FlagGroup(name="megatron-colocation-memory", add_arguments=_add_arguments, validate=_validate,
-                              plan_lines=colocated_plan_lines))
+                              plan_lines=colocated_plan_lines, backend="megatron"))
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -1,6 +1,10 @@
 """``--backend megatron`` flag group for ``lpo-train`` (loaded by openrlhf_lpo.cli as a plugin).
 
-Flags: ``--backend {deepspeed,megatron}`` (default deepspeed), ``--megatron.tp N``,
+The group is bound to the backend (``FlagGroup(backend="megatron")``): its validation, ``before_train`` and plan lines
+run only with ``--backend megatron`` (``--backend`` itself is cli/flags.py's, its choices the training-backend table;
+this backend's entry: :mod:`openrlhf_lpo.megatron.training_backend`).
+
+Flags: ``--megatron.tp N``,
 ``--megatron.pp M``, ``--megatron.vpp V`` (virtual pipeline stages, interleaved 1F1B, needs PP > 1),
 ``--megatron.sequence_parallel`` (needs TP > 1), ``--megatron.cp`` (1 only: context parallelism
 needs Transformer Engine, see ``CP_REFUSAL``), ``--megatron.params_dtype {bf16,fp32}``,
@@ -23,8 +27,9 @@ Before any actor starts, the layout is placed on the running Ray cluster
 
 With ``--backend megatron`` the policy actor group is built from
 :mod:`openrlhf_lpo.megatron.ray_actor` instead of OpenRLHF's DeepSpeed ``PolicyModelActor``
-(whatever class the other flag groups swapped in), with ``duplicate_actors = tp*pp`` so each
-model replica gets one chunk of experiences. The reference model (KL) stays on DeepSpeed.
+(whatever class the other flag groups swapped in), as a :class:`~openrlhf_lpo.megatron.actor_group.MegatronPolicyGroup`
+with ``duplicate_actors = tp*pp`` so each model replica gets one chunk of experiences (patch point
+``megatron-policy-group``, megatron/patch_points.py). The reference model (KL) stays on DeepSpeed.
 """
 
 from __future__ import annotations
@@ -35,8 +40,7 @@ import sys
 from typing import List
 
 from openrlhf_lpo.cli.flags import FlagError, FlagGroup, register_flag_group
-
-BACKENDS = ("deepspeed", "megatron")
+from openrlhf_lpo.megatron import patch_points  # noqa: F401  (registers the backend's points: lpo-train checks them)
 
 # why context parallelism (and with it ring attention) is refused, and what to use instead
 CP_REFUSAL = (
@@ -51,11 +55,9 @@ MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "deepseek
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
-    if any(a.dest == "backend" for a in parser._actions):
+    if any(a.dest == "megatron.tp" for a in parser._actions):
         return
-    g = parser.add_argument_group("Megatron-core actor backend")
-    g.add_argument("--backend", type=str, choices=BACKENDS, default="deepspeed",
-                   help="policy training backend (default deepspeed)")
+    g = parser.add_argument_group("Megatron-core actor backend (--backend megatron)")
     g.add_argument("--megatron.tp", type=int, default=1, help="tensor-parallel size of the Megatron actor")
     g.add_argument("--megatron.pp", type=int, default=1, help="pipeline-parallel size of the Megatron actor")
     g.add_argument("--megatron.vpp", type=int, default=1,
@@ -79,8 +81,6 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _validate(args: argparse.Namespace) -> None:
-    if getattr(args, "backend", "deepspeed") != "megatron":
-        return
     from openrlhf_lpo.megatron.parallel_layout import validate_layout
     from openrlhf_lpo.megatron.model import SUPPORTED_MODEL_TYPES
 
@@ -190,41 +190,26 @@ def _validate_colocation(args: argparse.Namespace, world: int) -> None:
         )
 
 
-def _is_policy_actor(cls) -> bool:
-    from openrlhf.trainer.ray import ppo_actor
-
-    base = getattr(ppo_actor.PolicyModelActor, "__ray_actor_class__", ppo_actor.PolicyModelActor)
-    plain = getattr(cls, "__ray_actor_class__", cls)
-    return isinstance(plain, type) and issubclass(plain, base)
-
-
 @contextlib.contextmanager
 def use_megatron_policy(args: argparse.Namespace):
-    """Build the policy ``RayActorGroup`` from the Megatron actor (restored on exit)."""
-    from openrlhf.trainer.ray import launcher
+    """Inside, the stock ``train()`` builds its policy group as a ``MegatronPolicyGroup`` of the Megatron Ray actor
+    (``--megatron.tp`` x ``--megatron.pp`` ranks per replica) and every other group as upstream's: patch point
+    ``megatron-policy-group``, the name ``RayActorGroup`` in the stock CLI's module (restored on exit). Yields the
+    Megatron Ray actor class."""
+    import importlib
 
-    from openrlhf_lpo.megatron.ray_actor import MegatronActorGroup, remote_class
+    from openrlhf_lpo.megatron.actor_group import policy_group_builder
+    from openrlhf_lpo.megatron.patch_points import STOCK_CLI
+    from openrlhf_lpo.megatron.ray_actor import remote_class
 
+    stock = importlib.import_module(STOCK_CLI)
     remote = remote_class()
-    original = launcher.RayActorGroup.__init__
-    mp = args.megatron.tp * args.megatron.pp
-
-    def __init__(self, num_nodes, num_gpus_per_node, ray_actor_type, *a, **kw):
-        policy = _is_policy_actor(ray_actor_type)
-        if policy:
-            ray_actor_type = remote
-            kw["duplicate_actors"] = mp
-            # each TP group on one node, or no actor starts (openrlhf/placement.py)
-            self.node_block, self.node_block_strict = args.megatron.tp, True
-        original(self, num_nodes, num_gpus_per_node, ray_actor_type, *a, **kw)
-        if policy:
-            self.__class__ = MegatronActorGroup
-
-    launcher.RayActorGroup.__init__ = __init__
+    original = stock.RayActorGroup
+    stock.RayActorGroup = policy_group_builder(original, remote, int(args.megatron.tp), int(args.megatron.pp))
     try:
         yield remote
     finally:
-        launcher.RayActorGroup.__init__ = original
+        stock.RayActorGroup = original
 
 
 def check_cluster(args: argparse.Namespace) -> None:
@@ -254,17 +239,9 @@ def _megatron_run(args: argparse.Namespace):
         yield remote
 
 
-def _before_train(args: argparse.Namespace):
-    if getattr(args, "backend", "deepspeed") != "megatron":
-        return None
-    return _megatron_run(args)
-
-
 def _plan_lines(args: argparse.Namespace):
     from openrlhf_lpo.megatron.pipeline_plan import pipeline_plan_lines
 
-    if getattr(args, "backend", "deepspeed") != "megatron":
-        return []
     return memory_plan_lines(args) + pipeline_plan_lines(args)  # pipeline: PP > 1 only
 
 
@@ -310,6 +287,6 @@ def memory_plan_lines(args: argparse.Namespace) -> List[str]:
 
 
 register_flag_group(
-    FlagGroup(name="megatron", add_arguments=_add_arguments, validate=_validate, before_train=_before_train,
-              plan_lines=_plan_lines)
+    FlagGroup(name="megatron", add_arguments=_add_arguments, validate=_validate, before_train=_megatron_run,
+              plan_lines=_plan_lines, backend="megatron")
 )

@@ -29,7 +29,7 @@ def _groups_in(value) -> Iterator[dist.ProcessGroup]:
 def parallel_state_groups(ps) -> list[dist.ProcessGroup]:
     """The distinct live process groups held by the module globals of ``ps`` (megatron's parallel_state)."""
     world = dist.group.WORLD
-    live = dist.distributed_c10d._world.pg_map
+    live = dist.distributed_c10d._world.pg_map  # torch's private registry (patch point megatron-process-groups)
     seen: dict[int, dist.ProcessGroup] = {}
     for name, value in vars(ps).items():
         if name.startswith("__"):

@@ -114,7 +114,7 @@ def pipeline_passes(args) -> List[PassPlan]:
 def pipeline_warnings(args) -> List[str]:
     """Warning lines (without prefix) for a Megatron run with PP > 1: a pass below :data:`EFFICIENCY_WARN`,
     and virtual pipeline stages with one sample per micro-batch (every row padded to the pass's longest)."""
-    if getattr(args, "backend", "deepspeed") != "megatron" or int(args.megatron.pp) < 2:
+    if int(args.megatron.pp) < 2:
         return []
     pp, vpp = int(args.megatron.pp), int(_get(args, "megatron.vpp", 1) or 1)
     micro = int(args.train.micro_batch_size)
@@ -146,8 +146,9 @@ def pipeline_warnings(args) -> List[str]:
 
 
 def pipeline_plan_lines(args) -> List[str]:
-    """What ``lpo-train --dry-run`` prints for ``--backend megatron`` with PP > 1 (nothing otherwise)."""
-    if getattr(args, "backend", "deepspeed") != "megatron" or int(args.megatron.pp) < 2:
+    """What ``lpo-train --dry-run`` prints for ``--backend megatron`` (the Megatron flag group's plan lines) with
+    PP > 1 (nothing otherwise)."""
+    if int(args.megatron.pp) < 2:
         return []
     pp, vpp = int(args.megatron.pp), int(_get(args, "megatron.vpp", 1) or 1)
     formula = "M/(M+pp-1)" if vpp == 1 else f"interleaved 1F1B, bubble (pp-1)/(vpp*M), vpp {vpp}"

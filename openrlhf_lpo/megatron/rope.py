@@ -13,7 +13,9 @@ cases for our packing: one sequence spans the whole row, or ``max_seqlen < T``),
 Calls it does not cover (fused RoPE, no bounds, context parallelism, MLA) go to megatron's own function.
 
 :func:`install` puts it in place of ``megatron.core.transformer.attention.apply_rotary_pos_emb`` (the name
-``Attention.forward`` calls); the actor installs it when it builds the local spec.
+``Attention.forward`` calls); the actor installs it when it builds the local spec. Both are patch points with a
+contract (megatron/patch_points.py): ``megatron-rope`` (the swap) and ``megatron-cu-seqlens-bounds`` (the bounds
+on the tensor); ``install`` checks the first before it swaps.
 """
 
 from __future__ import annotations
@@ -22,16 +24,18 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from openrlhf_lpo.megatron.patch_points import BOUNDS_ATTR
+
 _ORIGINAL = None
 
 
 def attach_bounds(cu_seqlens: torch.Tensor, bounds: Sequence[int]) -> None:
     """Remember the host copy of ``cu_seqlens`` (``[0, n_0, n_0 + n_1, ...]``) on the tensor itself."""
-    cu_seqlens._lpo_bounds = [int(b) for b in bounds]
+    setattr(cu_seqlens, BOUNDS_ATTR, [int(b) for b in bounds])  # patch point megatron-cu-seqlens-bounds
 
 
 def host_bounds(cu_seqlens: Optional[torch.Tensor]) -> Optional[List[int]]:
-    return getattr(cu_seqlens, "_lpo_bounds", None) if cu_seqlens is not None else None
+    return getattr(cu_seqlens, BOUNDS_ATTR, None) if cu_seqlens is not None else None
 
 
 def packed_freqs(freqs: torch.Tensor, bounds: Sequence[int]) -> torch.Tensor:
@@ -56,26 +60,15 @@ def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale: float = 1.0,
 
 
 def install() -> None:
-    """Put :func:`apply_rotary_pos_emb` where megatron's ``Attention.forward`` looks it up (idempotent)."""
+    """Put :func:`apply_rotary_pos_emb` where megatron's ``Attention.forward`` looks it up (idempotent), after the
+    contract of patch point ``megatron-rope`` (RuntimeError naming the point if megatron-core changed)."""
     global _ORIGINAL
     from megatron.core.transformer import attention
 
+    from openrlhf_lpo import upstream
+
     if attention.apply_rotary_pos_emb is apply_rotary_pos_emb:
         return
-    check_contract(attention.apply_rotary_pos_emb)
+    upstream.check_point(upstream.registered("megatron-rope"))
     _ORIGINAL = attention.apply_rotary_pos_emb
     attention.apply_rotary_pos_emb = apply_rotary_pos_emb
-
-
-def check_contract(original) -> None:
-    """The megatron function this stands in for: same parameters, and the THD case it replaces."""
-    import inspect
-
-    from megatron.core.models.common.embeddings import rope_utils
-
-    params = list(inspect.signature(original).parameters)
-    if params != ["t", "freqs", "config", "cu_seqlens", "mscale", "cp_group"] or \
-            not hasattr(rope_utils, "_apply_rotary_pos_emb_bshd") or \
-            "_apply_rotary_pos_emb_thd(" not in inspect.getsource(original):
-        raise RuntimeError("megatron-core's apply_rotary_pos_emb changed (parameters "
-                           f"{params}); openrlhf_lpo.megatron.rope targets megatron-core 0.16.1")

@@ -1,39 +1,15 @@
-"""Every place where openrlhf_lpo touches OpenRLHF 0.11.2 (and the libraries under it), in one registry.
+"""The DeepSpeed backend's patch points: where openrlhf_lpo touches OpenRLHF 0.11.2, and the swaps.
 
 Public names (stable):
-    OPENRLHF_VERSION         "0.11.2", the only version these patch points are checked against
-    PATCH_POINTS             the registry: every PatchPoint(name, module, attribute, kind, why, contract), in the
-                             order check_contracts checks them; ``attribute`` is a dotted path in ``module``, or
-                             several separated by commas
-    KINDS                    what a point does to ``module.attribute`` (see below)
-    register_patch_point(p)  add a point (a name is registered once: a second point under a taken name is refused)
-    patch_point(...)         the decorator form: the decorated function is the new point's contract
-    ContractBroken           what a contract raises: what of upstream no longer holds
     apply_patches(lpo=True)  context manager: the "swap" points (restored on exit)
     rebind(namespace)        context manager: names in ``namespace`` (e.g. the stock CLI's globals,
                              imported before the swaps) follow the active swaps
-    check_contracts()        raises RuntimeError naming the first patch point that no longer holds; returns notes
-                             on the points left unchecked because an optional package is not installed
-    params, module_source, module_file, installed, ray_class: the helpers contracts are written with
 
-Kinds:
-    "swap"          replaced while ``apply_patches(lpo)`` is active (the LPO classes for lpo / maxrl /
-                    --lpo.end_kl runs, else the stock classes plus the runtime safety nets:
-                    reward-error window, HF export rotation; ray_classes.py)
-    "scoped-swap"   replaced inside one call by ours (a subclass, a wrapper, a name resolved to ours)
-    "contract"      read, called or subclassed as-is: we rely on its behaviour
-    "process-swap"  replaced for the rest of the process, never restored (the CPU mode, cpu/mode.py and
-                    cpu/megatron_redirect.py: only where no GPU is present)
-    "stand-in"      ours stands where upstream's would be when its dependency is absent (checks/trainer_check.py)
-
-Who registers: this module the OpenRLHF points the DeepSpeed backend relies on; ``openrlhf_lpo.cpu.mode`` the
-CPU mode's (one per key of its import hook's ``PATCHES``, and megatron_redirect's); ``openrlhf_lpo.cli.
-train_ppo_ray`` the stock-CLI runner's; ``openrlhf_lpo.checks.trainer_check`` its stand-ins. Each registers when
-imported (those rooms import this one, never the reverse: tests/core/test_product_rules.py); ``lpo-train``
-imports the first three before it checks. A contract checks without a GPU and changes nothing: it looks
-attributes up, reads signatures and source (a module whose import has effects or needs an optional package is
-read from its file, not imported: ``imports=False``); a point whose ``requires`` package is absent is reported
-"not installed" instead of failing.
+The points register in the neutral registry :mod:`openrlhf_lpo.upstream` (PatchPoint, check_contracts, the
+contract helpers) when this module is imported; ``lpo-train`` imports it before it checks. The "swap" points are
+replaced while ``apply_patches(lpo)`` is active: the LPO classes for lpo / maxrl / --lpo.end_kl runs, else the
+stock classes plus the runtime safety nets (reward-error window, HF export rotation; ray_classes.py). The Megatron
+backend registers its own points (megatron/patch_points.py).
 
 The contract test (tests/openrlhf/test_lpo_patches_contract.py) runs ``check_contracts`` and more.
 """
@@ -42,77 +18,13 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import importlib.util
 import inspect
-import sys
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
-from openrlhf_lpo.registry import register_unique
+from openrlhf_lpo.upstream import PATCH_POINTS, ContractBroken, PatchPoint, needles, params, patch_point, \
+    ray_class, register_patch_point
 
-__all__ = ["OPENRLHF_VERSION", "KINDS", "PatchPoint", "PATCH_POINTS", "ContractBroken", "register_patch_point",
-           "patch_point", "apply_patches", "rebind", "check_version", "check_contracts", "check_point", "params",
-           "module_file", "module_source", "installed", "ray_class"]
-
-OPENRLHF_VERSION = "0.11.2"
-
-KINDS = ("swap", "scoped-swap", "contract", "process-swap", "stand-in")
-
-
-class ContractBroken(RuntimeError):
-    """Raised by a contract: what of upstream no longer holds (check_contracts names the point)."""
-
-
-@dataclass(frozen=True)
-class PatchPoint:
-    name: str
-    module: str
-    attribute: str
-    kind: str
-    why: str
-    # () -> None (holds) or a note; raises ContractBroken. None: the attributes exist, nothing more
-    contract: Optional[Callable[[], Optional[str]]] = field(default=None, compare=False, repr=False)
-    requires: str = ""  # an optional package (e.g. "megatron.core", "vllm"): absent, the point is "not installed"
-    imports: bool = True  # look module.attribute up first (False: the contract reads the module's file instead)
-
-    def attributes(self) -> List[str]:
-        return [a.strip() for a in self.attribute.split(",") if a.strip()]
-
-
-PATCH_POINTS: List[PatchPoint] = []
-_BY_NAME: Dict[str, PatchPoint] = {}
-
-
-def _code_of(fn) -> Tuple[Optional[str], Optional[str]]:
-    return getattr(fn, "__qualname__", None), getattr(getattr(fn, "__code__", None), "co_filename", None)
-
-
-def register_patch_point(point: PatchPoint) -> PatchPoint:
-    """Add ``point`` to the registry; ``ValueError`` for an unknown kind or a name already registered by another
-    point. The same definition again (its module executed twice: ``python -m`` runs it as ``__main__``, and an
-    import may load it under its own name) keeps the first."""
-    if point.kind not in KINDS:
-        raise ValueError(f"patch point {point.name!r}: kind {point.kind!r} is not one of {', '.join(KINDS)}")
-    old = _BY_NAME.get(point.name)
-    if old is not None and old == point and _code_of(old.contract) == _code_of(point.contract):
-        return old
-    register_unique(_BY_NAME, "patch point", point.name, point)
-    PATCH_POINTS.append(point)
-    return point
-
-
-def patch_point(name: str, module: str, attribute: str, kind: str, why: str, *, requires: str = "",
-                imports: bool = True) -> Callable:
-    """``@patch_point(name, module, attribute, kind, why)`` over a function registers the point with that function
-    as its contract and returns the function unchanged."""
-
-    def deco(contract: Callable[[], Optional[str]]):
-        register_patch_point(PatchPoint(name, module, attribute, kind, why, contract=contract, requires=requires,
-                                        imports=imports))
-        return contract
-
-    return deco
+__all__ = ["apply_patches", "rebind"]
 
 
 def _point(name: str, module: str, attribute: str, kind: str, why: str,
@@ -120,70 +32,7 @@ def _point(name: str, module: str, attribute: str, kind: str, why: str,
     register_patch_point(PatchPoint(name, module, attribute, kind, why, contract=contract))
 
 
-# ----------------------------------------------------------------------------- helpers for contracts
-
-
-def _resolve(module: str, attribute: str):
-    obj = importlib.import_module(module)
-    for part in attribute.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def params(fn) -> List[str]:
-    """Parameter names of ``fn`` (Ray's actor decorator adds a tracing parameter to the methods of classes it
-    wraps: left out)."""
-    return [p for p in inspect.signature(fn).parameters if p != "_ray_trace_ctx"]
-
-
-_params = params
-
-
-def ray_class(cls):
-    """The class a Ray actor class wraps (``cls`` itself if it is a plain class)."""
-    return getattr(cls, "__ray_actor_class__", cls)
-
-
-def module_file(name: str) -> Optional[Path]:
-    """The source file of module ``name`` without importing it or its parent packages (None: not installed)."""
-    top, *rest = name.split(".")
-    try:
-        spec = importlib.util.find_spec(top)  # a top-level name: imports nothing
-    except (ImportError, ValueError):
-        return None
-    if spec is None:
-        return None
-    if not rest:
-        return Path(spec.origin) if spec.has_location and spec.origin else None
-    for location in spec.submodule_search_locations or ():
-        base = Path(location, *rest)
-        for candidate in (base.with_suffix(".py"), base / "__init__.py"):
-            if candidate.is_file():
-                return candidate
-    return None
-
-
-def installed(name: str) -> bool:
-    """Whether module ``name`` is imported or importable (found without importing it)."""
-    return name in sys.modules or module_file(name) is not None
-
-
-def module_source(name: str) -> str:
-    """The source of module ``name``: through ``inspect`` if it is imported, else read from its file (a check
-    that imports nothing)."""
-    module = sys.modules.get(name)
-    if module is not None:
-        return inspect.getsource(module)
-    path = module_file(name)
-    if path is None:
-        raise ContractBroken(f"{name} is not installed")
-    return path.read_text()
-
-
-def _needles(source: str, needles: Iterable[str], what: str) -> None:
-    for needle in needles:
-        if needle not in source:
-            raise ContractBroken(f"{what} no longer has {needle!r}")
+# ----------------------------------------------------------------------------- helpers for the contracts below
 
 
 def _signature(fn, expected: List[str]) -> None:
@@ -265,7 +114,7 @@ def _dispatch_prompts() -> None:
     from openrlhf.trainer.ppo_utils import samples_generator as sg
 
     dispatch_src = inspect.getsource(sg.SamplesGenerator._dispatch_prompts_to_vllm)
-    _needles(dispatch_src, ("self.vllm_engines[", ".generate_responses.remote(", "sampling_params=sampling_params",
+    needles(dispatch_src, ("self.vllm_engines[", ".generate_responses.remote(", "sampling_params=sampling_params",
                             "num_samples=n_samples", "SamplingParams("), "_dispatch_prompts_to_vllm")
     if "seed" not in getattr(sg.SamplingParams, "__struct_fields__", ()) and \
             "seed" not in inspect.signature(sg.SamplingParams).parameters:
@@ -346,7 +195,7 @@ def _actor_group_placement() -> None:
             not hasattr(launcher, "PlacementGroupSchedulingStrategy"):
         raise ContractBroken("RayActorGroup._initiate_actors(pg, num_gpus_per_actor) "
                              "or launcher.PlacementGroupSchedulingStrategy changed")
-    _needles(inspect.getsource(launcher.RayActorGroup._initiate_actors),
+    needles(inspect.getsource(launcher.RayActorGroup._initiate_actors),
              ("placement_group_bundle_index=0", "placement_group_bundle_index=rank", "if pg:",
               "self._num_gpus_per_node > 1 and pg is None"), "_initiate_actors")
 
@@ -544,56 +393,3 @@ def rebind(namespace: dict):
     finally:
         for attr, old in changed:
             namespace[attr] = old
-
-
-# ----------------------------------------------------------------------------- the checks
-
-
-def check_version() -> None:
-    """Raise RuntimeError when the installed openrlhf is not the version the patch points are written for."""
-    import openrlhf
-
-    version = getattr(openrlhf, "__version__", None)
-    if version is None:
-        from importlib.metadata import version as _v
-
-        version = _v("openrlhf")
-    if version != OPENRLHF_VERSION:
-        raise RuntimeError(f"openrlhf {version} installed; openrlhf_lpo's patch points are for {OPENRLHF_VERSION}")
-
-
-def check_point(point: PatchPoint) -> Optional[str]:
-    """Check one point: its ``requires`` package is installed (else a "not installed" note), its attributes exist
-    (``imports``), its contract holds; RuntimeError ``patch point <name>: ...`` if not."""
-    if point.requires and not installed(point.requires):
-        return f"{point.requires} not installed: not checked"
-    if point.imports:
-        for attribute in point.attributes():
-            try:
-                _resolve(point.module, attribute)
-            except (ImportError, AttributeError) as e:
-                raise RuntimeError(f"patch point {point.name}: {point.module}.{attribute} is missing ({e})") from e
-    if point.contract is None:
-        return None
-    try:
-        return point.contract()
-    except ContractBroken as e:
-        raise RuntimeError(f"patch point {point.name}: {e}") from None
-    except (ImportError, AttributeError, OSError, SyntaxError, TypeError, ValueError) as e:
-        raise RuntimeError(f"patch point {point.name}: {type(e).__name__}: {e}") from e
-
-
-def check_contracts(kinds: Optional[Sequence[str]] = None, exclude_kinds: Sequence[str] = ()) -> List[str]:
-    """Raise RuntimeError naming the first registered patch point (in registration order) that does not match
-    openrlhf 0.11.2 and the libraries under it; return ``"<name>: <note>"`` for each point not checked (an optional
-    package that is not installed). ``kinds`` / ``exclude_kinds`` select points by kind (``lpo-train`` checks the
-    CPU mode's ``process-swap`` points only when the CPU mode turns on)."""
-    check_version()
-    notes = []
-    for point in list(PATCH_POINTS):
-        if (kinds is not None and point.kind not in kinds) or point.kind in exclude_kinds:
-            continue
-        note = check_point(point)
-        if note:
-            notes.append(f"{point.name}: {note}")
-    return notes

@@ -126,9 +126,10 @@ def initiate_actors(self, pg, num_gpus_per_actor, original):
     """Start the group's actors through upstream's ``original(self, pg, num_gpus_per_actor)`` with rank ``r`` on the
     ``r``-th bundle of ``pg`` in node-major order.
 
-    Sets ``self.rank_bundles`` and ``self.rank_nodes``. The group's ``node_block`` (default
-    ``duplicate_actors``) is the rank block that must share a node; ``node_block_strict`` makes a split
-    block an error before any actor starts."""
+    Sets ``self.rank_bundles`` and ``self.rank_nodes``. A group class may declare ``node_block``, the rank block
+    that must share a node (default ``duplicate_actors``), and ``node_block_strict``, which makes a split block an
+    error before any actor starts (the Megatron policy group takes both from its layout in its constructor:
+    megatron/actor_group.py ``MegatronPolicyGroup``; upstream's groups have neither)."""
     from openrlhf.trainer.ray import launcher
 
     world = self._num_nodes * self._num_gpus_per_node

@@ -55,10 +55,11 @@ from openrlhf_lpo.openrlhf.request_seeds import SeededGenerateSamples, SeededRol
 from openrlhf_lpo.openrlhf.reward_guard import RewardErrorGuard
 from openrlhf_lpo.openrlhf.research import TrainerExtensions, enabled as research_enabled
 from openrlhf_lpo.openrlhf.vlm import save_processor_files
+from openrlhf_lpo.upstream import ray_class
 
 __all__ = ["LPOPolicyActor", "LPOTrainer", "LPOTrainingActor", "LPOGenerateSamplesActor", "LPOTrainerAsync",
            "RemoteLPOPolicyActor",
-           "RemoteLPOTrainer", "RemoteLPOTrainingActor", "RemoteLPOTrainerAsync", "unwrap_ray_class",
+           "RemoteLPOTrainer", "RemoteLPOTrainingActor", "RemoteLPOTrainerAsync",
            "RuntimePolicyActor", "RuntimePPOTrainer", "RuntimeTrainingActor", "RuntimePPOTrainerAsync",
            "RemoteRuntimePolicyActor", "RemoteRuntimePPOTrainer", "RemoteRuntimeTrainingActor",
            "RemoteRuntimePPOTrainerAsync"]
@@ -66,16 +67,11 @@ __all__ = ["LPOPolicyActor", "LPOTrainer", "LPOTrainingActor", "LPOGenerateSampl
 logger = init_logger(__name__)
 
 
-def unwrap_ray_class(cls):
-    """The plain Python class behind a ``@ray.remote`` class (itself if it is plain)."""
-    return getattr(cls, "__ray_actor_class__", cls)
-
-
-_StockPolicyActor = unwrap_ray_class(_ppo_actor_mod.PolicyModelActor)
-_StockPPOTrainer = unwrap_ray_class(_ppo_trainer_mod.PPOTrainer)
-_StockTrainingActor = unwrap_ray_class(_async_mod.TrainingActor)
-_StockPPOTrainerAsync = unwrap_ray_class(_async_mod.PPOTrainerAsync)
-_StockGenerateSamplesActor = unwrap_ray_class(_async_mod.GenerateSamplesActor)
+_StockPolicyActor = ray_class(_ppo_actor_mod.PolicyModelActor)
+_StockPPOTrainer = ray_class(_ppo_trainer_mod.PPOTrainer)
+_StockTrainingActor = ray_class(_async_mod.TrainingActor)
+_StockPPOTrainerAsync = ray_class(_async_mod.PPOTrainerAsync)
+_StockGenerateSamplesActor = ray_class(_async_mod.GenerateSamplesActor)
 
 
 def _seed_prompt_order(strategy) -> None:

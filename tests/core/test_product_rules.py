@@ -62,20 +62,27 @@ def assert_acyclic(edges):
             visit(node, [])
 
 
-# the one leaf every room may import: named registries (openrlhf_lpo/registry/), built on the standard library alone
-LEAF = "registry"
+# the leaves every room may import, each built on the standard library and the leaves before it alone: named
+# registries (openrlhf_lpo/registry/), then the patch-point registry (openrlhf_lpo/upstream/), where every backend,
+# the CPU mode and the CLI register how they touch the packages they extend
+LEAVES = ("registry", "upstream")
 
 
 def test_rooms_import_one_way():
     edges = room_graph()
     assert_acyclic(edges)  # no cycles between rooms
-    assert not edges.get(LEAF), edges.get(LEAF)
-    leaf_files = sorted(REPO.glob(f"openrlhf_lpo/{LEAF}/**/*.py"))
-    assert leaf_files and any(LEAF in dst for dst in edges.values())  # the leaf is there, and in use
-    for path in leaf_files:
-        outside = {n for n in _imports(path) if n.split(".")[0] not in sys.stdlib_module_names}
-        assert not outside, (path.name, outside)
-    edges = defaultdict(set, {src: dst - {LEAF} for src, dst in edges.items()})  # the rules below are for the rest
+    for i, leaf in enumerate(LEAVES):
+        below = set(LEAVES[:i])
+        assert edges.get(leaf, set()) <= below, (leaf, edges.get(leaf))
+        leaf_files = sorted(REPO.glob(f"openrlhf_lpo/{leaf}/**/*.py"))
+        assert leaf_files and any(leaf in dst for dst in edges.values())  # the leaf is there, and in use
+        for path in leaf_files:
+            outside = {n for n in _imports(path) if n.split(".")[0] not in sys.stdlib_module_names and
+                       _room(n) not in below}
+            assert not outside, (path.name, outside)
+    # every room that patches upstream registers through the leaf: the two backends, the CPU mode, the CLI, checks
+    assert all("upstream" in edges[room] for room in ("openrlhf", "megatron", "cpu", "cli", "checks")), edges
+    edges = defaultdict(set, {src: dst - set(LEAVES) for src, dst in edges.items()})  # the rules below: the rest
     # the project's layout rules (docs/architecture.md)
     assert not edges.get("listwise"), "listwise.py is pure torch: it imports nothing of ours but the leaf"
     # the backend-free core sits on listwise alone, and nothing in it imports OpenRLHF or megatron-core
@@ -179,3 +186,13 @@ def test_evaluation_modules_import_one_way():
     importers = {m for m, dst in edges.items() if dst & families}
     assert importers == {"benchmarks"}, importers
     assert all("benchmark_registry" in edges[f] and "benchmarks" not in edges[f] for f in families)
+
+
+def test_backends_are_looked_up_not_compared_by_name():
+    """What differs between the training backends is an entry of the table (core/training_backends.py) or a flag
+    group bound to a backend, never a comparison of ``--backend`` with a name."""
+    pattern = re.compile(r"""[!=]=\s*["'](deepspeed|megatron)["']|["'](deepspeed|megatron)["']\s*[!=]=""")
+    offenders = [f"{path.relative_to(REPO)}: {c.strip()}" for path in PRODUCT for c in _code_lines(path)
+                 if pattern.search(c)]
+    assert offenders == []
+    assert pattern.search('if getattr(args, "backend", "deepspeed") == "megatron":')  # (the pattern sees the old form)

@@ -190,6 +190,8 @@ def _registries():
     model, losses, policy = mod("megatron.model"), mod("megatron.losses"), mod("core.policy_loss")
     geo, backends = mod("data.geometry"), mod("engines.backends")
     flags, ckpt = mod("cli.flags"), mod("cli.preflight.checkpoint")
+    tb = mod("core.training_backends")
+    tb.training_backend("deepspeed")  # (a lookup registers a built-in backend)
     engines, bench, templates = mod("evaluation.engines"), mod("evaluation.benchmark_registry"), mod("evaluation.templates")
     pre.checks()  # imports the modules that register the checks
     mod("evaluation.benchmarks")  # registers the benchmark families
@@ -215,6 +217,8 @@ def _registries():
         (flags.FLAG_GROUPS, lambda n: flags.register_flag_group(flags.FLAG_GROUPS[n]), "lpo", "flag group"),
         (ckpt.RESUME_FORMATS, lambda n: ckpt.register_resume_format(ckpt.RESUME_FORMATS[n]), "deepspeed",
          "resume format of backend"),
+        (tb.TRAINING_BACKENDS, lambda n: tb.register_training_backend(tb.TRAINING_BACKENDS[n]), "deepspeed",
+         "training backend"),
     ]
 
 

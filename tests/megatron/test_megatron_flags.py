@@ -181,38 +181,39 @@ def test_the_ray_actor_refuses_packed_sequences():
                                       torch.ones(1, 4, dtype=torch.long), packed_seq_lens=[4])
 
 
-def test_policy_group_swap_only_for_policy_actor():
+def test_policy_group_swap_only_for_policy_actor(monkeypatch):
+    """Patch point megatron-policy-group: inside ``use_megatron_policy`` the stock ``train()``'s name
+    ``RayActorGroup`` builds the policy group as a ``MegatronPolicyGroup`` of the Megatron Ray actor with its layout
+    in the constructor (tp x pp duplicates; TP blocks node-strict, which the placement reads when upstream's
+    ``__init__`` starts the actors) and every other group as upstream's, with upstream's arguments."""
+    import importlib
     from types import SimpleNamespace as NS
 
     from openrlhf.trainer.ray import launcher, ppo_actor
 
     from openrlhf_lpo.megatron import flags
+    from openrlhf_lpo.megatron.actor_group import MegatronPolicyGroup
 
-    seen = {}
-    original = launcher.RayActorGroup.__init__
+    stock = importlib.import_module("openrlhf.cli.train_ppo_ray")
+    started = {}
 
-    def fake_init(self, num_nodes, num_gpus_per_node, ray_actor_type, *a, **kw):
-        seen[ray_actor_type] = kw.get("duplicate_actors")
-        blocks[ray_actor_type] = (getattr(self, "node_block", None), getattr(self, "node_block_strict", False))
+    def _initiate_actors(self, pg, num_gpus_per_actor):  # upstream's __init__ calls it last: no actor starts here
+        started[self.ray_actor_type] = (type(self), self.duplicate_actors, getattr(self, "node_block", None),
+                                        getattr(self, "node_block_strict", False), pg, num_gpus_per_actor)
 
-    blocks = {}
-
-    launcher.RayActorGroup.__init__ = fake_init
-    try:
-        args = NS(megatron=NS(tp=2, pp=2))
-        with flags.use_megatron_policy(args) as remote:
-            policy = launcher.RayActorGroup(1, 4, ppo_actor.PolicyModelActor, duplicate_actors=1)
-            ref = launcher.RayActorGroup(1, 4, launcher.ReferenceModelActor, duplicate_actors=1)
-        assert launcher.RayActorGroup.__init__ is fake_init  # restored on exit
-    finally:
-        launcher.RayActorGroup.__init__ = original
-    assert seen[remote] == 4 and seen[launcher.ReferenceModelActor] == 1
+    monkeypatch.setattr(launcher.RayActorGroup, "_initiate_actors", _initiate_actors)
+    with flags.use_megatron_policy(NS(megatron=NS(tp=2, pp=2))) as remote:
+        policy = stock.RayActorGroup(1, 4, ppo_actor.PolicyModelActor, pg="pg", num_gpus_per_actor=0.2,
+                                     duplicate_actors=1)
+        ref = stock.RayActorGroup(1, 4, launcher.ReferenceModelActor, pg="pg", num_gpus_per_actor=0.2,
+                                  duplicate_actors=1)
+    assert stock.RayActorGroup is launcher.RayActorGroup  # restored on exit
     # the policy's TP groups (not its tp x pp replicas) must each sit on one node, before any actor starts
-    assert blocks[remote] == (2, True) and blocks[launcher.ReferenceModelActor] == (None, False)
-    assert ppo_actor.PolicyModelActor not in seen
-    from openrlhf_lpo.megatron.ray_actor import MegatronActorGroup
-
-    assert type(policy) is MegatronActorGroup and type(ref) is launcher.RayActorGroup
+    assert started[remote] == (MegatronPolicyGroup, 4, 2, True, "pg", 0.2)
+    assert started[launcher.ReferenceModelActor] == (launcher.RayActorGroup, 1, None, False, "pg", 0.2)
+    assert ppo_actor.PolicyModelActor not in started
+    assert type(policy) is MegatronPolicyGroup and type(ref) is launcher.RayActorGroup
+    assert not hasattr(launcher.RayActorGroup, "node_block")  # nothing hung on upstream's class
 
 
 def test_megatron_group_returns_one_result_per_replica(monkeypatch):

@@ -66,10 +66,11 @@ def test_non_lpo_namespace_keeps_its_flags_and_trains_through_the_one_update():
     assert args.lpo.divergence is None
     from openrlhf.trainer import ppo_trainer
 
-    from openrlhf_lpo.openrlhf.ray_classes import LPOTrainer, unwrap_ray_class
+    from openrlhf_lpo.openrlhf.ray_classes import LPOTrainer
+    from openrlhf_lpo.upstream import ray_class
 
     with flags._lpo_before_train(args):  # every estimator: the LPO classes (one update loop, one metric set)
-        assert unwrap_ray_class(ppo_trainer.PPOTrainer) is LPOTrainer
+        assert ray_class(ppo_trainer.PPOTrainer) is LPOTrainer
 
 
 BAD = [

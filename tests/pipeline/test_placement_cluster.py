@@ -107,7 +107,7 @@ def _group(num_nodes, gpus_per_node, tag, duplicate_actors=1, node_block=None, s
 
     from openrlhf_lpo.openrlhf.patches import apply_patches
 
-    class Group(RayActorGroup):  # the Megatron policy group sets these in megatron/flags.py
+    class Group(RayActorGroup):  # MegatronPolicyGroup takes these in its constructor (megatron/actor_group.py)
         pass
 
     if node_block:

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional
 
 from openrlhf_lpo.cli.preflight import PreflightError, register_check
+from openrlhf_lpo.core.training_backends import backend_of
 from openrlhf_lpo.registry import register_unique
 
 _OPTIM = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
@@ -225,7 +226,7 @@ def _check_resume(ctx) -> None:
         raise PreflightError(f"--ckpt.load_enable: {root}/latest names {tag!r} but {tag_dir} does not exist (deleted?); "
                              "write an existing global_step folder's name into latest, or start fresh")
     written = next((f.backend for f in RESUME_FORMATS.values() if f.detect(tag_dir)), None)
-    backend = getattr(args, "backend", "deepspeed")
+    backend = backend_of(args).name
     if written is None:
         raise PreflightError(f"--ckpt.load_enable: {tag_dir} holds neither a Megatron (meta.json) nor a DeepSpeed "
                              "(*_model_states.pt) checkpoint; it is incomplete: point latest at an earlier one")
@@ -314,7 +315,7 @@ def resume_point(args, repair: bool = True) -> ResumePoint:
     root = os.path.join(args.ckpt.path, "_actor")
     if not os.path.isdir(root):
         return ResumePoint(None, 0)
-    fmt = RESUME_FORMATS.get(getattr(args, "backend", "deepspeed"))
+    fmt = RESUME_FORMATS.get(backend_of(args).name)
 
     def why_not(tag: str) -> Optional[str]:
         folder = os.path.join(root, tag)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from openrlhf_lpo.cli.preflight import PreflightError, looks_like_path, register_check
+from openrlhf_lpo.core.training_backends import backend_of
 
 FLAG = "--actor.model_name_or_path"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "tiktoken.model")
@@ -79,15 +80,15 @@ def _resolve(ctx, name: str) -> ModelFacts:
     snapshot = _cached_snapshot(name)
     if snapshot is not None:
         return ModelFacts(name, path=snapshot, hub_id=name)
-    megatron = getattr(ctx.args, "backend", "deepspeed") == "megatron"
+    backend = backend_of(ctx.args)
     if _offline() and not ctx.dry_run:
         raise PreflightError(
             f"{FLAG} {name}: not a local folder and not in the local Hugging Face cache, and HF_HUB_OFFLINE=1: "
             f"the actors cannot load it. Download it first (`huggingface-cli download {name}`) or pass a local folder")
     where = "HF_HUB_OFFLINE=1 here" if _offline() else "the actors download it at start"
     ctx.say(f"model: {name} is a hub id not in the local cache ({where}): tokenizer, chat-template, positions "
-            "and disk checks skipped" + ("" if not megatron else "; --backend megatron reads its config even in a "
-                                         "dry run: download it or pass a local folder"))
+            "and disk checks skipped" + ("" if not backend.reads_model_config else f"; --backend {backend.name} reads "
+                                         "its config even in a dry run: download it or pass a local folder"))
     return ModelFacts(name, hub_id=name)
 
 
@@ -116,10 +117,10 @@ def _check_files(ctx, facts: ModelFacts) -> bool:
         else:
             raise PreflightError(f"{FLAG} {facts.name}: holds no weight files (*.safetensors or *.bin); it has "
                                  f"{', '.join(sorted(names)[:12]) or 'nothing'}")
-    if weights and getattr(ctx.args, "backend", "deepspeed") == "megatron" and not any(
-            n.startswith("model.safetensors") for n in weights):
-        raise PreflightError(f"{FLAG} {facts.name}: --backend megatron reads model.safetensors(.index.json) only; "
-                             "convert the .bin weights (save_pretrained(..., safe_serialization=True))")
+    backend = backend_of(ctx.args)
+    if weights and backend.safetensors_only and not any(n.startswith("model.safetensors") for n in weights):
+        raise PreflightError(f"{FLAG} {facts.name}: --backend {backend.name} reads model.safetensors(.index.json) "
+                             "only; convert the .bin weights (save_pretrained(..., safe_serialization=True))")
     if not any(n in names for n in TOKENIZER_FILES) and not any(n.endswith(".tiktoken") for n in names):
         if facts.hub_id:
             ctx.say(f"model: the cached snapshot of {facts.hub_id} has no tokenizer files yet: tokens not counted")
