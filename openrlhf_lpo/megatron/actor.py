@@ -58,7 +58,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from openrlhf_lpo.megatron import convert, rope
+from openrlhf_lpo.megatron import attention, convert, rope
 from openrlhf_lpo.megatron.device import group_device, local_device
 from openrlhf_lpo.megatron.parallel_layout import validate_layout
 from openrlhf_lpo.megatron.losses import LossSpec, get_policy_loss
@@ -415,7 +415,7 @@ class MegatronActor:
         pk: PackedMicroBatch = mb["packed"]
         kwargs = {"fp32_output": False} if self.half else {}  # logits stay bf16; action rows upcast
         params = pk.packed_seq_params()
-        params._lpo_bounds = mb["bounds"]  # attention.segment_bounds: no device read per forward
+        attention.attach_bounds(params, mb["bounds"])  # attention.segment_bounds: no device read per forward
         rope.attach_bounds(params.cu_seqlens_q_padded, mb["bounds"])  # rope.py: the local spec's RoPE, no read
         out = model(pk.tokens, pk.position_ids, None, packed_seq_params=params, **kwargs)
         if mb.get("schedule_padding"):

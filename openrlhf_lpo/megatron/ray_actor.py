@@ -373,8 +373,9 @@ class MegatronActorGroup(_RayActorGroup):
     as any of them fails (cluster review F8: an OOM on TP rank 3 is an error in seconds, not the
     NCCL timeout while the trainer waits on rank 0). ``async_run_method`` (``fit``, ...) stays stock:
     it returns every rank's ref and ``ray.get`` of a list raises at the first failure (tested). Calls on one actor run in submission order, so
-    later calls (``fit``) still see every ``append``. The instance is re-classed in the driver and
-    pickled by reference, so the PPO trainer actor (another process) uses these methods too.
+    later calls (``fit``) still see every ``append``. The driver builds the policy group as
+    its subclass ``MegatronPolicyGroup`` (:mod:`.actor_group`), pickled by reference, so the PPO trainer actor
+    (another process) uses these methods too.
     """
 
     def async_run_method_batch(self, method_name, **kwargs):
