@@ -197,6 +197,24 @@ ADVANTAGES = {"group_norm": "(R - mean)/std per group", "dr_grpo": "R - mean per
               "gae": "GAE(gamma, lambda) with the critic, whitened"}
 
 
+def _is_tpo(lpo) -> bool:
+    """The flags of configs/methods/tpo.sh: Target Policy Optimization as a configuration of the listwise loss."""
+    return (getattr(lpo, "score", None), getattr(lpo, "anchor", None), lpo.temperature, lpo.divergence,
+            lpo.projection) == ("sum", "old", "pop_std", "fwd", "listwise")
+
+
+def _listwise_name(args) -> str:
+    return "TPO (Target Policy Optimization, arXiv 2604.06159) as LPO " if _is_tpo(args.lpo) else "LPO "
+
+
+def _score_text(args, lo: float, hi: float) -> str:
+    score = getattr(args.lpo, "score", "mean_clip")
+    if score == "mean_clip":
+        return f"s clips token log-ratios to [log(1-{lo:g}), log(1+{hi:g})]"
+    return {"sum": "s sums the token log-ratios (no clip, no length normalisation)",
+            "mean": "s averages the token log-ratios (no clip)"}.get(score, f"s is the {score} score")
+
+
 def method_line(args) -> str:
     """One line naming the method's settings in effect: the estimator's advantage (and its paired LPO
     temperature) or LPO's temperature and token clip of s, the policy loss and its clip band, the loss
@@ -206,9 +224,12 @@ def method_line(args) -> str:
     est = args.algo.advantage.estimator
     lo, hi = args.actor.eps_clip_low_high
     if est in LPO_ESTIMATORS:
-        parts = [f"LPO {args.lpo.projection} (divergence {args.lpo.divergence}), temperature {args.lpo.temperature}",
-                 f"s clips token log-ratios to [log(1-{lo:g}), log(1+{hi:g})]",
-                 "loss: mean over prompts of the per-group loss"]
+        parts = [_listwise_name(args) + f"{args.lpo.projection} (divergence {args.lpo.divergence}), temperature "
+                 f"{args.lpo.temperature}", _score_text(args, lo, hi)]
+        if getattr(args.lpo, "anchor", "none") == "old":
+            parts.append("anchor l_old = old log-probs aggregated as s: P = softmax(s + l_old), "
+                         "w* = softmax(R/tau + l_old)")
+        parts.append("loss: mean over prompts of the per-group loss")
     else:
         kind = args.actor.policy_loss_type
         adv = ADVANTAGES.get(est, est)

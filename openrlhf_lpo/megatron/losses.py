@@ -65,6 +65,7 @@ class LossSpec:
     clip_eps: float = 0.2
     loss_agg_mode: str = "seq-mean-token-mean"  # pg only: or "token-mean"
     correction: Optional[object] = None  # listwise: offpolicy.BehaviourCorrection (None: s_t from the batch only)
+    score: str = "mean_clip"  # listwise: --lpo.score (listwise.sequence_score)
     dual_clip: Optional[float] = None  # pg: --actor.dual_clip
     policy_loss_type: str = "ppo"  # pg: --actor.policy_loss_type (ppo / gspo / cispo)
     is_correction: Tuple = ("off", "clip", "ratio", (0.5, 5.0))  # pg: level, mode, gating, threshold
@@ -98,12 +99,13 @@ def _count(mb, key: str, fallback) -> torch.Tensor:
 
 def listwise_log_ratio(log_probs, mb, spec: LossSpec) -> torch.Tensor:
     """s = (1/n) sum_t clip(log pi_theta - log pi_t) + delta over the tokens the behaviour correction
-    keeps (offpolicy.py placement B); delta = ``mb["prev_log_ratio"]`` (absent: 0)."""
+    keeps (offpolicy.py placement B); delta = ``mb["prev_log_ratio"]`` (absent: 0). ``spec.score`` (--lpo.score):
+    another registered score (listwise.sequence_score), e.g. TPO's summed, unclipped log-ratio."""
     from openrlhf_lpo.core.offpolicy import token_keep_mask
 
     mask = token_keep_mask(mb["old_log_probs"], mb.get("rollout_log_probs"), mb["action_mask"], spec.correction)
     # float64 like the DeepSpeed trainer's LPO math (B scalars)
-    s = listwise.sequence_log_ratio(log_probs.double(), mb["old_log_probs"].double(), mask, spec.clip_eps)
+    s = listwise.sequence_score(log_probs.double(), mb["old_log_probs"].double(), mask, spec.clip_eps, spec.score)
     prev = mb.get("prev_log_ratio")
     return s if prev is None else s + prev.to(device=s.device, dtype=s.dtype)
 

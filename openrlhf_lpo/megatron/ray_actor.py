@@ -164,6 +164,7 @@ def loss_spec_from_args(args, micro_batch_size: int, kl_ctl: float = 0.0) -> Los
             projection=lpo.projection,
             clip_eps=(lo, hi) if lo != hi else lo,
             correction=correction_from_args(args) if level not in (None, "off") else None,
+            score=lpo.score,
             **common,
         )
     adv = _get(args, "algo.advantage")

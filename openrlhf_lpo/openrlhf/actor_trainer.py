@@ -88,11 +88,12 @@ class LPOMicroBatch:
 
 
 def lpo_log_ratio(log_probs, old_log_probs, action_mask, rollout_log_probs, prev, clip_eps,
-                  correction: Optional[BehaviourCorrection]) -> torch.Tensor:
+                  correction: Optional[BehaviourCorrection], score: str = "mean_clip") -> torch.Tensor:
     """s_k = (1/n_k) sum_t clip(log pi_theta - log pi_t) + delta_k (Eq. 4 against the behaviour
-    policy, offpolicy.py), float64; tokens that the correction's mask mode rejects are left out."""
+    policy, offpolicy.py), float64; tokens that the correction's mask mode rejects are left out.
+    ``score`` (--lpo.score): another registered score (listwise.sequence_score), e.g. TPO's summed log-ratio."""
     mask = token_keep_mask(old_log_probs, rollout_log_probs, action_mask, correction)
-    s = listwise.sequence_log_ratio(log_probs.double(), old_log_probs.double(), mask, clip_eps)
+    s = listwise.sequence_score(log_probs.double(), old_log_probs.double(), mask, clip_eps, score)
     return s if prev is None else s + prev.to(device=s.device, dtype=s.dtype)
 
 
@@ -106,10 +107,12 @@ class LPOPolicyLoss(nn.Module):
     (:meth:`LPOActorTrainer._step_with`); the loss keeps no state between calls.
     """
 
-    def __init__(self, clip_eps_low: float, clip_eps_high: float, correction: Optional[BehaviourCorrection] = None):
+    def __init__(self, clip_eps_low: float, clip_eps_high: float, correction: Optional[BehaviourCorrection] = None,
+                 score: str = "mean_clip"):
         super().__init__()
         self.clip_eps = (clip_eps_low, clip_eps_high)
         self.correction = correction
+        self.score = score
 
     def forward(
         self,
@@ -129,7 +132,7 @@ class LPOPolicyLoss(nn.Module):
             raise RuntimeError("LPOPolicyLoss needs its micro_batch argument (LPOActorTrainer.ppo_train binds it)")
         # LPO math in float64 (B scalars): the listwise softmax is exact whatever the layout.
         s = lpo_log_ratio(log_probs, old_log_probs, action_mask, rollout_log_probs, ctx.prev, self.clip_eps,
-                          self.correction)
+                          self.correction, self.score)
         if ctx.coefficients is None:
             K = ctx.group_size
             s_g = s.view(-1, K)
@@ -203,7 +206,7 @@ class LPOActorTrainer(ActorPPOTrainer):
         self.correction = correction_from_args(self.args) if self.is_lpo else None
         if self.is_lpo:
             lo, hi = self.args.actor.eps_clip_low_high
-            self.actor_loss_fn = LPOPolicyLoss(lo, hi, correction=self.correction)
+            self.actor_loss_fn = LPOPolicyLoss(lo, hi, correction=self.correction, score=self.lpo.score)
         self.last_window_plan: List[WindowPlan] = []  # for inspection/tests
         self.pass_shapes: List[List[int]] = []  # tokens per no-grad forward of each pass (inspection/tests)
         self._ppo_calls = 0
@@ -276,7 +279,7 @@ class LPOActorTrainer(ActorPPOTrainer):
         )
         return lpo_log_ratio(log_probs, experience.action_log_probs, experience.action_mask,
                              experience.rollout_log_probs, prev, tuple(self.args.actor.eps_clip_low_high),
-                             self.correction).cpu()
+                             self.correction, self.lpo.score).cpu()
 
     def _collate(self, items, indices):
         exp = make_experience_batch([items[i] for i in indices], self.args.ds.packing_samples)
