@@ -66,6 +66,7 @@ __all__ = [
     "pointwise_projection_loss",
     "pg_advantages",
     "cispo_token_loss",
+    "token_is_weight",
     "parse_temperature",
     "listwise_group_sums",
     "listwise_stats_from_sums",
@@ -841,22 +842,30 @@ def cispo_token_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tenso
     hi = math.log1p(eps_high)
     clipped = (log_ratio < lo) | (log_ratio > hi)
     weight = log_ratio.clamp(min=lo, max=hi).exp()
-    filtered = None
-    if is_correction is not None:
-        mode, low, high = is_correction
-        if rollout_log_probs is None:
-            raise ValueError("--algo.advantage.is_correction_level token needs the rollout's log-probs "
-                             "(rollout_log_probs)")
-        _check_same_shape("rollout_log_probs", rollout_log_probs, "log_probs", log_probs)
-        is_ratio = (_wide(old_log_probs.detach()) - _wide(rollout_log_probs.detach())).exp()
-        filtered = (is_ratio < low) | (is_ratio > high)
-        if mode == "clip":
-            weight = weight * is_ratio.clamp(min=low, max=high)
-        elif mode == "mask":
-            weight = weight * torch.where(filtered, torch.zeros_like(is_ratio), is_ratio)
-        else:
-            raise ValueError(f"--algo.advantage.is_correction_mode {mode!r}: use clip or mask")
+    correction, filtered = token_is_weight(old_log_probs, rollout_log_probs, is_correction)
+    if correction is not None:
+        weight = weight * correction
     return -weight.to(log_probs.dtype) * advantages.to(log_probs.dtype) * log_probs, clipped, filtered
+
+
+def token_is_weight(old_log_probs: Tensor, rollout_log_probs: Optional[Tensor], is_correction: Optional[tuple]):
+    """The token-level train/rollout correction of the registered policy-loss types (CISPO, Clip-Cov, KL-Cov), as
+    OpenRLHF applies it to PPO: with ``is_correction`` = (mode, low, high) and ``rollout_log_probs`` = log mu, the
+    detached weight c_t = clip(pi_old/mu, low, high) (``clip``, truncated IS) or pi_old/mu inside [low, high] and 0
+    outside (``mask``). Returns (c [B,T] or None when off, filtered [B,T] bool or None: tokens truncated/dropped)."""
+    if is_correction is None:
+        return None, None
+    mode, low, high = is_correction
+    if rollout_log_probs is None:
+        raise ValueError("--algo.advantage.is_correction_level token needs the rollout's log-probs (rollout_log_probs)")
+    _check_same_shape("rollout_log_probs", rollout_log_probs, "old_log_probs", old_log_probs)
+    is_ratio = (_wide(old_log_probs.detach()) - _wide(rollout_log_probs.detach())).exp()
+    filtered = (is_ratio < low) | (is_ratio > high)
+    if mode == "clip":
+        return is_ratio.clamp(min=low, max=high), filtered
+    if mode == "mask":
+        return torch.where(filtered, torch.zeros_like(is_ratio), is_ratio), filtered
+    raise ValueError(f"--algo.advantage.is_correction_mode {mode!r}: use clip or mask")
 
 
 def pg_advantages(rewards: Tensor, estimator: str = "grpo") -> Tensor:

@@ -237,8 +237,14 @@ def method_line(args) -> str:
             adv = "R - group mean, centred over the rollout batch"
         paired = PAIRED_TEMPERATURE.get(est)
         band = {"gspo": f"sequence ratio clipped to [1-{lo:g}, 1+{hi:g}]",
-                "cispo": f"detached token ratio clipped to [{max(1.0 - lo, 0.0):g}, {1.0 + hi:g}] as a weight"}.get(
-            kind, f"token ratio clipped to [1-{lo:g}, 1+{hi:g}]")
+                "cispo": f"detached token ratio clipped to [{max(1.0 - lo, 0.0):g}, {1.0 + hi:g}] as a weight",
+                "clip_cov": f"token ratio clipped to [1-{lo:g}, 1+{hi:g}]; Clip-Cov detaches max(1, "
+                            f"{getattr(args.actor, 'clip_cov_ratio', 0):g} x tokens) of each micro-batch, drawn among "
+                            f"those with covariance in ({getattr(args.actor, 'clip_cov_lb', 0):g}, "
+                            f"{getattr(args.actor, 'clip_cov_ub', 0):g}), seeded by --train.seed and the step",
+                "kl_cov": f"token ratio unclipped; KL-Cov adds {getattr(args.actor, 'kl_cov_coef', 0):g} x |log r| "
+                          f"on the max(1, {getattr(args.actor, 'kl_cov_ratio', 0):g} x tokens) of largest covariance "
+                          "in each micro-batch"}.get(kind, f"token ratio clipped to [1-{lo:g}, 1+{hi:g}]")
         agg = "seq-mean-token-mean" if kind == "gspo" else args.actor.loss_agg_mode
         parts = [f"advantage {adv}" + (f" (paired LPO temperature {paired})" if paired else ""),
                  f"policy loss {kind}: {band}" + (f", dual clip {args.actor.dual_clip:g}" if args.actor.dual_clip else ""),

@@ -171,9 +171,11 @@ def loss_spec_from_args(args, micro_batch_size: int, kl_ctl: float = 0.0) -> Los
     correction = tuple(getattr(adv, k, d) for k, d in (("is_correction_level", "off"), ("is_correction_mode", "clip"),
                                                         ("is_correction_gating", "ratio"),
                                                         ("is_correction_threshold", (0.5, 5.0))))
+    from openrlhf_lpo.core.policy_loss import policy_loss_options
+
     return LossSpec(name="pg", clip_eps=(lo, hi), loss_agg_mode=getattr(args.actor, "loss_agg_mode", "seq-mean-token-mean"),
                     dual_clip=_get(args, "actor.dual_clip"), policy_loss_type=_get(args, "actor.policy_loss_type", "ppo"),
-                    is_correction=correction, **common)
+                    is_correction=correction, type_options=policy_loss_options(args), seed=_seed_of(args), **common)
 
 
 def _seed_of(args) -> int:
