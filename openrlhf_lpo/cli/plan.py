@@ -197,6 +197,20 @@ ADVANTAGES = {"group_norm": "(R - mean)/std per group", "dr_grpo": "R - mean per
               "gae": "GAE(gamma, lambda) with the critic, whitened"}
 
 
+# --actor.policy_loss_type -> what its loss does with the ratio, from the actor flags (ppo: the default below)
+POLICY_LOSS_BANDS = {
+    "gspo": lambda a, lo, hi: f"sequence ratio clipped to [1-{lo:g}, 1+{hi:g}]",
+    "cispo": lambda a, lo, hi: f"detached token ratio clipped to [{max(1.0 - lo, 0.0):g}, {1.0 + hi:g}] as a weight",
+    "clip_cov": lambda a, lo, hi: (
+        f"token ratio clipped to [1-{lo:g}, 1+{hi:g}]; Clip-Cov detaches max(1, {a.clip_cov_ratio:g} x tokens) of "
+        f"each micro-batch, drawn among those with covariance in ({a.clip_cov_lb:g}, {a.clip_cov_ub:g}), seeded by "
+        "--train.seed and the step"),
+    "kl_cov": lambda a, lo, hi: (
+        f"token ratio unclipped; KL-Cov adds {a.kl_cov_coef:g} x |log r| on the max(1, {a.kl_cov_ratio:g} x tokens) "
+        "of largest covariance in each micro-batch"),
+}
+
+
 def _is_tpo(lpo) -> bool:
     """The flags of configs/methods/tpo.sh: Target Policy Optimization as a configuration of the listwise loss."""
     return (getattr(lpo, "score", None), getattr(lpo, "anchor", None), lpo.temperature, lpo.divergence,
@@ -236,15 +250,8 @@ def method_line(args) -> str:
         if est == "reinforce_baseline" and args.algo.advantage.no_std_norm:
             adv = "R - group mean, centred over the rollout batch"
         paired = PAIRED_TEMPERATURE.get(est)
-        band = {"gspo": f"sequence ratio clipped to [1-{lo:g}, 1+{hi:g}]",
-                "cispo": f"detached token ratio clipped to [{max(1.0 - lo, 0.0):g}, {1.0 + hi:g}] as a weight",
-                "clip_cov": f"token ratio clipped to [1-{lo:g}, 1+{hi:g}]; Clip-Cov detaches max(1, "
-                            f"{getattr(args.actor, 'clip_cov_ratio', 0):g} x tokens) of each micro-batch, drawn among "
-                            f"those with covariance in ({getattr(args.actor, 'clip_cov_lb', 0):g}, "
-                            f"{getattr(args.actor, 'clip_cov_ub', 0):g}), seeded by --train.seed and the step",
-                "kl_cov": f"token ratio unclipped; KL-Cov adds {getattr(args.actor, 'kl_cov_coef', 0):g} x |log r| "
-                          f"on the max(1, {getattr(args.actor, 'kl_cov_ratio', 0):g} x tokens) of largest covariance "
-                          "in each micro-batch"}.get(kind, f"token ratio clipped to [1-{lo:g}, 1+{hi:g}]")
+        band = POLICY_LOSS_BANDS.get(kind, lambda a, lo, hi: f"token ratio clipped to [1-{lo:g}, 1+{hi:g}]")(
+            args.actor, lo, hi)
         agg = "seq-mean-token-mean" if kind == "gspo" else args.actor.loss_agg_mode
         parts = [f"advantage {adv}" + (f" (paired LPO temperature {paired})" if paired else ""),
                  f"policy loss {kind}: {band}" + (f", dual clip {args.actor.dual_clip:g}" if args.actor.dual_clip else ""),
