@@ -358,7 +358,7 @@ def test_pg_advantages_reference():
         (lambda: lw.group_temperature(torch.ones(2, 3), -1.0), "positive"),
         (lambda: lw.group_temperature(torch.ones(2, 3), 0), "positive"),
         (lambda: lw.group_temperature(torch.ones(2, 3), float("nan")), "positive"),
-        (lambda: lw.group_temperature(torch.ones(2, 3), "median"), "valid: batch_std, loo, mean, one, std"),
+        (lambda: lw.group_temperature(torch.ones(2, 3), "median"), "valid: batch_std, loo, mean, one, pop_std, std"),
         (lambda: lw.listwise_divergence(torch.zeros(2, 3), torch.full((2, 3), 1 / 3), "chi2"),
          r"valid: fwd, hellinger, js, rev, tv or alpha:<a> \(any real a\)"),
         (lambda: lw.listwise_coefficients(torch.zeros(2, 3), torch.full((2, 3), 1 / 3), "kl"), "valid: fwd, hellinger, js"),
