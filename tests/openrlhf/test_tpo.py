@@ -309,3 +309,37 @@ def test_tpo_flags_and_refusals(tiny_model_dir, capsys):
     assert e.value.code == 2 and "--lpo.score only apply with --algo.advantage.estimator lpo" in capsys.readouterr().err
     # without a clip the eps band is not read: any --actor.eps_clip_low_high passes
     assert parse_args(tiny_model_dir, extra=[*TPO, "--actor.eps_clip_low_high", "1.5", "2"]).lpo.score == "sum"
+
+
+def test_the_new_methods_are_in_the_pairing_tables_and_in_lpo_explain(capsys):
+    """docs/lpo_flags.md's pairing table and docs/methods.md name each new method file with its paired temperature,
+    the files exist, and ``lpo-explain --method`` knows every baseline of the table; TPO's printed target and
+    coefficients equal the paper's q and p - q (on-policy: p = p_old)."""
+    import re
+    from pathlib import Path
+
+    from openrlhf_lpo.cli.explain import METHODS, main
+
+    repo = Path(__file__).resolve().parents[2]
+    text = (repo / "docs" / "lpo_flags.md").read_text()
+    section = text[text.index("## Baselines and their LPO pairs"):]
+    rows = {line.split("|")[1].strip(): line for line in section.splitlines() if line.startswith("| ")}
+    for name, temp, files in (("Clip-Cov", "std", ["clip_cov.sh"]), ("KL-Cov", "std", ["kl_cov.sh"]),
+                              ("TPO", "pop_std", ["tpo.sh", "lpo_fwd_tpo.sh", "lpo_rev_tpo.sh"])):
+        assert f"`--lpo.temperature {temp}`" in rows[name] and all(f"`{f}`" in rows[name] for f in files), name
+        assert all((repo / "configs" / "methods" / f).exists() for f in files)
+    methods_md = (repo / "docs" / "methods.md").read_text()
+    assert all(f"`{f}.sh`" in methods_md for f in ("clip_cov", "kl_cov", "tpo", "lpo_fwd_tpo"))
+    assert {"grpo", "dr_grpo", "maxrl", "rloo", "reinforce_pp", "dapo", "gspo", "cispo", "clip_cov", "kl_cov",
+            "tpo"} == set(METHODS)
+    rewards, old = [1.0, 0.0, 0.0, 1.0], [-12.0, -9.0, -15.0, -10.0]
+    main(["--method", "tpo", "--rewards", *map(str, rewards), "--old-logp", *map(str, old)])
+    out = capsys.readouterr().out
+    table = np.array([[float(v) for v in line.split()] for line in out.splitlines() if re.match(r"^\s+\d+\s", line)])
+    _, _, q, p = paper_tpo(np.array(old)[:, None], np.array(old)[:, None], np.ones((4, 1)), np.array([rewards]))
+    np.testing.assert_allclose(table[:, 2], p[0], atol=0.501e-4)
+    np.testing.assert_allclose(table[:, 3], q[0], atol=0.501e-4)
+    np.testing.assert_allclose(table[:, 4], p[0] - q[0], atol=0.501e-5)
+    with pytest.raises(SystemExit) as e:
+        main(["--rewards", "1", "0", "--old-logp", "-1", "-2"])
+    assert e.value.code == 2 and "--old-logp is TPO's p_old: it needs --method tpo" in capsys.readouterr().err
