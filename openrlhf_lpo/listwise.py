@@ -137,14 +137,16 @@ def sequence_log_ratio(
 
     s_k = (1/|y_k|) sum_i clip(log pi_theta - log pi_old, log(1-eps_low), log(1+eps_high)).
     The clamp is hard, so tokens outside the band get zero gradient in both directions.
-    ``clip_eps`` is eps or (eps_low, eps_high). A response with no tokens gives 0.
+    ``clip_eps`` is eps or (eps_low, eps_high); eps_low >= 1 leaves the log-ratio unbounded below (the band of a
+    policy-gradient run's ``--lpo.end_kl`` metrics, e.g. CISPO's 1.0/3.0; LPO's own flags need eps_low < 1).
+    A response with no tokens gives 0.
     """
     _check_same_shape("log_probs", log_probs, "old_log_probs", old_log_probs)
     eps_low, eps_high = (clip_eps, clip_eps) if isinstance(clip_eps, (int, float)) else tuple(clip_eps)
-    if not (0.0 < eps_low < 1.0) or eps_high <= 0.0:
-        raise ValueError(f"clip_eps={clip_eps!r}: need 0 < eps_low < 1 and eps_high > 0")
+    if not (0.0 < eps_low) or eps_high <= 0.0:
+        raise ValueError(f"clip_eps={clip_eps!r}: need eps_low > 0 and eps_high > 0")
     ratio = _wide(log_probs) - _wide(old_log_probs)
-    ratio = ratio.clamp(math.log1p(-eps_low), math.log1p(eps_high))
+    ratio = ratio.clamp(math.log1p(-eps_low) if eps_low < 1.0 else None, math.log1p(eps_high))
     if action_mask is None:
         return ratio.mean(dim=-1)
     _check_same_shape("action_mask", action_mask, "log_probs", log_probs)

@@ -372,3 +372,40 @@ def test_flags_defaults_refusals_and_method_lines(tiny_model_dir, capsys):
     assert e.value.code == 2 and "--actor.policy_loss_type kl_cov is not supported with --algo.advantage.estimator " \
                                  "lpo" in capsys.readouterr().err
     assert sorted(POLICY_LOSS_TYPES) == ["cispo", "clip_cov", "kl_cov"]
+
+
+@pytest.mark.parametrize("method", ["clip_cov", "cispo"])
+def test_the_listwise_end_kl_of_a_run_whose_band_has_no_lower_bound(tiny_model_dir, gloo_world1, method):
+    """--lpo.end_kl with clip_cov.sh's band (1.0, 1.0) or cispo.sh's (1.0, 3.0): eps_low >= 1 leaves s unbounded below
+    (it crashed before: log(1 - 1)). KL(w*||P) after the update equals brute force with that band, lr 0.5 (found by
+    the VLM e2e run)."""
+    from openrlhf_lpo.openrlhf.actor_trainer import LPOActorTrainer
+
+    args = parse_args(tiny_model_dir, estimator="group_norm", micro=K, extra=method_flags(method)[2:] + ["--lpo.end_kl"])
+    lo, hi = args.actor.eps_clip_low_high
+    assert lo >= 1.0
+    actor = make_actor(tiny_model_dir)
+    exps = make_experiences(args, CPUStrategy(args), actor, make_rollout_samples(G, K, seed=3))
+    strategy = CPUStrategy(args)
+    with policy_loss_types():  # as LPOPolicyActor builds it: the stock update with the registered type, then the metric
+        trainer = make_trainer(LPOActorTrainer, args, strategy, actor, lr=0.5)
+    bind_policy_loss(trainer, args)
+    for e in exps:
+        trainer.replay_buffer.append(copy.deepcopy(e))
+    with cpu_cuda_queries("cpu"):
+        status = trainer.ppo_train(0.0)
+    kls = []
+    for e in exps:  # brute force at the updated parameters, the run's band: clamp(log r, None, log(1 + hi))
+        with torch.no_grad():
+            lp = actor(e.sequences, e.action_mask, attention_mask=e.attention_mask).double()
+        m = e.action_mask.double()
+        s = ((lp - e.action_log_probs.double()).clamp(max=np.log1p(hi)) * m).sum(1) / m.sum(1)
+        r = e.info["lpo_reward"].double()
+        for g in range(len(s) // K):
+            rg, sg = r[g * K:(g + 1) * K].numpy(), s[g * K:(g + 1) * K].numpy()
+            logits = np.zeros(K) if rg.max() == rg.min() else (rg - rg.mean()) / rg.std(ddof=1)
+            w, p = np.exp(logits - logits.max()), np.exp(sg - sg.max())
+            w, p = w / w.sum(), p / p.sum()
+            kls.append(float((w * np.log(w / p)).sum()))
+    assert status["lpo/kl_end"] == pytest.approx(float(np.mean(kls)), abs=1e-9)
+    assert status["lpo/kl_end"] != pytest.approx(status["lpo/kl_start"], abs=1e-4)  # the update moved P
