@@ -47,6 +47,13 @@ __all__ = [
     "register_projection",
     "to_groups",
     "sequence_log_ratio",
+    "SEQUENCE_SCORES",
+    "SequenceScore",
+    "register_sequence_score",
+    "sequence_score",
+    "ANCHORS",
+    "sequence_anchor",
+    "group_anchor",
     "group_temperature",
     "degenerate_groups",
     "gibbs_target",
@@ -59,6 +66,7 @@ __all__ = [
     "pointwise_projection_loss",
     "pg_advantages",
     "cispo_token_loss",
+    "token_is_weight",
     "parse_temperature",
     "listwise_group_sums",
     "listwise_stats_from_sums",
@@ -129,14 +137,16 @@ def sequence_log_ratio(
 
     s_k = (1/|y_k|) sum_i clip(log pi_theta - log pi_old, log(1-eps_low), log(1+eps_high)).
     The clamp is hard, so tokens outside the band get zero gradient in both directions.
-    ``clip_eps`` is eps or (eps_low, eps_high). A response with no tokens gives 0.
+    ``clip_eps`` is eps or (eps_low, eps_high); eps_low >= 1 leaves the log-ratio unbounded below (the band of a
+    policy-gradient run's ``--lpo.end_kl`` metrics, e.g. CISPO's 1.0/3.0; LPO's own flags need eps_low < 1).
+    A response with no tokens gives 0.
     """
     _check_same_shape("log_probs", log_probs, "old_log_probs", old_log_probs)
     eps_low, eps_high = (clip_eps, clip_eps) if isinstance(clip_eps, (int, float)) else tuple(clip_eps)
-    if not (0.0 < eps_low < 1.0) or eps_high <= 0.0:
-        raise ValueError(f"clip_eps={clip_eps!r}: need 0 < eps_low < 1 and eps_high > 0")
+    if not (0.0 < eps_low) or eps_high <= 0.0:
+        raise ValueError(f"clip_eps={clip_eps!r}: need eps_low > 0 and eps_high > 0")
     ratio = _wide(log_probs) - _wide(old_log_probs)
-    ratio = ratio.clamp(math.log1p(-eps_low), math.log1p(eps_high))
+    ratio = ratio.clamp(math.log1p(-eps_low) if eps_low < 1.0 else None, math.log1p(eps_high))
     if action_mask is None:
         return ratio.mean(dim=-1)
     _check_same_shape("action_mask", action_mask, "log_probs", log_probs)
@@ -144,6 +154,87 @@ def sequence_log_ratio(
     total = (ratio * mask).sum(dim=-1)
     count = mask.sum(dim=-1)
     return total / count.clamp(min=1.0)
+
+
+# ----------------------------------------------------------------------------- sequence scores and anchors
+
+
+@dataclass(frozen=True)
+class SequenceScore:
+    """How a response's token log-ratios log pi_theta - log pi_old become its score s_k: clamped to the band
+    [log(1-eps_low), log(1+eps_high)] or not (``clip``), averaged over the response's tokens or summed
+    (``length_normalised``). The anchor of ``--lpo.anchor old`` aggregates log pi_old the same way."""
+
+    name: str
+    clip: bool
+    length_normalised: bool
+
+
+SEQUENCE_SCORES: Dict[str, SequenceScore] = {}
+
+
+def register_sequence_score(name: str, clip: bool, length_normalised: bool) -> SequenceScore:
+    """Register a score (``--lpo.score <name>``)."""
+    return register_unique(SEQUENCE_SCORES, "sequence score", name, SequenceScore(name, clip, length_normalised))
+
+
+# LPO's Eq. 4 (the default), TPO's completion logit l_theta - l_old (arXiv 2604.06159, Eq. 1: the summed
+# sequence log-probability, no clip), and the per-token mean without a clip (the length-normalised TPO variant
+# that the author's TRL integration, huggingface/trl#5591, makes its default)
+register_sequence_score("mean_clip", clip=True, length_normalised=True)
+register_sequence_score("sum", clip=False, length_normalised=False)
+register_sequence_score("mean", clip=False, length_normalised=True)
+
+
+def _aggregate(values: Tensor, action_mask: Optional[Tensor], length_normalised: bool) -> Tensor:
+    """Masked sum over the last dim, or the masked mean (0 for a response with no tokens)."""
+    if action_mask is None:
+        return values.mean(dim=-1) if length_normalised else values.sum(dim=-1)
+    _check_same_shape("action_mask", action_mask, "values", values)
+    mask = action_mask.to(values.dtype)
+    total = (values * mask).sum(dim=-1)
+    return total / mask.sum(dim=-1).clamp(min=1.0) if length_normalised else total
+
+
+def sequence_score(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    action_mask: Optional[Tensor],
+    clip_eps: Union[float, tuple] = 0.2,
+    score: str = "mean_clip",
+) -> Tensor:
+    """s_k of each response, shape [B], under the registered ``score``:
+
+    ``mean_clip`` (Eq. 4): (1/|y_k|) sum_t clip(log pi_theta - log pi_old) (:func:`sequence_log_ratio`);
+    ``sum`` (TPO, arXiv 2604.06159, Eq. 1): sum_t (log pi_theta - log pi_old) = l_theta - l_old, no clip;
+    ``mean``: (1/|y_k|) sum_t (log pi_theta - log pi_old), no clip. ``clip_eps`` is read only by clipped scores.
+    """
+    spec = lookup(SEQUENCE_SCORES, "sequence score", score)
+    if spec.clip:
+        return sequence_log_ratio(log_probs, old_log_probs, action_mask, clip_eps)
+    _check_same_shape("log_probs", log_probs, "old_log_probs", old_log_probs)
+    return _aggregate(_wide(log_probs) - _wide(old_log_probs), action_mask, spec.length_normalised)
+
+
+# --lpo.anchor: "none" measures the list against the sampled responses alone (LPO: P = softmax(s), uniform at the
+# start of an update); "old" adds the old policy's own probability of each response (TPO: p_theta = softmax(l_theta)
+# = softmax(s + l_old), p_old = softmax(l_old), q = softmax(l_old + u/eta))
+ANCHORS = ("none", "old")
+
+
+def sequence_anchor(old_log_probs: Tensor, action_mask: Optional[Tensor], score: str = "mean_clip") -> Tensor:
+    """l_old of each response, shape [B]: log pi_old(y_k) aggregated over its tokens as ``score`` aggregates the
+    log-ratio (summed for ``sum``: the sequence log-probability of TPO's p_old; the per-token mean otherwise)."""
+    spec = lookup(SEQUENCE_SCORES, "sequence score", score)
+    return _aggregate(_wide(old_log_probs), action_mask, spec.length_normalised)
+
+
+def group_anchor(anchor: Tensor) -> Tensor:
+    """[G,K] anchors minus each group's largest: softmax(anchor + x) is unchanged, and every e^(anchor) of the
+    group's sums lies in (0, 1] (the best response's is 1) however long the responses are."""
+    _check_groups("anchor", anchor)
+    a = _wide(anchor)
+    return a - a.amax(dim=1, keepdim=True)
 
 
 # ----------------------------------------------------------------------------- temperature
@@ -164,6 +255,13 @@ def register_temperature(name: str, weighted: bool = False):
 def _std_temperature(rewards: Tensor) -> Tensor:
     """Group standard deviation (unbiased, as OpenRLHF's group_norm): pairs with GRPO."""
     return rewards.std(dim=1, unbiased=True, keepdim=True)
+
+
+@register_temperature("pop_std")
+def _population_std_temperature(rewards: Tensor) -> Tensor:
+    """Group standard deviation with 1/K (population): TPO's standardisation u = (R - mean)/sigma
+    (arXiv 2604.06159, App. A), so that w* = softmax(R/tau + s_t) is TPO's target with eta = 1."""
+    return rewards.std(dim=1, unbiased=False, keepdim=True)
 
 
 @register_temperature("one")
@@ -756,22 +854,30 @@ def cispo_token_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tenso
     hi = math.log1p(eps_high)
     clipped = (log_ratio < lo) | (log_ratio > hi)
     weight = log_ratio.clamp(min=lo, max=hi).exp()
-    filtered = None
-    if is_correction is not None:
-        mode, low, high = is_correction
-        if rollout_log_probs is None:
-            raise ValueError("--algo.advantage.is_correction_level token needs the rollout's log-probs "
-                             "(rollout_log_probs)")
-        _check_same_shape("rollout_log_probs", rollout_log_probs, "log_probs", log_probs)
-        is_ratio = (_wide(old_log_probs.detach()) - _wide(rollout_log_probs.detach())).exp()
-        filtered = (is_ratio < low) | (is_ratio > high)
-        if mode == "clip":
-            weight = weight * is_ratio.clamp(min=low, max=high)
-        elif mode == "mask":
-            weight = weight * torch.where(filtered, torch.zeros_like(is_ratio), is_ratio)
-        else:
-            raise ValueError(f"--algo.advantage.is_correction_mode {mode!r}: use clip or mask")
+    correction, filtered = token_is_weight(old_log_probs, rollout_log_probs, is_correction)
+    if correction is not None:
+        weight = weight * correction
     return -weight.to(log_probs.dtype) * advantages.to(log_probs.dtype) * log_probs, clipped, filtered
+
+
+def token_is_weight(old_log_probs: Tensor, rollout_log_probs: Optional[Tensor], is_correction: Optional[tuple]):
+    """The token-level train/rollout correction of the registered policy-loss types (CISPO, Clip-Cov, KL-Cov), as
+    OpenRLHF applies it to PPO: with ``is_correction`` = (mode, low, high) and ``rollout_log_probs`` = log mu, the
+    detached weight c_t = clip(pi_old/mu, low, high) (``clip``, truncated IS) or pi_old/mu inside [low, high] and 0
+    outside (``mask``). Returns (c [B,T] or None when off, filtered [B,T] bool or None: tokens truncated/dropped)."""
+    if is_correction is None:
+        return None, None
+    mode, low, high = is_correction
+    if rollout_log_probs is None:
+        raise ValueError("--algo.advantage.is_correction_level token needs the rollout's log-probs (rollout_log_probs)")
+    _check_same_shape("rollout_log_probs", rollout_log_probs, "old_log_probs", old_log_probs)
+    is_ratio = (_wide(old_log_probs.detach()) - _wide(rollout_log_probs.detach())).exp()
+    filtered = (is_ratio < low) | (is_ratio > high)
+    if mode == "clip":
+        return is_ratio.clamp(min=low, max=high), filtered
+    if mode == "mask":
+        return torch.where(filtered, torch.zeros_like(is_ratio), is_ratio), filtered
+    raise ValueError(f"--algo.advantage.is_correction_mode {mode!r}: use clip or mask")
 
 
 def pg_advantages(rewards: Tensor, estimator: str = "grpo") -> Tensor:

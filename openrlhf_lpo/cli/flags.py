@@ -130,7 +130,8 @@ def _validate_extra_estimators(args: argparse.Namespace) -> None:
     if args.actor.entropy_coef is None:
         args.actor.entropy_coef = 0.0
     if est not in LPO_ESTIMATORS:
-        given = [f"--{f}" for f in ("lpo.divergence", "lpo.projection") + RESEARCH_FLAGS if flag_was_given(args, f)]
+        given = [f"--{f}" for f in ("lpo.divergence", "lpo.projection", "lpo.score", "lpo.anchor") + RESEARCH_FLAGS
+                 if flag_was_given(args, f)]
         given += ["--lpo.force_two_pass"] if args.lpo.force_two_pass else []
         if given:
             raise FlagError(
@@ -150,7 +151,7 @@ def _validate_extra_estimators(args: argparse.Namespace) -> None:
 
     # ---- lpo: fill defaults, check values
     divergence_given = flag_was_given(args, "lpo.divergence")
-    LPOConfig.fill_defaults(args.lpo, ("divergence", "temperature", "projection"))
+    LPOConfig.fill_defaults(args.lpo, ("divergence", "temperature", "projection", "score", "anchor"))
     try:
         args.lpo.temperature = listwise.parse_temperature(args.lpo.temperature)
     except ValueError as e:
@@ -187,6 +188,7 @@ def _validate_extra_estimators(args: argparse.Namespace) -> None:
     for bad, flag, why in refusals:
         if bad:
             raise FlagError(f"{flag} is not supported with --algo.advantage.estimator lpo: {why}")
+    _validate_score_and_anchor(args)
     if adv.is_correction_level != "off":
         low, high = adv.is_correction_threshold
         if not (0.0 < low < 1.0 < high):
@@ -199,7 +201,7 @@ def _validate_extra_estimators(args: argparse.Namespace) -> None:
               "list as drawn from the start-of-update policy (s_t = 0). Add --algo.advantage.is_correction_level "
               "token --algo.advantage.is_correction_mode clip for the listwise off-policy target (docs/lpo_flags.md).")
     lo, hi = args.actor.eps_clip_low_high
-    if not (0.0 < lo < 1.0) or hi <= 0.0:
+    if listwise.SEQUENCE_SCORES[args.lpo.score].clip and (not (0.0 < lo < 1.0) or hi <= 0.0):
         raise FlagError(
             f"--actor.eps_clip_low_high/--actor.eps_clip = ({lo}, {hi}): LPO clips token log-ratios to "
             "[log(1-low), log(1+high)], so it needs 0 < low < 1 and high > 0"
@@ -229,6 +231,26 @@ def _validate_extra_estimators(args: argparse.Namespace) -> None:
             f"--rollout.batch_size x --rollout.n_samples_per_prompt = {rb * K} must be a multiple of "
             f"--train.batch_size {tb} (whole optimizer steps per rollout batch)"
         )
+
+
+def _validate_score_and_anchor(args: argparse.Namespace) -> None:
+    """``--lpo.score`` other than Eq. 4's and ``--lpo.anchor old`` (Target Policy Optimization's configuration):
+    the listwise off-policy correction and listwise replay measure s_t = delta as a per-token mean against the
+    behaviour policy, with no anchor, so they run with the default score and no anchor only."""
+    lpo, adv = args.lpo, args.algo.advantage
+    custom = [f"--lpo.score {lpo.score}"] if lpo.score != "mean_clip" else []
+    custom += [f"--lpo.anchor {lpo.anchor}"] if lpo.anchor != "none" else []
+    if not custom:
+        return
+    what = " and ".join(custom)
+    if adv.is_correction_level != "off":
+        raise FlagError(f"{what} with --algo.advantage.is_correction_level {adv.is_correction_level}: the listwise "
+                        "off-policy correction s_t = delta is the per-token mean of log pi_t - log mu (Eq. 4's score, "
+                        "no anchor); drop the correction, or use --lpo.score mean_clip --lpo.anchor none")
+    if lpo.replay_batches:
+        raise FlagError(f"{what} with --lpo.replay_batches {lpo.replay_batches}: a replayed group's start point "
+                        "s_t = delta is the per-token mean against its behaviour policy (Eq. 4's score, no anchor); "
+                        "drop --lpo.replay_batches, or use --lpo.score mean_clip --lpo.anchor none")
 
 
 # the research-agenda flags (issue 25): a schedule, the entropy switch, tau scaling, listwise replay
@@ -299,7 +321,8 @@ def research_plan_lines(args: argparse.Namespace) -> List[str]:
     lpo = args.lpo
     lines = []
     scale = float(getattr(lpo, "temperature_scale", 1.0) or 1.0)
-    base = {"std": "group std", "one": "1", "mean": "group mean"}.get(lpo.temperature, lpo.temperature)
+    base = {"std": "group std", "pop_std": "group population std", "one": "1", "mean": "group mean"}.get(
+        lpo.temperature, lpo.temperature)
     if isinstance(lpo.temperature, float):
         lines.append(f"  effective tau = {scale:g} x {lpo.temperature:g} = {scale * lpo.temperature:g}"
                      + (" (--lpo.temperature_scale)" if scale != 1.0 else ""))

@@ -202,6 +202,38 @@ ADVANTAGES = {"group_norm": "(R - mean)/std per group", "dr_grpo": "R - mean per
               "gae": "GAE(gamma, lambda) with the critic, whitened"}
 
 
+# --actor.policy_loss_type -> what its loss does with the ratio, from the actor flags (ppo: the default below)
+POLICY_LOSS_BANDS = {
+    "gspo": lambda a, lo, hi: f"sequence ratio clipped to [1-{lo:g}, 1+{hi:g}]",
+    "cispo": lambda a, lo, hi: f"detached token ratio clipped to [{max(1.0 - lo, 0.0):g}, {1.0 + hi:g}] as a weight",
+    "clip_cov": lambda a, lo, hi: (
+        f"token ratio clipped to [1-{lo:g}, 1+{hi:g}]; Clip-Cov detaches max(1, {a.clip_cov_ratio:g} x tokens) of "
+        f"each micro-batch, drawn among those with covariance in ({a.clip_cov_lb:g}, {a.clip_cov_ub:g}), seeded by "
+        "--train.seed and the step"),
+    "kl_cov": lambda a, lo, hi: (
+        f"token ratio unclipped; KL-Cov adds {a.kl_cov_coef:g} x |log r| on the max(1, {a.kl_cov_ratio:g} x tokens) "
+        "of largest covariance in each micro-batch"),
+}
+
+
+def _is_tpo(lpo) -> bool:
+    """The flags of configs/methods/tpo.sh: Target Policy Optimization as a configuration of the listwise loss."""
+    return (getattr(lpo, "score", None), getattr(lpo, "anchor", None), lpo.temperature, lpo.divergence,
+            lpo.projection) == ("sum", "old", "pop_std", "fwd", "listwise")
+
+
+def _listwise_name(args) -> str:
+    return "TPO (Target Policy Optimization, arXiv 2604.06159) as LPO " if _is_tpo(args.lpo) else "LPO "
+
+
+def _score_text(args, lo: float, hi: float) -> str:
+    score = getattr(args.lpo, "score", "mean_clip")
+    if score == "mean_clip":
+        return f"s clips token log-ratios to [log(1-{lo:g}), log(1+{hi:g})]"
+    return {"sum": "s sums the token log-ratios (no clip, no length normalisation)",
+            "mean": "s averages the token log-ratios (no clip)"}.get(score, f"s is the {score} score")
+
+
 def method_line(args) -> str:
     """One line naming the method's settings in effect: the estimator's advantage (and its paired LPO
     temperature) or LPO's temperature and token clip of s, the policy loss and its clip band, the loss
@@ -211,18 +243,20 @@ def method_line(args) -> str:
     est = args.algo.advantage.estimator
     lo, hi = args.actor.eps_clip_low_high
     if est in LPO_ESTIMATORS:
-        parts = [f"LPO {args.lpo.projection} (divergence {args.lpo.divergence}), temperature {args.lpo.temperature}",
-                 f"s clips token log-ratios to [log(1-{lo:g}), log(1+{hi:g})]",
-                 "loss: mean over prompts of the per-group loss"]
+        parts = [_listwise_name(args) + f"{args.lpo.projection} (divergence {args.lpo.divergence}), temperature "
+                 f"{args.lpo.temperature}", _score_text(args, lo, hi)]
+        if getattr(args.lpo, "anchor", "none") == "old":
+            parts.append("anchor l_old = old log-probs aggregated as s: P = softmax(s + l_old), "
+                         "w* = softmax(R/tau + l_old)")
+        parts.append("loss: mean over prompts of the per-group loss")
     else:
         kind = args.actor.policy_loss_type
         adv = ADVANTAGES.get(est, est)
         if est == "reinforce_baseline" and args.algo.advantage.no_std_norm:
             adv = "R - group mean, centred over the rollout batch"
         paired = PAIRED_TEMPERATURE.get(est)
-        band = {"gspo": f"sequence ratio clipped to [1-{lo:g}, 1+{hi:g}]",
-                "cispo": f"detached token ratio clipped to [{max(1.0 - lo, 0.0):g}, {1.0 + hi:g}] as a weight"}.get(
-            kind, f"token ratio clipped to [1-{lo:g}, 1+{hi:g}]")
+        band = POLICY_LOSS_BANDS.get(kind, lambda a, lo, hi: f"token ratio clipped to [1-{lo:g}, 1+{hi:g}]")(
+            args.actor, lo, hi)
         agg = "seq-mean-token-mean" if kind == "gspo" else args.actor.loss_agg_mode
         parts = [f"advantage {adv}" + (f" (paired LPO temperature {paired})" if paired else ""),
                  f"policy loss {kind}: {band}" + (f", dual clip {args.actor.dual_clip:g}" if args.actor.dual_clip else ""),

@@ -37,6 +37,8 @@ PAIRED_METHODS = {
     "dapo": {"fwd": "lpo_fwd_dapo", "rev": "lpo_rev_dapo"},
     "gspo": {"fwd": "lpo_fwd", "rev": "lpo_rev"},
     "cispo": {"fwd": "lpo_fwd", "rev": "lpo_rev"},
+    "kl_cov": {"fwd": "lpo_fwd", "rev": "lpo_rev"},
+    "clip_cov": {"fwd": "lpo_fwd", "rev": "lpo_rev"},
 }
 
 
@@ -71,6 +73,18 @@ def _projections():
     return sorted(listwise.PROJECTIONS)
 
 
+def _scores():
+    from openrlhf_lpo import listwise
+
+    return sorted(listwise.SEQUENCE_SCORES)
+
+
+def _anchors():
+    from openrlhf_lpo import listwise
+
+    return list(listwise.ANCHORS)
+
+
 @dataclass(frozen=True)
 class LPOConfig:
     """The ``--lpo.*`` settings of a run, the one place of each flag's default and help. The CLI fills the
@@ -102,6 +116,16 @@ class LPOConfig:
     projection: str = _flag(
         "listwise", "listwise (the LPO loss) or pointwise (-sum_k w*_k s_k; the paper's ablation). Default listwise.",
         type=str, choices=_projections)
+    score: str = _flag(
+        "mean_clip", "the response score s_k: mean_clip (Eq. 4: the per-token mean of the log-ratios clipped by "
+        "--actor.eps_clip_low_high), sum (Target Policy Optimization, arXiv 2604.06159: the sequence log-ratio "
+        "l_theta - l_old, summed, unclipped) or mean (the per-token mean, unclipped). Default mean_clip.",
+        type=str, choices=_scores)
+    anchor: str = _flag(
+        "none", "none (P = softmax(s): the list measured against the sampled responses) or old (Target Policy "
+        "Optimization: the old policy's own log-probability of each response, aggregated as --lpo.score aggregates, "
+        "is added to s and to w*'s logits: P = softmax(l_theta) over the group, w* = softmax(l_old + R/tau)). "
+        "Default none.", type=str, choices=_anchors)
     force_two_pass: bool = _flag(
         False, "always use the two-pass path (no-grad s, then detached surrogate), even when every "
         "micro-batch holds whole groups (for benchmarks and checks).")

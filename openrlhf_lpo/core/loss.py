@@ -18,9 +18,9 @@ contract, core/metrics.py): the response tokens, the tokens whose log-ratio lies
 
 Public names (stable):
     ListwiseTerms(total, s, c)
-    log_ratio(log_probs, old_log_probs, action_mask, rollout_log_probs, prev, clip_eps, correction) -> s [B]
+    log_ratio(log_probs, old_log_probs, action_mask, rollout_log_probs, prev, clip_eps, correction, score) -> s [B]
     listwise_micro_loss(log_probs, old_log_probs, action_mask, target, group_size, divergence, projection,
-                        clip_eps, prev=None, coefficients=None, rollout_log_probs=None, correction=None)
+                        clip_eps, prev=None, coefficients=None, rollout_log_probs=None, correction=None, score)
         -> ListwiseTerms
     token_statistics(log_probs, old_log_probs, action_mask, clip_eps, rollout_log_probs=None, correction_band=None)
         -> {"tokens", "out_of_band", "ppo_kl_sum"[, "vllm_kl_sum", "filtered"]}
@@ -62,11 +62,12 @@ class ListwiseTerms:
 
 def log_ratio(log_probs: torch.Tensor, old_log_probs: torch.Tensor, action_mask: torch.Tensor,
               rollout_log_probs: Optional[torch.Tensor], prev: Optional[torch.Tensor], clip_eps: ClipEps,
-              correction: Optional[BehaviourCorrection]) -> torch.Tensor:
+              correction: Optional[BehaviourCorrection], score: str = "mean_clip") -> torch.Tensor:
     """s_k (Eq. 4 against the behaviour policy, offpolicy.py) in float64: the clipped, length-normalised
-    log-ratio over the tokens the correction keeps, plus delta_k = ``prev`` (None: 0)."""
+    log-ratio over the tokens the correction keeps, plus delta_k = ``prev`` (None: 0). ``score`` (--lpo.score):
+    another registered score (listwise.sequence_score), e.g. TPO's summed, unclipped log-ratio."""
     mask = token_keep_mask(old_log_probs, rollout_log_probs, action_mask, correction)
-    s = listwise.sequence_log_ratio(log_probs.double(), old_log_probs.double(), mask, clip_bounds(clip_eps))
+    s = listwise.sequence_score(log_probs.double(), old_log_probs.double(), mask, clip_bounds(clip_eps), score)
     return s if prev is None else s + prev.to(device=s.device, dtype=s.dtype)
 
 
@@ -74,10 +75,10 @@ def listwise_micro_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, ac
                         target: torch.Tensor, group_size: int, divergence: str, projection: str, clip_eps: ClipEps,
                         prev: Optional[torch.Tensor] = None, coefficients: Optional[torch.Tensor] = None,
                         rollout_log_probs: Optional[torch.Tensor] = None,
-                        correction: Optional[BehaviourCorrection] = None) -> ListwiseTerms:
+                        correction: Optional[BehaviourCorrection] = None, score: str = "mean_clip") -> ListwiseTerms:
     """The listwise loss of one micro-batch (module doc). Without ``coefficients`` the rows must be whole groups,
     K consecutive; with them any rows (c in row order)."""
-    s = log_ratio(log_probs, old_log_probs, action_mask, rollout_log_probs, prev, clip_eps, correction)
+    s = log_ratio(log_probs, old_log_probs, action_mask, rollout_log_probs, prev, clip_eps, correction, score)
     if coefficients is None:
         K = int(group_size)
         if s.shape[0] % K:

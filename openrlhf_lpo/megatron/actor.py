@@ -541,7 +541,7 @@ class MegatronActor:
         entropy_mode = "grad" if spec.entropy_coef else "detached"
         mbatches = self._micro_batches(batch, index_lists)
         if spec.name == "pg":
-            fn = policy_loss_module(spec)
+            fn = policy_loss_module(spec, step=self.step)  # a registered type's seeded draw reads the step
             for mb in mbatches:
                 mb["_policy_loss_fn"] = fn
         aux_scale = None

@@ -40,7 +40,8 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from openrlhf_lpo.core.loss import clip_bounds  # noqa: F401  (one epsilon or a pair -> (low, high))
-from openrlhf_lpo.core.policy_loss import POLICY_LOSS_TYPES, policy_loss_outputs, token_correction
+from openrlhf_lpo.core.policy_loss import (POLICY_LOSS_TYPES, PolicyLossContext, policy_loss_outputs, token_correction,
+                                           type_options)
 from openrlhf_lpo.registry import lookup, registrar
 
 POLICY_LOSSES: Dict[str, Callable] = {}
@@ -66,8 +67,11 @@ class LossSpec:
     clip_eps: float = 0.2
     loss_agg_mode: str = "seq-mean-token-mean"  # pg only: or "token-mean"
     correction: Optional[object] = None  # listwise: offpolicy.BehaviourCorrection (None: s_t from the batch only)
+    score: str = "mean_clip"  # listwise: --lpo.score (listwise.sequence_score)
     dual_clip: Optional[float] = None  # pg: --actor.dual_clip
-    policy_loss_type: str = "ppo"  # pg: --actor.policy_loss_type (ppo / gspo / cispo)
+    policy_loss_type: str = "ppo"  # pg: --actor.policy_loss_type (ppo / gspo / cispo / clip_cov / kl_cov)
+    type_options: Tuple = ()  # pg: a registered type's ((option, value), ...) (core/policy_loss.type_options)
+    seed: int = 42  # pg: --train.seed (a registered type's seeded draw, with the optimizer step)
     is_correction: Tuple = ("off", "clip", "ratio", (0.5, 5.0))  # pg: level, mode, gating, threshold
     kl_coef: float = 0.0  # --algo.kl.use_loss: the KL controller's value (kl_ctl) times the token-mean KL
     kl_estimator: str = "k1"
@@ -108,7 +112,7 @@ def _listwise_terms(log_probs, mb, spec: LossSpec, coefficients):
     return listwise_micro_loss(log_probs, mb["old_log_probs"], mb["action_mask"], mb["target"], spec.group_size,
                                spec.divergence, spec.projection, spec.clip_eps, prev=mb.get("prev_log_ratio"),
                                coefficients=coefficients, rollout_log_probs=mb.get("rollout_log_probs"),
-                               correction=spec.correction)
+                               correction=spec.correction, score=spec.score)
 
 
 @register_policy_loss("listwise")
@@ -128,17 +132,25 @@ def _listwise_surrogate(log_probs, mb, spec: LossSpec):
 
 
 class RegisteredPolicyLoss:
-    """A ``--actor.policy_loss_type`` of ``core.policy_loss`` (CISPO: MiniMax-M1, arXiv 2506.13585, Eq. 4-5), which
-    OpenRLHF 0.11.2's ``PolicyLoss`` lacks, in its call convention and 5-tuple: the type's per-token loss aggregated
-    by upstream's ``aggregate_loss`` (a sum with ``batch_num_tokens = 1`` / ``global_batch_size = 1``, as ``_pg``
-    asks). The DeepSpeed actor's twin is ``openrlhf_lpo.openrlhf.cispo.ExtendedPolicyLoss``."""
+    """A ``--actor.policy_loss_type`` of ``core.policy_loss`` (CISPO: MiniMax-M1, arXiv 2506.13585, Eq. 4-5; Clip-Cov
+    and KL-Cov: arXiv 2505.22617), which OpenRLHF 0.11.2's ``PolicyLoss`` lacks, in its call convention and 5-tuple:
+    the type's per-token loss aggregated by upstream's ``aggregate_loss`` (a sum with ``batch_num_tokens = 1`` /
+    ``global_batch_size = 1``, as ``_pg`` asks). ``options``, ``seed`` and ``step`` are what the type reads (its
+    ``--actor.<option>`` flags, ``--train.seed``, the optimizer step). The DeepSpeed actor's twin is
+    ``openrlhf_lpo.openrlhf.cispo.ExtendedPolicyLoss``."""
 
     def __init__(self, policy_loss_type: str, clip_eps_low: float, clip_eps_high: float, token_level_loss: bool,
-                 dual_clip=None, is_correction: Tuple = ("off", "clip", "ratio", (0.5, 5.0))):
+                 dual_clip=None, is_correction: Tuple = ("off", "clip", "ratio", (0.5, 5.0)), options: Tuple = (),
+                 seed: int = 42, step: int = 0):
         level, mode, gating, threshold = is_correction
         self.correction = token_correction(level, mode, gating, threshold, policy_loss_type, dual_clip)
         self.policy_loss_type = policy_loss_type
         self.clip_eps_low, self.clip_eps_high, self.token_level_loss = clip_eps_low, clip_eps_high, token_level_loss
+        self.options = dict(type_options(policy_loss_type, dict(options)))
+        self.seed, self.step = int(seed), int(step)
+
+    def context(self) -> PolicyLossContext:
+        return PolicyLossContext(self.options, self.seed, self.step)
 
     def __call__(self, log_probs, old_log_probs, advantages, action_mask=None, rollout_log_probs=None, dp_size=1,
                  batch_num_tokens=None, global_batch_size=None):
@@ -149,16 +161,18 @@ class RegisteredPolicyLoss:
                                    (dp_size, batch_num_tokens, global_batch_size), aggregate_loss, masked_mean)
 
 
-def policy_loss_module(spec: LossSpec):
+def policy_loss_module(spec: LossSpec, step: int = 0):
     """OpenRLHF's ``PolicyLoss`` configured as ``ActorPPOTrainer`` configures it from the flags, or
-    :class:`RegisteredPolicyLoss` for a type of ``core.policy_loss`` (``cispo``)."""
+    :class:`RegisteredPolicyLoss` for a type of ``core.policy_loss`` (``cispo``, ``clip_cov``, ``kl_cov``; ``step``:
+    the optimizer steps taken before this one, which a seeded draw reads)."""
     from openrlhf.models import PolicyLoss
 
     lo, hi = clip_bounds(spec.clip_eps)
     level, mode, gating, threshold = spec.is_correction
     if spec.policy_loss_type in POLICY_LOSS_TYPES:
         return RegisteredPolicyLoss(spec.policy_loss_type, lo, hi, token_level_loss=spec.loss_agg_mode == "token-mean",
-                                    dual_clip=spec.dual_clip, is_correction=spec.is_correction)
+                                    dual_clip=spec.dual_clip, is_correction=spec.is_correction,
+                                    options=spec.type_options, seed=spec.seed, step=step)
     return PolicyLoss(clip_eps_low=lo, clip_eps_high=hi, dual_clip=spec.dual_clip,
                       token_level_loss=spec.loss_agg_mode == "token-mean", policy_loss_type=spec.policy_loss_type,
                       is_correction_level=level, is_correction_mode=mode, is_correction_gating=gating,

@@ -125,15 +125,18 @@ def loss_spec_from_args(args, kl_ctl: float = 0.0) -> LossSpec:
             projection=lpo.projection,
             clip_eps=(lo, hi) if lo != hi else lo,
             correction=correction_from_args(args) if level not in (None, "off") else None,
+            score=lpo.score,
             **common,
         )
     adv = _get(args, "algo.advantage")
     correction = tuple(getattr(adv, k, d) for k, d in (("is_correction_level", "off"), ("is_correction_mode", "clip"),
                                                         ("is_correction_gating", "ratio"),
                                                         ("is_correction_threshold", (0.5, 5.0))))
+    from openrlhf_lpo.core.policy_loss import policy_loss_options
+
     return LossSpec(name="pg", clip_eps=(lo, hi), loss_agg_mode=getattr(args.actor, "loss_agg_mode", "seq-mean-token-mean"),
                     dual_clip=_get(args, "actor.dual_clip"), policy_loss_type=_get(args, "actor.policy_loss_type", "ppo"),
-                    is_correction=correction, **common)
+                    is_correction=correction, type_options=policy_loss_options(args), seed=int(args.train.seed), **common)
 
 
 class MegatronEngine(UpdateEngine):
@@ -172,7 +175,7 @@ class MegatronEngine(UpdateEngine):
         return log_ratio(lp[idx], b["old_log_probs"][idx].double(), b["action_mask"][idx],
                          rollout[idx] if rollout is not None else None,
                          prev[idx] if prev is not None and lpo else None, self.spec.clip_eps,
-                         self.spec.correction if lpo else None)
+                         self.spec.correction if lpo else None, self.spec.score if lpo else "mean_clip")
 
     def step(self, window: Window) -> StepResult:
         plan = window.plan

@@ -80,10 +80,12 @@ class LPOPolicyLoss(nn.Module):
     ``last`` holds the last call's :class:`ListwiseTerms` (s and c of that micro-batch).
     """
 
-    def __init__(self, clip_eps_low: float, clip_eps_high: float, correction: Optional[BehaviourCorrection] = None):
+    def __init__(self, clip_eps_low: float, clip_eps_high: float, correction: Optional[BehaviourCorrection] = None,
+                 score: str = "mean_clip"):
         super().__init__()
         self.clip_eps = (clip_eps_low, clip_eps_high)
         self.correction = correction
+        self.score = score
         self.last: Optional[ListwiseTerms] = None
 
     def forward(self, log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor = None,
@@ -96,7 +98,7 @@ class LPOPolicyLoss(nn.Module):
         mask = action_mask if action_mask is not None else torch.ones_like(log_probs, dtype=torch.bool)
         terms = listwise_micro_loss(log_probs, old_log_probs, mask, ctx.target, ctx.group_size, ctx.divergence,
                                     ctx.projection, self.clip_eps, prev=ctx.prev, coefficients=ctx.coefficients,
-                                    rollout_log_probs=rollout_log_probs, correction=self.correction)
+                                    rollout_log_probs=rollout_log_probs, correction=self.correction, score=self.score)
         self.last = terms
         loss = (terms.total / ctx.groups_norm * dp_size).to(log_probs.dtype)
         stats = token_statistics(log_probs, old_log_probs, mask, self.clip_eps)
@@ -265,7 +267,7 @@ class LPOActorTrainer(ActorPPOTrainer):
         self.divergence = self.lpo.divergence  # this trainer's; --lpo.divergence_schedule moves it (set_divergence)
         self.correction = correction_from_args(self.args) if self.is_lpo else None
         lo, hi = self.args.actor.eps_clip_low_high
-        self.lpo_loss = LPOPolicyLoss(lo, hi, correction=self.correction) if self.is_lpo else None
+        self.lpo_loss = LPOPolicyLoss(lo, hi, correction=self.correction, score=self.lpo.score) if self.is_lpo else None
         adv = self.args.algo.advantage
         band = tuple(adv.is_correction_threshold) if adv.is_correction_level != "off" else None
         self.actor_loss_fn = MeteredLoss(self.lpo_loss or self.actor_loss_fn, (lo, hi), band)
@@ -343,7 +345,7 @@ class LPOActorTrainer(ActorPPOTrainer):
         )
         return log_ratio(log_probs, experience.action_log_probs, experience.action_mask,
                          experience.rollout_log_probs, prev, tuple(self.args.actor.eps_clip_low_high),
-                         self.correction).cpu()
+                         self.correction, self.lpo.score).cpu()
 
     def _collate(self, items, indices):
         exp = make_experience_batch([items[i] for i in indices], self.args.ds.packing_samples)

@@ -1,4 +1,5 @@
-"""Policy-loss types beyond OpenRLHF 0.11.2's ``ppo`` / ``gspo``: CISPO as ``--actor.policy_loss_type cispo``.
+"""Policy-loss types beyond OpenRLHF 0.11.2's ``ppo`` / ``gspo`` on the DeepSpeed actor: CISPO, Clip-Cov and KL-Cov
+as ``--actor.policy_loss_type cispo | clip_cov | kl_cov`` (the registry of core/policy_loss.py).
 
 CISPO (MiniMax-M1, arXiv 2506.13585, Eq. 4-5) is REINFORCE with the importance ratio clipped and
 detached as a token weight:
@@ -25,6 +26,7 @@ Public names (stable):
     register_policy_loss_type(name)  decorator adding an entry (like ``listwise.register_pg_estimator``)
     ExtendedPolicyLoss               ``openrlhf.models.loss.PolicyLoss`` + the registered types
     policy_loss_types()              context manager: the scoped swap of ``ppo_actor.PolicyLoss``
+    bind_policy_loss(trainer, args)  the run's type options, --train.seed and the engine's step into the built loss
 """
 
 from __future__ import annotations
@@ -37,10 +39,12 @@ import torch
 from openrlhf.models.loss import PolicyLoss, aggregate_loss
 from openrlhf.models.utils import masked_mean
 
-from openrlhf_lpo.core.policy_loss import (POLICY_LOSS_TYPES, policy_loss_outputs, register_policy_loss_type,
-                                           token_correction)
+from openrlhf_lpo.core.policy_loss import (POLICY_LOSS_TYPES, PolicyLossContext, policy_loss_options,
+                                           policy_loss_outputs, register_policy_loss_type, token_correction,
+                                           type_options)
 
-__all__ = ["POLICY_LOSS_TYPES", "register_policy_loss_type", "ExtendedPolicyLoss", "policy_loss_types"]
+__all__ = ["POLICY_LOSS_TYPES", "register_policy_loss_type", "ExtendedPolicyLoss", "policy_loss_types",
+           "bind_policy_loss"]
 
 
 class ExtendedPolicyLoss(PolicyLoss):
@@ -69,6 +73,14 @@ class ExtendedPolicyLoss(PolicyLoss):
         if registered:
             self.correction = token_correction(is_correction_level, is_correction_mode, is_correction_gating,
                                                is_correction_threshold, policy_loss_type, dual_clip)
+        # the type's options (defaults until bind_policy_loss sets the run's flags), --train.seed, the step
+        self.options = dict(type_options(policy_loss_type))
+        self.seed = 42
+        self.step_source = lambda: 0
+
+    def context(self) -> PolicyLossContext:
+        """The options, seed and current optimizer step a registered type reads (core/policy_loss.py)."""
+        return PolicyLossContext(self.options, self.seed, int(self.step_source()))
 
     def forward(
         self,
@@ -87,6 +99,20 @@ class ExtendedPolicyLoss(PolicyLoss):
                                    batch_num_tokens=batch_num_tokens, global_batch_size=global_batch_size)
         return policy_loss_outputs(self, log_probs, old_log_probs, advantages, action_mask, rollout_log_probs,
                                    (dp_size, batch_num_tokens, global_batch_size), aggregate_loss, masked_mean)
+
+
+def bind_policy_loss(trainer, args) -> None:
+    """After the policy actor built its trainer: the run's ``--actor.<option>`` values and ``--train.seed`` go into
+    a registered type's loss, and its step is the DeepSpeed engine's optimizer-step count (restored by a resume),
+    so a seeded draw (Clip-Cov) repeats on a rerun. Other losses are left as they are."""
+    loss_fn = getattr(trainer, "actor_loss_fn", None)
+    loss_fn = getattr(loss_fn, "inner", loss_fn)  # the trainer meters its loss (actor_trainer.MeteredLoss)
+    if not isinstance(loss_fn, ExtendedPolicyLoss) or loss_fn.policy_loss_type not in POLICY_LOSS_TYPES:
+        return
+    loss_fn.options = dict(policy_loss_options(args))
+    loss_fn.seed = int(args.train.seed)
+    engine = getattr(getattr(trainer, "actor", None), "model", None)
+    loss_fn.step_source = lambda: int(getattr(engine, "global_steps", 0) or 0)
 
 
 @contextlib.contextmanager

@@ -8,7 +8,8 @@ Public names (stable):
         lpo_reward    float   reward after OpenRLHF's length penalties (what w* is built from)
         lpo_target    float   w*_k = softmax(R/tau + s_t)_k of its group (Eq. 8)
         lpo_prev_log_ratio    s_t = delta_k, the start point against the behaviour policy
-                              (offpolicy.py; 0 unless --algo.advantage.is_correction_level is on)
+                              (offpolicy.py; 0 unless --algo.advantage.is_correction_level is on), plus
+                              with --lpo.anchor old the group-centred l_old_k (listwise.sequence_anchor)
         lpo_tau       float   the group temperature (nan for groups with all-equal rewards)
     rank_experiences(experiences, dp) -> dp experiences, one per rank (each rank's run merged)
 
@@ -350,11 +351,22 @@ class LPOExperienceMaker(RemoteExperienceMaker):
         return experiences
 
 
+def _old_anchor(experiences: List[Experience], order: torch.Tensor, shape, score: str) -> torch.Tensor:
+    """--lpo.anchor old: l_old [G,K] of every sample (log pi_old of its response, aggregated as ``score``
+    aggregates, listwise.sequence_anchor), less its group's largest (listwise.group_anchor)."""
+    flat = torch.cat([listwise.sequence_anchor(exp.action_log_probs.double(), exp.action_mask, score)
+                      for exp in experiences])
+    anchor = torch.empty(shape, dtype=torch.float64)
+    anchor.view(-1)[order] = flat.cpu().double()
+    return listwise.group_anchor(anchor)
+
+
 @torch.no_grad()
 def _attach_targets(experiences: List[Experience], args) -> None:
     """Write LPO_INFO_KEYS into every experience: w* = softmax(R/tau + s_t) of its group (Eq. 8)
     from ``exp.rewards`` (after length penalties) and ``--lpo.temperature``; s_t = delta, the
-    behaviour correction (offpolicy.py) for lpo, 0 for the metrics of PG estimators."""
+    behaviour correction (offpolicy.py) for lpo, 0 for the metrics of PG estimators; with ``--lpo.anchor old``
+    s_t also holds l_old (Target Policy Optimization's p_old = softmax(l_old), q = softmax(l_old + u/eta))."""
     K = args.rollout.n_samples_per_prompt
     lengths = [len(exp.index) for exp in experiences]
     order = torch.tensor([i for exp in experiences for i in exp.index], dtype=torch.long)
@@ -389,6 +401,8 @@ def _attach_targets(experiences: List[Experience], args) -> None:
                                                  UNTRUNCATED) for exp in experiences])
             delta = torch.where(replayed, rep, delta)
         prev.view(-1)[order] = delta.to(prev.dtype)
+    if lpo and settings.anchor == "old":
+        prev = prev + _old_anchor(experiences, order, rewards.shape, settings.score)
     target = listwise.gibbs_target(rewards, tau, prev_log_ratio=prev)
     degenerate = listwise.degenerate_groups(rewards)
     tau_logged = torch.where(degenerate.unsqueeze(1), torch.full_like(tau, float("nan")), tau)

@@ -48,7 +48,7 @@ from openrlhf.utils.logging_utils import init_logger
 
 from openrlhf_lpo.runtime.hf_exports import rotate_for_args
 from openrlhf_lpo.openrlhf.actor_trainer import LPOActorTrainer
-from openrlhf_lpo.openrlhf.cispo import policy_loss_types
+from openrlhf_lpo.openrlhf.cispo import bind_policy_loss, policy_loss_types
 from openrlhf_lpo.core.config import dp_size
 from openrlhf_lpo.openrlhf.experience_maker import LPOExperienceMaker, rank_experiences
 from openrlhf_lpo.openrlhf.request_seeds import SeededGenerateSamples, SeededRollouts
@@ -102,7 +102,9 @@ class RuntimePolicyActor(HFExportRotation, _StockPolicyActor):
 
     def init_model_from_pretrained(self, *args, **kwargs):
         with policy_loss_types():
-            return super().init_model_from_pretrained(*args, **kwargs)
+            out = super().init_model_from_pretrained(*args, **kwargs)
+        bind_policy_loss(self.trainer, self.strategy.args)
+        return out
 
 
 def _broadcast_to_vllm(self):
@@ -160,7 +162,9 @@ class LPOPolicyActor(HFExportRotation, _StockPolicyActor):
     def init_model_from_pretrained(self, *args, **kwargs):
         # ppo_actor.py looks ActorPPOTrainer up at call time: swap it for this call only.
         with mock.patch.object(_ppo_actor_mod, "ActorPPOTrainer", LPOActorTrainer), policy_loss_types():
-            return super().init_model_from_pretrained(*args, **kwargs)
+            out = super().init_model_from_pretrained(*args, **kwargs)
+        bind_policy_loss(self.trainer, self.strategy.args)  # a registered type under --lpo.end_kl / maxrl
+        return out
 
     # VLM checkpoints: the processor next to the weights (upstream saves only the text tokenizer)
     def _save_processor(self, output_dir: str) -> None:

@@ -264,7 +264,7 @@ def test_pairing_table_lists_every_temperature_and_existing_method_files():
     start = text.index("## Baselines and their LPO pairs")
     section = text[start:text.index("\n## ", start + 5)]
     rows = [line for line in section.splitlines() if line.startswith("| ") and "---" not in line][1:]
-    assert len(rows) == 8
+    assert len(rows) == 11
     temps = {m for row in rows for m in re.findall(r"`--lpo\.temperature ([a-z_]+)`", row)}
     assert set(lw.TEMPERATURES) <= temps, set(lw.TEMPERATURES) - temps
     files = {f for row in rows for f in re.findall(r"`([a-z_]+\.sh)`", row)}

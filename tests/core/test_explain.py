@@ -106,7 +106,7 @@ def test_bad_input_names_the_flag(capsys):
 
     with pytest.raises(SystemExit) as e:
         main(["--rewards", "1", "0", "--temperature", "median"])
-    assert e.value.code == 2 and "unknown temperature 'median'; valid: batch_std, loo, mean, one, std" in capsys.readouterr().err
+    assert e.value.code == 2 and "unknown temperature 'median'; valid: batch_std, loo, mean, one, pop_std, std" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("divergence, bound", [("hellinger", "bound 2"), ("tv", "bound 1"), ("alpha:0.5", "bound 4"),

@@ -358,7 +358,7 @@ def test_pg_advantages_reference():
         (lambda: lw.group_temperature(torch.ones(2, 3), -1.0), "positive"),
         (lambda: lw.group_temperature(torch.ones(2, 3), 0), "positive"),
         (lambda: lw.group_temperature(torch.ones(2, 3), float("nan")), "positive"),
-        (lambda: lw.group_temperature(torch.ones(2, 3), "median"), "valid: batch_std, loo, mean, one, std"),
+        (lambda: lw.group_temperature(torch.ones(2, 3), "median"), "valid: batch_std, loo, mean, one, pop_std, std"),
         (lambda: lw.listwise_divergence(torch.zeros(2, 3), torch.full((2, 3), 1 / 3), "chi2"),
          r"valid: fwd, hellinger, js, rev, tv or alpha:<a> \(any real a\)"),
         (lambda: lw.listwise_coefficients(torch.zeros(2, 3), torch.full((2, 3), 1 / 3), "kl"), "valid: fwd, hellinger, js"),
@@ -367,7 +367,7 @@ def test_pg_advantages_reference():
         (lambda: lw.gibbs_target(torch.tensor([[-1.0, 0.0]]), "mean"), "non-negative"),
         (lambda: lw.sequence_log_ratio(torch.zeros(2, 3), torch.zeros(2, 4), None), "old_log_probs"),
         (lambda: lw.sequence_log_ratio(torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 2)), "action_mask"),
-        (lambda: lw.sequence_log_ratio(torch.zeros(2, 3), torch.zeros(2, 3), None, 1.5), "clip_eps"),
+        (lambda: lw.sequence_log_ratio(torch.zeros(2, 3), torch.zeros(2, 3), None, -0.1), "clip_eps"),  # eps_low >= 1 is allowed: no lower bound
         (lambda: lw.to_groups(torch.zeros(10), 4), "whole groups"),
         (lambda: lw.to_groups(torch.zeros(10), 1), "K >= 2"),
     ],

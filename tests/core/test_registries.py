@@ -57,11 +57,11 @@ def test_new_temperature_end_to_end(capsys):
         assert "temperature='test_range' -> tau=1" in out and "A_k(PG)" not in out  # no paired PG estimator
         with pytest.raises(ValueError, match="temperature 'test_range' is already registered"):
             lw.register_temperature("test_range")(reward_range)
-        with pytest.raises(ValueError, match="valid: batch_std, loo, mean, one, std, test_range or a positive number"):
+        with pytest.raises(ValueError, match="valid: batch_std, loo, mean, one, pop_std, std, test_range or a positive number"):
             lw.group_temperature(T(R), "median")
     with pytest.raises(SystemExit) as e:  # gone again: the CLI names the flag and the valid modes
         build_parser_and_parse(_lpo_argv("--lpo.temperature", "test_range"))
-    assert e.value.code == 2 and "--lpo.temperature: unknown temperature 'test_range'; valid: batch_std, loo, mean, one, std" in (
+    assert e.value.code == 2 and "--lpo.temperature: unknown temperature 'test_range'; valid: batch_std, loo, mean, one, pop_std, std" in (
         capsys.readouterr().err)
 
 

@@ -73,10 +73,11 @@ def e2e(tmp_path_factory):
     parity1 = [json.loads(x) for x in (w / "parity.jsonl").read_text().splitlines()] if (w / "parity.jsonl").exists() else []
     n1 = len(parity1)
     hf1 = sorted(p.name for p in (w / "ckpt").glob("*_hf"))  # HF exports after run 1 (rotated with the state)
-    # the resumed run trains its two steps with the RLOO baseline as its method file gives it (a checkpoint holds
-    # weights, optimizer and data position, no estimator state): a baseline's steps on the Megatron backend
+    # the resumed run trains its two steps with the KL-Cov baseline as its method file gives it (a checkpoint holds
+    # weights, optimizer and data position, no estimator state): a registered policy-loss type's steps on the
+    # Megatron backend, its covariance top-k computed on both TP ranks of the last stage
     argv2 = base + ["--data.max_samples", "8", "--train.num_episodes", "2", "--ckpt.load_enable",
-                    "--logger.tensorboard_dir", str(w / "tb2"), *method_flags("rloo")]
+                    "--logger.tensorboard_dir", str(w / "tb2"), *method_flags("kl_cov")]
     rc2, log2 = _run(argv2, env, w / "run2.log")
     # steps and metrics from tensorboard: Ray may drop the trainer's last forwarded log lines at exit
     parity2 = [json.loads(x) for x in (w / "parity.jsonl").read_text().splitlines()][n1:] if (w / "parity.jsonl").exists() else []
@@ -133,11 +134,15 @@ def test_two_iterations_and_weight_sync(e2e):
 def test_resume_continues_from_checkpoint(e2e):
     assert e2e["rc2"] == 0, e2e["log2"][-5000:]
     assert tb_steps(e2e["tb2"]) == [3, 4]  # resumed after global step 2, trained what was left
-    # with RLOO (configs/methods/rloo.sh): its advantage in the run's method line, a policy-gradient update and
-    # the listwise metrics at its paired temperature (--lpo.end_kl, tau = (K-1)/K)
-    assert "method: advantage R - mean of the other K-1 = K/(K-1)(R - mean) (paired LPO temperature loo)" in e2e["log2"]
+    # with KL-Cov (configs/methods/kl_cov.sh): GRPO's advantage and KL-Cov's loss in the run's method line, a
+    # policy-gradient update whose covariance rule selected tokens at both steps (ppo_clip_ratio: the selected
+    # fraction, at least one token per micro-batch), the listwise metrics at its paired temperature (--lpo.end_kl, std)
+    assert ("method: advantage (R - mean)/std per group (paired LPO temperature std); policy loss kl_cov: token ratio "
+            "unclipped; KL-Cov adds 1 x |log r| on the max(1, 0.002 x tokens) of largest covariance in each "
+            "micro-batch; aggregation token-mean") in e2e["log2"]
     tb2 = e2e["tb2"]
     assert sorted(tb2["train/policy_loss"]) == [3, 4] and sorted(tb2["train/lpo/kl_end"]) == [3, 4]
+    assert sorted(tb2["train/ppo_clip_ratio"]) == [3, 4] and min(tb2["train/ppo_clip_ratio"].values()) > 0
     # the resumed trainer syncs first (from the actor asleep since start-up), then after each of its 2 steps
     syncs = _ipc_syncs(e2e["parity2"])
     assert len(syncs) == 3 and all(r["max_abs_diff"] < 1e-4 for r in syncs)

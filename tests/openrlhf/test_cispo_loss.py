@@ -278,7 +278,7 @@ def test_prop1_on_policy_cispo_equals_lpo_rev_with_the_grpo_temperature(tiny_mod
 
 
 def test_cli_accepts_cispo_and_names_the_flag_of_each_refusal(tiny_model_dir, capsys):
-    assert sorted(POLICY_LOSS_TYPES) == ["cispo"]
+    assert sorted(POLICY_LOSS_TYPES) == ["cispo", "clip_cov", "kl_cov"]
     args = _cispo_args(tiny_model_dir, "--actor.eps_clip_low_high", "1.0", "3.0")
     assert args.actor.policy_loss_type == "cispo" and tuple(args.actor.eps_clip_low_high) == (1.0, 3.0)
     token = _cispo_args(tiny_model_dir, "--algo.advantage.is_correction_level", "token",

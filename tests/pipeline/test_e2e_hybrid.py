@@ -1,7 +1,10 @@
 """lpo-train end to end in OpenRLHF's long-context hybrid-engine recipe (configs/families/long_context.sh) on
 two data-parallel ranks, over partial last batches and two episodes: colocated engines that sleep, dynamic
 batching by tokens with a budget below a group's tokens (groups split: the exact two-pass path), packing,
-micro-batch 1, a KL loss against a reference model, an entropy bonus and dynamic filtering.
+micro-batch 1, a KL loss against a reference model, an entropy bonus and dynamic filtering. The listwise loss is
+Target Policy Optimization's configuration (configs/methods/tpo.sh: the summed, unclipped score, the old policy's
+sequence log-probabilities as the anchor, the population-std temperature), so TPO trains end to end through the
+same windows and passes as LPO (its math: tests/openrlhf/test_tpo.py).
 
 Local Ray, OpenRLHF's trainer and actors, DeepSpeed ZeRO-2 on gloo, the CPU rollout engine, a tiny offline
 Qwen3 and the vowel-fraction reward (tests/pipeline/toy_reward.py).
@@ -9,7 +12,9 @@ Qwen3 and the vowel-fraction reward (tests/pipeline/toy_reward.py).
 
 import pytest
 
-from e2e_common import family_flags, run_family, tb_steps
+import math
+
+from e2e_common import family_flags, method_flags, run_family, tb_steps
 
 pytestmark = pytest.mark.e2e  # one lpo-train run (dp 2, colocated, a reference model)
 
@@ -22,7 +27,8 @@ def hybrid(tiny_model_dir, tmp_path_factory):
         "--train.max_epochs", "2",
         "--algo.kl.init_coef", "0.01", "--algo.kl.use_loss", "--algo.kl.estimator", "k3",
         "--ref.num_nodes", "1", "--ref.num_gpus_per_node", "2", "--actor.entropy_coef", "0.001",
-        "--algo.dynamic_filtering_enable", "--algo.dynamic_filtering_range", "0.0", "1.0"])
+        "--algo.dynamic_filtering_enable", "--algo.dynamic_filtering_range", "0.0", "1.0",
+        *method_flags("tpo")[2:]])
 
 
 def test_hybrid_recipe_with_dynamic_batching_trains_two_episodes(hybrid):
@@ -37,3 +43,9 @@ def test_hybrid_recipe_with_dynamic_batching_trains_two_episodes(hybrid):
     assert all(tb["train/lpo/abs_coef_mean"][s] > 1e-3 for s in (1, 2, 3, 4))
     assert all(tb["train/kl"][s] > 0.0 for s in (2, 3, 4))  # the KL loss against the reference model
     assert all(tb["train/response_entropy"][s] > 0.0 for s in (1, 2, 3, 4))
+    # TPO's configuration in effect: its method line, and P at the start of each update is p_old = softmax(l_old)
+    # (the anchor), not uniform: its entropy is below log K in every informative step, and KL(q || p_old) > 0
+    assert ("method: TPO (Target Policy Optimization, arXiv 2604.06159) as LPO listwise (divergence fwd), temperature "
+            "pop_std; s sums the token log-ratios (no clip, no length normalisation); anchor l_old") in hybrid["log"]
+    assert all(tb["train/lpo/entropy_p_start"][s] < math.log(4) - 1e-3 for s in (1, 2, 3, 4))
+    assert all(tb["train/lpo/kl_start"][s] > 0.0 for s in (1, 2, 3, 4))

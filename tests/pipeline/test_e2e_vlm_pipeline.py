@@ -1,14 +1,18 @@
-"""End to end on the CPU with images: the real OpenRLHF Ray pipeline trains a tiny Qwen2.5-VL with LPO.
+"""End to end on the CPU with images: the real OpenRLHF Ray pipeline trains a tiny Qwen2.5-VL with the Clip-Cov
+baseline (configs/methods/clip_cov.sh, the policy loss this project registers; arXiv 2505.22617) and the listwise
+metrics of its paired target.
 
-One module-scoped run of ``python -m openrlhf_lpo.cli.train_ppo_ray --algo.advantage.estimator lpo
+One module-scoped run of ``python -m openrlhf_lpo.cli.train_ppo_ray <clip_cov.sh's flags> --lpo.end_kl
 --data.max_images_per_prompt 1`` on the synthetic PIL geometry task (data URIs in the prompt file):
-Ray, OpenRLHF 0.11.2's trainer and actors with the LPO subclasses, DeepSpeed ZeRO-2 on the CPU, the
-processor in the rollout executor, the CPU engine's ``hf-vlm`` backend, the geometry reward (plus a
+Ray, OpenRLHF 0.11.2's trainer and actors with the LPO subclasses (``--lpo.end_kl``), DeepSpeed ZeRO-2 on the CPU,
+the processor in the rollout executor, the CPU engine's ``hf-vlm`` backend, the geometry reward (plus a
 small shaping term, tests/pipeline/vlm_e2e_reward.py, so groups are not degenerate). Two iterations
-of 2 prompts x K=4, two optimizer windows of one group each and micro-batches of 2 (groups split: the
-first window takes c from s_t, the second from a no-grad pre-pass that must see the images),
-``--lpo.end_kl``, a weight sync with text and image parity probes after each, a checkpoint
-(DeepSpeed and HF, the HF one with the processor) after each. The vision tower trains (not frozen), so the synced tower changes too.
+of 2 prompts x K=4, micro-batches of 2: the stock update with Clip-Cov's loss (a random tiny model's token
+log-probs spread little, so the covariance band starts at 0 here: every micro-batch detaches one token), then the
+end-of-update no-grad pass of KL(w*||P) that must see the images, a weight sync with text and image parity probes
+after each, a checkpoint (DeepSpeed and HF, the HF one with the processor) after each. The vision tower trains (not
+frozen), so the synced tower changes too. LPO's own image passes (the pre-pass of a window whose micro-batches split
+groups): tests/openrlhf/test_lpo_vlm_exactness.py.
 """
 
 import json
@@ -21,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from e2e_common import tb_scalars, tb_steps
+from e2e_common import method_flags, tb_scalars, tb_steps
 from shared_ray import shared_ray_env
 from openrlhf_lpo.data.geometry import generate_geometry_problems
 from openrlhf_lpo.data.loaders import write_jsonl
@@ -41,7 +45,7 @@ def vlm_args(model: str, data: str, out: Path):
         "--reward.remote_url", str(REPO / "tests" / "pipeline" / "vlm_e2e_reward.py"),
         "--vllm.num_engines", "1", "--vllm.sync_backend", "gloo",
         "--actor.num_nodes", "1", "--actor.num_gpus_per_node", "1",
-        "--algo.kl.init_coef", "0", "--algo.advantage.estimator", "lpo", "--lpo.divergence", "fwd", "--lpo.end_kl",
+        "--algo.kl.init_coef", "0", *method_flags("clip_cov"), "--actor.clip_cov_lb", "0", "--lpo.end_kl",
         "--rollout.batch_size", "2", "--rollout.n_samples_per_prompt", "4",
         "--train.batch_size", "4", "--train.micro_batch_size", "2", "--rollout.micro_batch_size", "4",
         "--rollout.max_new_tokens", "12", "--data.max_len", "256", "--data.max_samples", "4",
@@ -71,27 +75,28 @@ def vlm_e2e(tiny_vlm_dir, tmp_path_factory):
     wall = time.time() - t0
     log = (root / "run.log").read_text(errors="replace")
     assert proc.returncode == 0, f"VLM run failed (rc={proc.returncode}); tail:\n{log[-6000:]}"
-    print(f"\n[vlm e2e] two LPO iterations with images: {wall:.1f}s")
+    print(f"\n[vlm e2e] two Clip-Cov iterations with images: {wall:.1f}s")
     parity = [json.loads(line) for line in (root / "parity.jsonl").read_text().splitlines() if line.strip()]
     return {"root": root, "out": out, "model": tiny_vlm_dir, "log": log, "parity": parity, "wall": wall}
 
 
-def test_two_lpo_iterations_with_images(vlm_e2e):
+def test_two_clip_cov_iterations_with_images(vlm_e2e):
     log = vlm_e2e["log"]
     assert "LPOTrainer" in log and "CPURolloutEngine" in log
+    # the method file's Clip-Cov settings in effect (the band's lower end as this run sets it)
+    assert ("policy loss clip_cov: token ratio clipped to [1-1, 1+1]; Clip-Cov detaches max(1, 0.0002 x tokens) of "
+            "each micro-batch, drawn among those with covariance in (0, 5)") in log
     s = tb_scalars(vlm_e2e["out"] / "tb")
     assert tb_steps(s) == [1, 2]
-    for key in ("train/lpo/groups", "train/lpo/shortcut_windows", "train/lpo/pre_pass_windows",
-                "train/lpo/abs_coef_mean", "train/lpo/kl_end", "train/actor_grad_norm"):
+    for key in ("train/lpo/groups", "train/lpo/kl_end", "train/lpo/kl_start", "train/actor_grad_norm",
+                "train/ppo_clip_ratio", "train/policy_loss"):
         assert sorted(s.get(key, {})) == [1, 2], f"{key} not logged per step; keys: {sorted(s)}"
     assert set(s["train/lpo/groups"].values()) == {2.0}
-    # per rollout batch: the first window from s_t (no forward), the second from an image pre-pass
-    assert set(s["train/lpo/shortcut_windows"].values()) == {1.0}
-    assert set(s["train/lpo/pre_pass_windows"].values()) == {1.0}
     assert set(s["train/rollout/num_samples"].values()) == {8.0}
-    # non-degenerate groups: a real listwise gradient through the image forward
-    assert min(s["train/lpo/abs_coef_mean"].values()) > 0 and min(s["train/actor_grad_norm"].values()) > 0
-    assert s["train/lpo/degenerate_frac"][1] < 1.0
+    # Clip-Cov detached tokens (its ppo_clip_ratio: the fraction the covariance rule selected), a real gradient
+    # through the image forward, and the end-of-update KL from a no-grad pass over the images
+    assert min(s["train/ppo_clip_ratio"].values()) > 0 and min(s["train/actor_grad_norm"].values()) > 0
+    assert all(v >= 0.0 for v in s["train/lpo/kl_end"].values())
 
 
 def test_weight_sync_parity_text_and_image_probes(vlm_e2e):

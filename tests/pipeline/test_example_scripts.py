@@ -34,6 +34,19 @@ EXPECTED_BASELINE = {
     "lpo_rev_reinforce_pp": ("lpo", "batch_std", (0.2, 0.2), None, None),
     "lpo_fwd_dapo": ("lpo", "std", (0.2, 0.28), None, None),
     "lpo_rev_dapo": ("lpo", "std", (0.2, 0.28), None, None),
+    "clip_cov": ("group_norm", None, (1.0, 1.0), "clip_cov", "token-mean"),
+    "kl_cov": ("group_norm", None, (0.2, 0.2), "kl_cov", "token-mean"),
+    "tpo": ("lpo", "pop_std", (0.2, 0.2), None, None),
+    "lpo_fwd_tpo": ("lpo", "pop_std", (0.2, 0.2), None, None),
+    "lpo_rev_tpo": ("lpo", "pop_std", (0.2, 0.2), None, None),
+}
+# the covariance types' options and TPO's score / anchor as the method files set them (the paper's values)
+EXPECTED_OPTIONS = {
+    "clip_cov": {"actor.clip_cov_ratio": 2e-4, "actor.clip_cov_lb": 1.0, "actor.clip_cov_ub": 5.0},
+    "kl_cov": {"actor.kl_cov_ratio": 2e-3, "actor.kl_cov_coef": 1.0},
+    "tpo": {"lpo.score": "sum", "lpo.anchor": "old", "lpo.divergence": "fwd"},
+    "lpo_fwd_tpo": {"lpo.score": "mean_clip", "lpo.anchor": "none", "lpo.divergence": "fwd"},
+    "lpo_rev_tpo": {"lpo.score": "mean_clip", "lpo.anchor": "none", "lpo.divergence": "rev"},
 }
 METHODS = [m for m in ALL_METHODS if m not in EXPECTED_BASELINE]
 
@@ -113,6 +126,9 @@ def test_baseline_methods_parse_on_both_backends(script, method, request):
         assert args.actor.policy_loss_type == loss_type
     if agg:
         assert args.actor.loss_agg_mode == agg
+    for dotted, value in EXPECTED_OPTIONS.get(method, {}).items():
+        group, name = dotted.split(".")
+        assert getattr(getattr(args, group), name) == value, (method, dotted)
     if method.endswith("dapo"):  # dynamic sampling and overlong shaping over the last fifth of the response budget
         assert args.algo.dynamic_filtering_enable and tuple(args.algo.dynamic_filtering_range) == (0.0, 1.0)
         assert args.reward.overlong_buffer_len == args.rollout.max_new_tokens // 5

@@ -1,0 +1,2 @@
+# Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning Language Models", arXiv 2505.22617, Sec. 5): GRPO advantages, PPO's clipped loss with the authors' recipe's ratio band (eps 1/1), the gradient of a random 2e-4 of each micro-batch's tokens (at least 1) whose covariance lies in (1, 5) detached, token-mean loss.
+METHOD_ARGS=(--algo.advantage.estimator group_norm --actor.policy_loss_type clip_cov --actor.eps_clip_low_high 1.0 1.0 --actor.clip_cov_ratio 2e-4 --actor.clip_cov_lb 1 --actor.clip_cov_ub 5 --actor.loss_agg_mode token-mean)

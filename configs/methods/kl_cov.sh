@@ -1,0 +1,2 @@
+# KL-Cov (Cui et al. 2025, arXiv 2505.22617, Sec. 5): GRPO advantages, the unclipped ratio loss -r A with 1 x |log r| added on the 2e-3 of each micro-batch's tokens (at least 1) of largest covariance (the paper's 7B setting; 2e-4 for 32B), token-mean loss.
+METHOD_ARGS=(--algo.advantage.estimator group_norm --actor.policy_loss_type kl_cov --actor.kl_cov_ratio 2e-3 --actor.kl_cov_coef 1 --actor.loss_agg_mode token-mean)

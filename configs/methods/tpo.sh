@@ -1,0 +1,2 @@
+# TPO (Target Policy Optimization, Kaddour 2026, arXiv 2604.06159, Eq. 1-3 and App. A): cross-entropy to q = softmax(log p_old + u/eta) over a prompt's K responses, u = rewards standardised with the population std, eta = 1, p from the summed sequence log-probabilities (no clip, no length normalisation). The listwise machinery with TPO's score, anchor and temperature: its fwd-KL gradient is TPO's p - q.
+METHOD_ARGS=(--algo.advantage.estimator lpo --lpo.divergence fwd --lpo.temperature pop_std --lpo.score sum --lpo.anchor old)
