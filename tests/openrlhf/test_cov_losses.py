@@ -187,7 +187,6 @@ def test_loss_and_gradient_on_both_backends_equal_the_float64_formula(kind, lo, 
     total.backward()
     assert int(count) == int(m.sum())
     np.testing.assert_allclose(x2.grad.numpy(), dtoken * m, rtol=1e-12, atol=1e-15)
-    assert float(stats["clip_sum"]) == pytest.approx((sel * m).sum(), rel=1e-12)
 
 
 def test_clip_cov_selection_depends_on_the_step_and_the_seed_the_same_way_on_both_backends():

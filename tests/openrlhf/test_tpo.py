@@ -98,12 +98,13 @@ def test_tpo_loss_and_gradient_on_both_backends_equal_the_papers_formulas(spread
     # the DeepSpeed actor's loss: one pass on whole groups, then the two-pass surrogate with c from the same s
     x = lp.clone().requires_grad_(True)
     ctx = LPOMicroBatch(target=target, groups_norm=float(G), group_size=K, prev=anchor)
-    loss = LPOPolicyLoss(0.2, 0.2, score="sum")(x, old, None, mask, micro_batch=ctx)[0]
+    loss_fn = LPOPolicyLoss(0.2, 0.2, score="sum")
+    loss = loss_fn(x, old, None, mask, micro_batch=ctx)[0]
     loss.backward()
     # the loss is KL(q || p) = cross-entropy - H(q): the same gradient, a constant apart
     assert float(loss.detach()) + _entropy(q) == pytest.approx(want_loss, rel=1e-12)
     np.testing.assert_allclose(x.grad.numpy(), want_grad, rtol=1e-10, atol=1e-15)
-    coef = lw.projection_coefficients(ctx.record["s"].view(G, K), target.view(G, K)).reshape(-1)
+    coef = lw.projection_coefficients(loss_fn.last.s.view(G, K), target.view(G, K)).reshape(-1)
     np.testing.assert_allclose(coef.view(G, K).numpy(), np.asarray(want_dl) * G, rtol=1e-10, atol=1e-15)  # p - q
     x2 = lp.clone().requires_grad_(True)
     sur = LPOMicroBatch(target=target, groups_norm=float(G), group_size=K, prev=anchor, coefficients=coef)
@@ -172,7 +173,7 @@ def test_tpo_steps_of_the_lpo_trainer_equal_the_papers_gradient(tiny_model_dir, 
     exps = make_experiences(args, CPUStrategy(args), actor, make_rollout_samples(G, K, seed=5))
     grads, status, trainer = run_lpo_step(args, actor, exps, lr=0.5)
     assert len(grads) == 2
-    modes = [p.mode.value for p in trainer.last_window_plan]
+    modes = [p.mode.value for p in trainer.last_update.windows]
     assert modes == (["one_pass", "one_pass"] if micro == K else ["shortcut", "pre_pass"])
     actor.model.load_state_dict(state)
     ref1 = _paper_grads(actor, exps)
