@@ -156,7 +156,8 @@ def colocated_memory(hf_config, tp: int, pp: int, dp: int, tokens: int, action_t
     train["total"] = actor["peak"] + vllm_asleep_gb * GB + reference_bytes
     sync["total"] = sum(sync.values())
     save[SAVE_CHECKPOINT] = sum(save.values())
-    export = (weights + vllm_asleep_gb * GB + actor["bf16 weights"] + 2 * largest + overhead_gb * GB + reference_bytes)
+    whole = 2.0 * max(largest_tensor_elements(shape, pp, s) for s in range(pp))  # the largest HF tensor, bf16
+    export = weights + vllm_asleep_gb * GB + actor["bf16 weights"] + 2 * whole + overhead_gb * GB + reference_bytes
     if save_hf:  # the weights come back; the writer of the largest tensor holds its TP gather list and the whole
         save[HF_EXPORT] = export
     save["total"] = max(save[SAVE_CHECKPOINT], export if save_hf else 0.0)
