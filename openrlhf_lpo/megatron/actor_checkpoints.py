@@ -42,13 +42,15 @@ class CheckpointMixin:
 
         before = device.memory_allocated()
         device.reset_peak_memory()
+        offloaded = getattr(self, "_state_off", None) is not None
         self._save_checkpoint(tag, client_states, read)
         peak = device.max_memory_allocated()
         ps = self.actor.ps
         planned = save_transient_bytes(Shape.of(self.hf_config), ps.get_tensor_model_parallel_world_size(),
                                        ps.get_pipeline_model_parallel_world_size(),
                                        ps.get_pipeline_model_parallel_rank())
-        entry = {"rank": dist.get_rank(), "tag": tag, "resident_bytes_max": max(resident),
+        entry = {"rank": dist.get_rank(), "tag": tag, "state_offloaded": offloaded,
+                 "resident_bytes_max": max(resident),
                  "peak_allocated_bytes": None if peak is None else peak - before,
                  "planned_transient_bytes": int(planned)}
         self.__dict__.setdefault("save_log", []).append(entry)
