@@ -329,7 +329,7 @@ def check_colocate(assets, device, work: Path) -> Dict:
     from openrlhf_lpo.megatron.losses import LossSpec
     from openrlhf_lpo.megatron.offload import HostOffload, HostPool, tensors_of
     from openrlhf_lpo.megatron.weight_sync import transport_for
-    from openrlhf_lpo.testing.sleeping_actor import SleepingActor
+    from openrlhf_lpo.checks.sleeping_actor import SleepingActor
 
     rows = _rows(200, (30, 41, 25, 36), seed=7)
     batch = _batch(rows)
@@ -396,7 +396,7 @@ def _pinned_bytes(device) -> Optional[int]:
 def check_colocated_save(assets, work: Path, device) -> Dict:
     """``megatron_colocated_save`` (module docstring): awake save, sleep, save from host memory, compare."""
     from openrlhf_lpo.megatron.losses import LossSpec
-    from openrlhf_lpo.testing.sleeping_actor import SleepingActor
+    from openrlhf_lpo.checks.sleeping_actor import SleepingActor
 
     rows = _rows(200, (30, 41, 25, 36), seed=7)
     batch = _batch(rows)

@@ -339,8 +339,7 @@ register_flag_group(FlagGroup(name="megatron-colocation-memory", add_arguments=_
 
 def main(argv: Optional[List[str]] = None) -> int:
     """``python -m openrlhf_lpo.megatron.colocation_memory MODEL --tp 2 --dp 4``: each phase's memory per GPU (of
-    the most loaded stage, then per node) and the host memory per node."""
-    from openrlhf_lpo.megatron.host_memory import node_host_memory
+    the most loaded stage, then per node). ``python -m openrlhf_lpo.megatron.host_memory`` prints the host memory."""
     from openrlhf_lpo.megatron.memory import load_config, shape_parser
 
     ap = shape_parser(__doc__.splitlines()[0])
@@ -360,15 +359,12 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     for name, rows in phases().items():
         print("\n".join(_phase_line(name, rows)))
-    host = {n: rows for n, _, _, rows in node_host_memory(hf, tp=a.tp, pp=a.pp, dp=a.dp, gpus_per_node=a.gpus_per_node,
-                                                         colocated=True, vllm_tp=a.vllm_tp, save_hf=not a.no_save_hf)}
-    print("per node (GB per GPU of each phase; GB of host memory):")
+    print("per node (GB per GPU of each phase):")
     for node, first, last, stages in node_layout(a.tp * a.pp * a.dp, a.gpus_per_node, a.tp, a.pp):
         per = [phases(s) for s in stages]
         print(f"  node {node} (ranks {first}-{last}, stages {','.join(map(str, stages))}): "
               + ", ".join(f"{ph} {max(p[ph]['total'] for p in per) / GB:.1f}" for ph in (GENERATION, TRAINING, SYNC,
-                                                                                       SAVE))
-              + f"; host {host[node]['total'] / GB:.1f}")
+                                                                                       SAVE)))
     return 0
 
 

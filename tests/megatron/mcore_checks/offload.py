@@ -24,7 +24,7 @@ from openrlhf_lpo.megatron.actor import MegatronActor
 from openrlhf_lpo.megatron.losses import LossSpec
 from openrlhf_lpo.megatron.memory import Shape, rank_parameters
 from openrlhf_lpo.megatron.offload import HostOffload, tensors_of
-from openrlhf_lpo.testing.sleeping_actor import SleepingActor
+from openrlhf_lpo.checks.sleeping_actor import SleepingActor
 
 from . import world as W
 from .layouts import Layout
