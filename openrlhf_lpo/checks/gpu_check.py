@@ -383,12 +383,12 @@ def check_colocate(assets, device, work: Path) -> Dict:
 
 
 def _pinned_bytes(device) -> Optional[int]:
-    """Bytes the accelerator's pinned host allocator owns (None on a CPU or without the statistic)."""
+    """Bytes of the pinned host blocks in use (torch's host allocator; None on a CPU or without the statistic)."""
     if device.type == "cpu":
         return None
     stats = getattr(torch.get_device_module(device.type), "host_memory_stats", None)
     try:
-        return int(stats()["allocated_bytes.current"]) if stats else None
+        return int(stats()["active_bytes.current"]) if stats else None
     except (KeyError, RuntimeError, TypeError):
         return None
 
