@@ -1,25 +1,25 @@
 # Megatron-core actor (--backend megatron, docs/megatron.md). Two layouts:
-# * colocated (COLOCATE=1, the default on one node, NNODES=1): the actor takes every GPU of the node(s)
-#   (MEGATRON_TP x MEGATRON_PP per model replica, DP = the rest) and the VLLM_ENGINES engines of VLLM_TP GPUs
-#   each share them (default NNODES x GPUS_PER_NODE / VLLM_TP engines: one per GPU at VLLM_TP 1), as
+# * colocated (COLOCATE=1, the default unless FAMILY=async, on one node or several): the actor takes every GPU of
+#   the NNODES nodes (MEGATRON_TP x MEGATRON_PP per model replica, DP = the rest) and the VLLM_ENGINES engines of
+#   VLLM_TP GPUs each share them (default NNODES x GPUS_PER_NODE / VLLM_TP engines: one per GPU at VLLM_TP 1), as
 #   configs/backends/deepspeed.sh does: --train.colocate_all --vllm.enable_sleep --ds.enable_sleep. Between
-#   phases the actor's parameters, gradient buffers and optimizer state go to host memory while vLLM generates,
-#   vLLM sleeps (level 1: weights to the host, KV cache freed) while the actor trains, and the weights reach
-#   vLLM through CUDA IPC. lpo-train --dry-run prints the memory per GPU of both phases and stops a plan that
-#   does not fit --megatron.gpu_memory_gb (80).
-# * split (COLOCATE=0, the default on several nodes and with FAMILY=async): the actor takes ACTOR_NODES x
-#   ACTOR_GPUS GPUs and the engines run on GPUs of their own. On one node the engines take VLLM_ENGINES x VLLM_TP
-#   GPUs (default 4 x 1) and the actor the rest (8 - 4 = 4); on several nodes the actor fills its nodes and the
-#   engines run on others. The multi-node recipes (32B, 70B) stay split: their pipeline stages sit on
-#   different nodes, so a vLLM worker's layers would live on other nodes than its GPU (CUDA IPC hands over
-#   memory on one node only).
+#   phases the actor's parameters and optimizer state go to host memory (its gradient buffers are dropped) while
+#   vLLM generates, vLLM sleeps (level 1: weights to the host, KV cache freed) while the actor trains, and the
+#   weights reach vLLM through CUDA IPC: on several nodes each node's actor ranks hand them to that node's engines
+#   (every TP group and every engine sits inside one node). lpo-train --dry-run prints the memory per GPU of every
+#   phase (generation, training, weight sync, checkpoint save), per node, and the host memory per node, and stops
+#   a plan that does not fit --megatron.gpu_memory_gb (80) or --megatron.host_memory_gb (default: the memory of
+#   the machine it is launched on).
+# * split (COLOCATE=0, the default with FAMILY=async): the actor takes ACTOR_NODES x ACTOR_GPUS GPUs and the
+#   engines run on GPUs of their own. On one node the engines take VLLM_ENGINES x VLLM_TP GPUs (default 4 x 1) and
+#   the actor the rest (8 - 4 = 4); on several nodes the actor fills its nodes and the engines run on others.
 # VLLM_GPU_MEMORY_UTILIZATION (default 0.85): vLLM's share of each of its GPUs, in both layouts.
 # Checked before anything starts: the layout against the model's HF config (argparse), and the
 # placement against ray.cluster_resources() / ray.nodes() (each TP group and each engine on one node).
 VLLM_TP="${VLLM_TP:-1}"
 if [ -z "${COLOCATE:-}" ]; then
   # async training (FAMILY=async) generates while the actor trains: its engines cannot sleep on the actor's GPUs
-  if [ "$NNODES" = "1" ] && [ "${FAMILY:-standard}" != "async" ]; then COLOCATE=1; else COLOCATE=0; fi
+  if [ "${FAMILY:-standard}" != "async" ]; then COLOCATE=1; else COLOCATE=0; fi
 fi
 case "$COLOCATE" in
   1)

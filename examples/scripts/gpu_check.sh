@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
-# One-GPU check of the GPU code paths (docs/megatron.md "GPU check"): under 8 minutes on one H200,
+# One-GPU check of the GPU code paths (docs/megatron.md "GPU check"): under 10 minutes on one H200,
 # prints a PASS/FAIL table and writes $WORK/gpu_check.json. Exit status 0 when nothing FAILs.
 #   deepspeed_lpo_iteration  lpo-train, DeepSpeed actor + real vLLM (colocated, sleep mode), one LPO step
+#   megatron_colocated_iteration  lpo-train, Megatron actor + real vLLM colocated (CUDA IPC), one step, save at step 1
+#                            within the plan (no actor state on the device during the save)
 #   logprobs_local_fp32      Megatron (packed sequences, local spec) vs HF fp32; alone = left-padded = packed
 #   logprobs_te_bf16         the same with Transformer Engine's THD attention (SKIP without TE)
 #   weight_sync_vllm         Megatron -> vLLM weight stream (bf16) and prefix-cache reset: prompt log-probs match
 #   checkpoint_round_trip    layout-free checkpoint save/load bit-exact, resumed step, HF export
-#   megatron_offload_ipc     colocated actor: state to host and back bit-exact (0 bytes resident), HF tensors by IPC
+#   megatron_offload_ipc     colocated actor: state to host and back bit-exact (0 bytes resident), the sleep's host
+#                            pool constant over 3 cycles and as planned (pinned growth = the pool), HF tensors by IPC
+#   megatron_colocated_save  colocated actor asleep: checkpoint from host memory, 0 state bytes on the device, peak
+#                            within the planned transients, the same files as an awake save
+#   (the bucketed weight sync's row comes with issue 43 item 5: see HOOK in openrlhf_lpo/checks/gpu_check.py)
 #   peak_memory_actor_step   one LPO step of a Qwen3-1.7B-shaped model, 8 x 5120 tokens, bf16, recompute
 #   deepspeed_lpo_trainer_zero2  LPOActorTrainer.ppo_train, real DeepSpeed ZeRO-2, vs float64 reference (no vLLM)
 #   deepspeed_lpo_trainer_zero3  the same under ZeRO-3
@@ -37,5 +43,5 @@ for arg in "$@"; do
       --json "$WORK/gpu_check.json" "$@"
   fi
 done
-exec timeout "${GPU_CHECK_TIMEOUT:-900}" "$PY" -m openrlhf_lpo.checks.gpu_check --work_dir "$WORK" \
+exec timeout "${GPU_CHECK_TIMEOUT:-600}" "$PY" -m openrlhf_lpo.checks.gpu_check --work_dir "$WORK" \
   --json "$WORK/gpu_check.json" "$@"

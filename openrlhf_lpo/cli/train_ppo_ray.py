@@ -43,7 +43,7 @@ ESTIMATOR_DEST = "algo.advantage.estimator"
 
 # Modules that register more flag groups (imported if present; owned by other engineers).
 PLUGIN_MODULES = ("openrlhf_lpo.cpu.mode", "openrlhf_lpo.megatron.flags", "openrlhf_lpo.megatron.colocation_memory",
-                  "openrlhf_lpo.cli.preflight", "openrlhf_lpo.megatron.preflight", "openrlhf_lpo.cli.policy_loss_types")
+                  "openrlhf_lpo.megatron.host_memory", "openrlhf_lpo.cli.preflight", "openrlhf_lpo.megatron.preflight", "openrlhf_lpo.cli.policy_loss_types")
 
 
 def _load_plugins() -> None:

@@ -608,13 +608,15 @@ class MegatronActor:
 
     # ------------------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, root: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
-                        max_num: Optional[int] = None, max_mem_gb: Optional[float] = None) -> str:
+                        max_num: Optional[int] = None, max_mem_gb: Optional[float] = None, read=None) -> str:
         """``root/<tag>`` (default ``global_step<step>``), ``latest`` written last; see :mod:`.checkpoint`.
-        The learning-rate schedule's state rides in ``client_state`` (``_lr_schedule``)."""
+        The learning-rate schedule's state rides in ``client_state`` (``_lr_schedule``). ``read``: where the
+        optimizer state is read from (the colocated actor asleep: host memory; :func:`.checkpoint.save`)."""
         from openrlhf_lpo.megatron import checkpoint
 
         state = with_schedule(client_state, self.lr_schedule)
-        return checkpoint.save(self, root, tag or f"global_step{self.step}", state, max_num, max_mem_gb)
+        kw = {} if read is None else {"read": read}
+        return checkpoint.save(self, root, tag or f"global_step{self.step}", state, max_num, max_mem_gb, **kw)
 
     def load_checkpoint(self, root: str, tag: Optional[str] = None) -> dict:
         """Restore the latest (or ``tag``) checkpoint under ``root`` into this layout (the learning-rate

@@ -27,6 +27,12 @@ Crash safety: everything is written into ``<tag>.partial/``, renamed to ``<tag>/
 and only then ``latest`` is replaced; a crash mid-save leaves the previous checkpoint and ``latest``
 untouched. ``max_num`` / ``max_mem_gb`` (``--ckpt.max_num`` / ``--ckpt.max_mem``) prune the oldest
 ``global_step*`` directories after ``latest`` moved.
+
+Reading from host memory: :func:`save` reads every optimizer tensor through ``read`` (default: the tensor
+itself). The colocated actor, asleep at its save, passes ``SleepMixin.host_view``, which returns the tensor where
+it lies in host memory, so the optimizer state never comes back to the device for a save: what the save holds on
+the device is its transients on the writing rank, one parameter at a time (the fp32 shard, its copy from the
+host, the TP gather and the unsharded tensor: ``colocation_memory.save_transient_bytes``).
 """
 
 from __future__ import annotations
@@ -107,15 +113,19 @@ def _main_states(optimizer, params: List[torch.nn.Parameter]) -> Dict[int, _Main
     return out
 
 
-def _optimizer_step(optimizer) -> int:
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _optimizer_step(optimizer, read=_identity) -> int:
     for o in _megatron_optimizers(optimizer):
         for group in o.optimizer.param_groups:
             if "step" in group:
-                return int(group["step"])
+                return int(read(group["step"]) if isinstance(group["step"], torch.Tensor) else group["step"])
             for p in group["params"]:
                 st = o.optimizer.state.get(p, {})
                 if "step" in st:
-                    return int(st["step"])
+                    return int(read(st["step"]) if isinstance(st["step"], torch.Tensor) else st["step"])
     return 0
 
 
@@ -167,15 +177,17 @@ def _ckpt_name(key: str, global_name: str) -> str:
 # ----------------------------------------------------------------------------- save
 
 
-def _gather_full(actor, st: _MainState, which: str, p: torch.nn.Parameter, rule, writer: int) -> Optional[torch.Tensor]:
+def _gather_full(actor, st: _MainState, which: str, p: torch.nn.Parameter, rule, writer: int,
+                 read=_identity) -> Optional[torch.Tensor]:
     """The full fp32 tensor of ``which`` ("param" or a state key) of ``p`` on TP rank ``writer`` of the first
-    DP replica; None on every other rank, which only sends its part (collective over the TP and DP groups)."""
+    DP replica; None on every other rank, which only sends its part (collective over the TP and DP groups).
+    The rank's own part is read through ``read`` (module docstring)."""
     ps = actor.ps
     if st.dp_group is not None:  # distributed optimizer: each DP rank owns a range of the flat param
         dev = group_device(st.dp_group)
         flat = torch.zeros(p.numel(), dtype=torch.float32, device=dev)
         if st.main is not None:
-            src = st.main if which == "param" else st.state[which]
+            src = read(st.main if which == "param" else st.state[which])
             flat[st.flat_range[0] : st.flat_range[1]] = src.detach().reshape(-1).to(dev, torch.float32)
         if dist.get_world_size(st.dp_group) > 1:  # the first replica sums the ranges (each owned once)
             dist.reduce(flat, dst=dist.get_global_rank(st.dp_group, 0), group=st.dp_group)
@@ -185,7 +197,7 @@ def _gather_full(actor, st: _MainState, which: str, p: torch.nn.Parameter, rule,
     else:
         if ps.get_data_parallel_rank() != 0:  # the replicas hold the same state: the first one writes
             return None
-        src = st.main if which == "param" else st.state[which]
+        src = read(st.main if which == "param" else st.state[which])
         shard = src.detach().to(torch.float32).view(p.shape)
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     if tp > 1 and rule.split != convert.REP:
@@ -220,8 +232,9 @@ def _write_text(path: str, text: str) -> None:
 
 
 def save(actor, root: str, tag: str, client_state: dict, max_num: Optional[int] = None,
-         max_mem_gb: Optional[float] = None) -> str:
-    """Write ``root/tag`` (collective over the world); returns its path."""
+         max_mem_gb: Optional[float] = None, read=_identity) -> str:
+    """Write ``root/tag`` (collective over the world); returns its path. ``read``: where each optimizer tensor is
+    read from (module docstring)."""
     from safetensors.torch import save_file
 
     if not _STEP_DIR.match(tag):
@@ -238,7 +251,7 @@ def save(actor, root: str, tag: str, client_state: dict, max_num: Optional[int] 
     dist.barrier()
     params = _stage_params(actor)
     states = _main_states(actor.optimizer, [p for _, _, p in params])
-    opt_step = _optimizer_step(actor.optimizer)
+    opt_step = _optimizer_step(actor.optimizer, read)
     keys = ("param",) + (STATE_KEYS if opt_step > 0 else ())
     tp_rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
     first_replica = ps.get_data_parallel_rank() == 0
@@ -262,9 +275,9 @@ def save(actor, root: str, tag: str, client_state: dict, max_num: Optional[int] 
     for i, (_, g, p) in enumerate(params):
         rule = convert.rule_for(g, actor.hf_config, te)
         for key in keys:
-            full = _gather_full(actor, states[id(p)], key, p, rule, writer=i % tp)  # None on all but the writer
-            if full is not None:
-                buf[_ckpt_name(key, g)] = full.detach().to("cpu").contiguous()
+            full = _gather_full(actor, states[id(p)], key, p, rule, writer=i % tp, read=read)  # None but the writer
+            if full is not None:  # a copy: a host-memory read must not alias the host pool in the buffer
+                buf[_ckpt_name(key, g)] = full.detach().to("cpu", copy=True).contiguous()
                 size[0] += full.numel() * 4
                 if size[0] >= _MAX_FILE_BYTES:
                     flush()

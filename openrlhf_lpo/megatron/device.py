@@ -9,8 +9,8 @@
   collective of this backend allocates or moves its tensors there.
 * :func:`seed_model_parallel` calls megatron-core's model-parallel seeding function (an upstream
   API name, not a device choice: on CPU the CPU mode maps its RNG tracker onto the CPU generator).
-* :func:`max_memory_allocated` / :func:`reset_peak_memory`: the accelerator's peak-memory counter
-  (None without an accelerator).
+* :func:`memory_allocated` / :func:`max_memory_allocated` / :func:`reset_peak_memory`: the accelerator's
+  allocation counters (None without an accelerator).
 """
 
 from __future__ import annotations
@@ -85,6 +85,13 @@ def group_device(group=None) -> torch.device:
     import torch.distributed as dist
 
     return backend_device(dist.get_backend(group))
+
+
+def memory_allocated() -> Optional[int]:
+    """Bytes allocated on the current accelerator now (None on CPU)."""
+    if not accelerator_available():
+        return None
+    return int(torch.accelerator.memory_allocated())
 
 
 def max_memory_allocated() -> Optional[int]:

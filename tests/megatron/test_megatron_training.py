@@ -270,7 +270,8 @@ def test_no_host_syncs_in_the_loss_path_and_response_rows_only(mcore_world):
 def test_offload_round_trip_is_bit_exact_and_leaves_nothing_resident(mcore_world):
     """The Megatron actor's parameters, DDP gradient buffers, main-grad views, the distributed optimizer's main
     fp32 shards and Adam moments go to host memory and back at TP2 and at PP2 (mcore_checks/offload.py): every
-    byte is equal, none stays on the device in between, and the next step equals a run without the round trip."""
+    byte is equal, none stays on the device in between, and the next step equals a run without the round trip
+    (and without the sleeps before it, whose gradients came back zeroed, not copied)."""
     for checks in world_checks(mcore_world, "offload"):
         for name, r in checks["offload"].items():
             assert r["tracked_bytes"] > 0 and r["moved_bytes"] == r["tracked_bytes"], name
@@ -278,15 +279,57 @@ def test_offload_round_trip_is_bit_exact_and_leaves_nothing_resident(mcore_world
             assert r["optimizer_bytes_after_offload"] == 0, name
             assert r["ddp_buffers"] >= 2 and r["optimizer_state"] > 0 and r["main_shards"] > 0, name
             assert r["main_grads"] > 0, name
-            assert r["bit_exact"] and r["step2_equal"], name
-            # the Ray actor's sleep in two parts (--ds.enable_sleep): weights | gradients + optimizer state
-            sp = r["split"]
-            assert sp["disjoint"] and sp["covers_all"], name
-            assert sp["weight_bytes"] + sp["state_bytes"] == sp["all_bytes"] == r["tracked_bytes"], name
-            assert sp["weight_bytes"] > 0 and sp["state_bytes"] > sp["weight_bytes"], name  # grads + Adam > params
-            assert sp["asleep_resident"] == 0 and sp["asleep_param_bytes"] == 0, name
-            assert sp["weights_only_param_bytes"] > 0 and sp["weights_only_state_resident"] == 0, name
-            assert sp["bit_exact"], name
+            assert r["bit_exact"] and r["step2_equal"] and r["step2_optimizer_equal"], name
+
+
+def _pool_by_hand(regions):
+    """The host pool's bytes after these regions: each starts at the next multiple of 64, the end rounded up to
+    4096 (a page: the smallest power-of-two slab)."""
+    end = 0
+    for n in regions:
+        end = -(-end // 64) * 64 + n
+    return -(-end // 4096) * 4096
+
+
+def test_the_actors_sleep_drops_gradients_reuses_one_pool_and_saves_from_host_memory(mcore_world):
+    """Cluster review 3, G1 and G2, on the Ray actor's sleep and checkpoint mixins (mcore_checks/offload.py, TP2 and
+    PP2, distributed optimizer, bf16): the gradient buffers are dropped (never copied) and zeroed on every wake; the
+    weights and optimizer state fill one host pool whose size is the same after every cycle and equals its
+    regions rounded up as planned, made of power-of-two slabs; what a rank copies is the plan's formula (its
+    parameters per memory.rank_parameters, bf16 in megatron's padded DDP buffer; 12 bytes per element of main
+    params and moments, each element owned by one DP rank; Adam's step counters); the checkpoint saved asleep
+    brings no tracked byte back to the device and writes the same tensors as a save made awake."""
+    owned = {}
+    for checks in world_checks(mcore_world, "offload"):
+        for name, r in checks["offload"].items():
+            sl = r["sleep"]
+            first = sl["first_sleep"]
+            assert sl["rank_params"] == sl["plan_rank_params"] > 0, (name, sl["rank_params"], sl["plan_rank_params"])
+            assert first["weights_bytes"] == sl["param_buffer_bytes"] >= 2 * sl["rank_params"], name  # + padding
+            assert first["grad_bytes_dropped"] == sl["grad_buffer_bytes"] == 2 * first["weights_bytes"], name
+            assert first["param_bytes_resident"] == 0 and first["tracked_bytes_resident"] == 0, name
+            owned.setdefault((name, sl["stage"], sl["tp_rank"]), []).append(
+                (first["state_bytes"] - sl["step_bytes"], sl["plan_rank_params"], sl["dp"]))
+            cycles = [e for e in sl["sleeps"][1:] if e["state_bytes"]]  # the full sleeps after each reload
+            assert len(cycles) == 3 and all((e["weights_bytes"], e["state_bytes"], e["grad_bytes_dropped"]) ==
+                                            (first["weights_bytes"], first["state_bytes"], first["grad_bytes_dropped"])
+                                            for e in cycles), (name, sl["sleeps"])
+            assert sl["grads_zeroed_on_wake"] == [True, True, True], name
+            # one pool, the same size after every sleep, as planned from its regions
+            pool = _pool_by_hand(sl["regions"])
+            assert sl["pool_bytes"] == [pool] * 4 and first["host_pool_bytes"] == pool, (name, sl["pool_bytes"], pool)
+            assert sum(sl["regions"]) == first["weights_bytes"] + first["state_bytes"], name
+            assert sum(sl["slabs"]) == pool and all(n & (n - 1) == 0 for n in sl["slabs"]), (name, sl["slabs"])
+            assert sl["weights_only"]["param_bytes"] > 0 and sl["weights_only"]["state_resident"] == 0, name
+            # the save: awake, then asleep from host memory; nothing came back; the same files
+            awake, asleep = sl["saves"]
+            assert not awake["state_offloaded"] and asleep["state_offloaded"], name
+            assert asleep["resident_bytes_max"] == 0 and sl["asleep_after_save"] == 0, name
+            assert asleep["planned_transient_bytes"] > 0, name
+            assert sl["save_files_equal"] and sl["save_tensors"] > 0, name
+    for key, parts in owned.items():  # main params + two moments, 12 bytes per element, over the DP group
+        assert len(parts) == parts[0][2] == 2, key
+        assert sum(p for p, _, _ in parts) == 12 * parts[0][1], (key, parts)
 
 
 # ----------------------------------------------------------------------------- colocated weight route (IPC)

@@ -84,13 +84,13 @@ EXPECTED_DEFAULT_MODEL = {
     "train_math_qwen3_32b_megatron.sh": "Qwen/Qwen3-32B",
     "train_math_r1_distill_llama_70b_megatron.sh": "deepseek-ai/DeepSeek-R1-Distill-Llama-70B",
 }
-# Megatron recipes: (tp, pp, actor GPUs, colocated with the vLLM engines); 8B and 14B share every GPU of one
-# 8-GPU node with their engines, 32B takes four nodes and 70B eight, split (docs/megatron.md)
+# Megatron recipes: (tp, pp, actor GPUs, colocated with the vLLM engines); every recipe shares every GPU with its
+# engines: 8B and 14B on one 8-GPU node, 32B on two nodes and 70B on four (docs/megatron.md)
 EXPECTED_MEGATRON = {
     "train_math_qwen3_8b_megatron.sh": (2, 1, 8, True),
     "train_math_qwen3_14b_megatron.sh": (4, 1, 8, True),
-    "train_math_qwen3_32b_megatron.sh": (8, 2, 16, False),
-    "train_math_r1_distill_llama_70b_megatron.sh": (8, 4, 32, False),
+    "train_math_qwen3_32b_megatron.sh": (8, 2, 16, True),
+    "train_math_r1_distill_llama_70b_megatron.sh": (8, 4, 32, True),
 }
 
 
