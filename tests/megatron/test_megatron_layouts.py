@@ -311,7 +311,7 @@ def test_weight_stream_to_vllm_engines(mcore_world):
     assert all(k == 1 for k, size in buckets if size > 13107) and any(size > 13107 for _, size in buckets)
     assert any(k > 1 for k, _ in buckets) and all(size <= 13107 for k, size in buckets if k > 1)
     tensors = sum(k for k, _ in buckets)
-    assert n < tensors / 2, buckets  # far fewer calls than tensors
+    assert n < tensors, buckets  # fewer calls than tensors (the 8B count: benchmarks/weight_sync_buckets.py)
     assert rec["vllm_last_sync"] == {"route": "broadcast", "tensors": tensors, "buckets": n, "calls": n, "seq": n}
     assert rec["vllm_reset_last"]
     count, expect = rec["ray_sync_count"]
