@@ -39,6 +39,12 @@ Checks (rows of the table):
   stand-in with ``--cpu``) and is rebuilt there bit for bit (SHA-256 of its bytes). vLLM's side of the IPC
   (``update_weight_cuda_ipc`` into real workers, sleep/wake) needs vLLM on the GPU machine: the
   ``deepspeed_lpo_iteration`` row runs it for the DeepSpeed actor.
+* ``weight_sync_buckets`` -- the bucketed weight sync's device side (issue 43 item 5): the bf16 export cut into
+  buckets of 256 KiB (:func:`~openrlhf_lpo.engines.buckets.bucketize`: the small tensors packed into flat buffers
+  on the device, the 384 KiB MLP matrices alone), one handle per bucket through the weight route's transport into
+  a spawned process, which unpacks each bucket as the engines do: every tensor bit for bit (SHA-256), one handle
+  per bucket, fewer than the tensors. vLLM's worker extension (``engines/vllm_worker.py``) needs vLLM on the
+  machine and is not run here.
 * ``peak_memory_actor_step`` -- one training step (two-pass LPO, 8 responses of 5120 tokens, full
   recompute) of a randomly initialised Qwen3-1.7B-shaped model in bf16, and the old-log-prob pass:
   peak accelerator memory next to the static estimate (``--cpu``: a tiny shape, resident memory).
@@ -64,7 +70,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives
 
 import torch  # noqa: E402
 
-CHECKS = ("core", "deepspeed", "logprobs", "te", "sync", "ckpt", "colocate", "memory", "trainer")
+CHECKS = ("core", "deepspeed", "logprobs", "te", "sync", "ckpt", "colocate", "buckets", "memory", "trainer")
 TRAINER_PACKAGES = ("deepspeed", "openrlhf", "flash_attn", "ray")  # trainer_check.py (ray: imports only)
 ROWS: List[Dict] = []
 
@@ -347,6 +353,36 @@ def check_colocate(assets, device) -> Dict:
                f"round trip bit-exact: {exact}; {type(transport).__name__}: {sum(got.get(n) == d for n, d in want.items())}"
                f"/{len(want)} HF tensors rebuilt bit for bit in another process",
                "bit-exact, 0 bytes resident, every tensor equal")
+
+
+def check_buckets(assets, device, bucket_bytes: int = 256 << 10) -> Dict:
+    """``weight_sync_buckets`` (module docstring): buckets of the bf16 export through the transport, unpacked in
+    another process bit for bit."""
+    import multiprocessing
+
+    from openrlhf_lpo.checks.ipc_probe import rebuild_bucket_digests, tensor_digest
+    from openrlhf_lpo.engines.buckets import bucketize
+    from openrlhf_lpo.megatron.vllm_sync import VLLM_ENGINE_DTYPE
+    from openrlhf_lpo.megatron.weight_sync import transport_for
+
+    a = _actor(assets["model"], "bf16", False, micro_batch_size=2)
+    want = {n: tensor_digest(t) for n, t in a.export_hf_weights(VLLM_ENGINE_DTYPE)}
+    t0 = time.time()
+    buckets = list(bucketize(a.export_hf_weights(VLLM_ENGINE_DTYPE), bucket_bytes))  # alive until rebuilt
+    packed_s = time.time() - t0
+    on_device = all(b.buffer.device == a.device for b in buckets)
+    transport = transport_for(device)
+    handles = [(b.wire_metas(), transport.export(b.buffer)) for b in buckets]
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        got = pool.apply(rebuild_bucket_digests, (type(transport).__name__, handles))
+    alone, shared = sum(b.alone for b in buckets), sum(len(b.metas) > 1 for b in buckets)
+    del a
+    ok = got == want and on_device and 1 < len(buckets) < len(want) and alone > 0 and shared > 0
+    return row("weight_sync_buckets", "PASS" if ok else "FAIL",
+               f"{len(want)} tensors in {len(buckets)} buckets of <= {bucket_bytes >> 10} KiB ({alone} alone, {shared} "
+               f"shared) packed on {buckets[0].buffer.device} in {packed_s:.2f} s; {type(transport).__name__}: "
+               f"{sum(got.get(n) == d for n, d in want.items())}/{len(want)} unpacked bit for bit in another process",
+               "every tensor equal; fewer handles than tensors")
 
 
 def _memory_config(cpu: bool):
@@ -671,6 +707,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         run_check("checkpoint_round_trip", lambda: check_ckpt(assets, work, use_te))
     if "colocate" in only:
         run_check("megatron_offload_ipc", lambda: check_colocate(assets, device))
+    if "buckets" in only:
+        run_check("weight_sync_buckets", lambda: check_buckets(assets, device))
     if "memory" in only:
         run_check("peak_memory_actor_step", lambda: check_memory(a.cpu, use_te))
     row("total", "PASS" if all(r["status"] != "FAIL" for r in ROWS) else "FAIL", f"{time.time() - t0:.0f} s",

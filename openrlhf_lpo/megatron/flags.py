@@ -77,8 +77,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--megatron.sync_bucket_mb", type=float, default=512.0,
                    help="weight sync into the rollout engines: small tensors travel in flat buckets of at most this "
                    "many MiB, one engine call per bucket (a larger tensor goes alone), on the broadcast and the IPC "
-                   "route; each GPU holds at most 4 buckets' worth during a sync: 2 with the engines, 1 being packed and its tensors "
-                   "(default 512)")
+                   "route; a sync holds at most 3 buckets and one tensor per GPU (docs/megatron.md, Weights by IPC) (default 512)")
     g.add_argument("--megatron.save_timeout_minutes", type=int, default=360,
                    help="how long ranks wait for a checkpoint or HF export to be written (a gloo group of its own, "
                    "so a slow filesystem never trips the training groups' --megatron.timeout_minutes), minutes")

@@ -4,8 +4,8 @@ items 4 and 5; the engine side: :mod:`openrlhf_lpo.engines.weight_updates`).
 **Buckets** (:mod:`openrlhf_lpo.engines.buckets`): the HF-named stream of ``export_hf_weights`` is cut into flat
 buffers of at most ``--megatron.sync_bucket_mb`` (default 512 MiB); a tensor larger than a bucket goes alone, as
 its own bytes. One engine call per bucket instead of one per tensor (OpenRLHF 0.11.2's ``update_weight`` /
-``update_weight_cuda_ipc``): Qwen3-8B's 399 tensors (16.4 GB in bf16) make 34 buckets
-(``benchmarks/weight_sync_buckets.py``).
+``update_weight_cuda_ipc``): Qwen3-8B's 399 tensors (16.4 GB in bf16) make 30 buckets, 2 of them the
+embedding and the output layer alone (``benchmarks/weight_sync_buckets.py``).
 
 **Order**: every call carries the next number of its sender's counter (:class:`WeightSender`, one per actor
 process for the run); the engines apply the numbers strictly in order (Ray does not order the calls of an asyncio

@@ -38,7 +38,8 @@ def test_cpu_mode_runs_every_check(gpu_check):
     p, rows = gpu_check
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     assert set(rows) == {"listwise_core", "deepspeed_lpo_iteration", "logprobs_local_fp32", "logprobs_te_bf16", "weight_sync_vllm",
-                         "checkpoint_round_trip", "megatron_offload_ipc", "peak_memory_actor_step",
+                         "checkpoint_round_trip", "megatron_offload_ipc", "weight_sync_buckets",
+                         "peak_memory_actor_step",
                          "deepspeed_lpo_trainer_zero2",
                          "deepspeed_lpo_trainer_zero3", "total"}
     assert rows["logprobs_te_bf16"]["status"] == "SKIP"
@@ -63,6 +64,12 @@ def test_numbers_behind_the_rows(gpu_check):
     assert "resident asleep 0 B" in coloc and "round trip bit-exact: True" in coloc
     rebuilt, total = (int(x) for x in re.search(r"SharedMemoryIPC: (\d+)/(\d+) HF tensors", coloc).groups())
     assert rebuilt == total > 0
+    # the bucketed sync's device side: buckets packed on the device, unpacked in another process bit for bit
+    buckets = rows["weight_sync_buckets"]["value"]
+    n, b, alone, shared = (int(x) for x in re.search(r"(\d+) tensors in (\d+) buckets of <= 256 KiB \((\d+) alone, "
+                                                     r"(\d+) shared\)", buckets).groups())
+    assert 0 < alone and 0 < shared and alone + shared <= b < n and "packed on cpu" in buckets
+    assert re.search(rf"SharedMemoryIPC: {n}/{n} unpacked bit for bit", buckets)
 
 
 def test_deepspeed_trainer_rows(gpu_check):
