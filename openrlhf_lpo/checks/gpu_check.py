@@ -20,8 +20,9 @@ Checks (rows of the table):
 * ``logprobs_te_bf16`` -- the same with Transformer Engine's layer spec (THD attention) in bf16 when
   TE is installed (SKIP otherwise); alone vs left-padded must be bit-identical (same packed row).
 * ``weight_sync_vllm`` -- a vLLM engine (bf16, prefix caching) built in this process; after one
-  Megatron step the weights are streamed in the engine's dtype into vLLM's ``load_weights`` and the
-  prefix cache is reset; vLLM's prompt log-probs must then match Megatron's (and not before).
+  Megatron step the weights are streamed in the engine's dtype, in 256 KiB buckets whose unpacked views go to
+  vLLM's ``load_weights`` one call per bucket (what ``engines/vllm_worker.py`` does), and the prefix cache is
+  reset; vLLM's prompt log-probs must then match Megatron's (and not before).
 * ``checkpoint_round_trip`` -- save (layout-free), load into a fresh actor: weights bit-exact, the
   next step identical within bf16 rounding; the HF export loads into transformers.
 * ``deepspeed_lpo_trainer_zero2`` / ``deepspeed_lpo_trainer_zero3`` -- one ``ppo_train`` of the
@@ -252,16 +253,21 @@ def check_sync(assets, llm, use_te: Optional[bool], cpu: bool) -> Dict:
     with torch.no_grad():
         mine = _per_row(actor.log_probs(_batch([probe])), _batch([probe]))[0]
     before = float((_vllm_prompt_logprobs(llm, probe.tolist()) - mine).abs().max())
-    n = 0
+    from openrlhf_lpo.engines.buckets import bucketize, unpack
+
+    n = buckets = 0
     dtypes = set()
     streamed = {}
-    for name, t in actor.export_hf_weights(dtype):
-        dtypes.add(str(t.dtype))
-        if cpu:
-            streamed[name] = t.detach().clone()
-        else:  # what OpenRLHF's vLLM worker does with each broadcast tensor
-            llm.apply_model(lambda model, _n=name, _t=t: model.load_weights(weights=[(_n, _t)]))
-        n += 1
+    for bucket in bucketize(actor.export_hf_weights(dtype), 256 << 10):
+        named = unpack(bucket.buffer, bucket.wire_metas())  # the views the worker extension loads
+        buckets += 1
+        for name, t in named:
+            dtypes.add(str(t.dtype))
+            n += 1
+            if cpu:
+                streamed[name] = t.clone()
+        if not cpu:  # one load_weights per bucket, as engines/vllm_worker.py does with each received bucket
+            llm.apply_model(lambda model, _w=named: model.load_weights(weights=_w))
     if cpu:  # vLLM's CPU backend repacks linear weights at load time: rebuild it from the stream
         llm = _rebuild_vllm(llm, streamed, assets)
     llm.reset_prefix_cache()  # KV blocks cached before the sync belong to the old weights
@@ -271,7 +277,8 @@ def check_sync(assets, llm, use_te: Optional[bool], cpu: bool) -> Dict:
     del actor
     ok = after < 0.1 and after < before / 5 and dtypes == {str(dtype)}
     return row("weight_sync_vllm", "PASS" if ok else "FAIL",
-               f"max|diff| after {after:.2e} (mean {mean_after:.1e}), before {before:.3f}; {n} tensors {sorted(dtypes)}",
+               f"max|diff| after {after:.2e} (mean {mean_after:.1e}), before {before:.3f}; {n} tensors in {buckets} "
+               f"buckets {sorted(dtypes)}",
                "after < 0.1 (bf16) and < before/5")
 
 

@@ -6,7 +6,8 @@ route that takes a whole bucket (:mod:`openrlhf_lpo.engines.buckets`):
   the model-update group OpenRLHF set up (PyNccl, or Ray collectives with ``--vllm.sync_with_ray``), as its
   ``update_weight`` receives one tensor;
 * ``update_weight_bucket_ipc(metas, ipc_handles, empty_cache)``: the handle of this worker's GPU (keyed by
-  OpenRLHF's ``get_physical_gpu_id``), rebuilt on this worker's device as ``update_weight_cuda_ipc`` does;
+  OpenRLHF's ``get_physical_gpu_id``), rebuilt on this worker's device as ``update_weight_cuda_ipc`` does
+  (:class:`~openrlhf_lpo.engines.ipc.DeviceIPC`);
 
 then the named views of the buffer go to ``model.load_weights`` in one call (vLLM cuts its own TP shard out of
 each full tensor). Like upstream, every tensor must be in the engine's dtype. ``weight_sync_device_id`` is the key
@@ -21,6 +22,7 @@ import torch
 from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap
 
 from openrlhf_lpo.engines.buckets import bucket_nbytes, unpack
+from openrlhf_lpo.engines.ipc import transport_for
 
 WORKER_EXTENSION = "openrlhf_lpo.engines.vllm_worker.BucketWorkerWrap"
 
@@ -29,9 +31,7 @@ class BucketWorkerWrap(WorkerWrap):
     """``WorkerWrap`` plus the bucket methods (see the module docstring)."""
 
     def weight_sync_device_id(self) -> str:
-        from openrlhf.trainer.ray.utils import get_physical_gpu_id
-
-        return get_physical_gpu_id()
+        return transport_for(self.device).device_id()
 
     def _check_dtypes(self, metas) -> None:
         want = self.model_config.dtype
@@ -60,7 +60,9 @@ class BucketWorkerWrap(WorkerWrap):
 
     def update_weight_bucket_ipc(self, metas, ipc_handles=None, empty_cache=False) -> int:
         self._check_dtypes(metas)
-        func, args = ipc_handles[self.weight_sync_device_id()]
-        args = list(args)
-        args[6] = self.device.index  # this process's index of the GPU (visible-device lists may differ)
-        return self._load_bucket(func(*args), metas)
+        transport = transport_for(self.device)  # accelerator IPC: the handle rebuilt on this worker's device
+        key = transport.device_id()
+        if not ipc_handles or key not in ipc_handles:
+            raise ValueError(f"update_weight_bucket_ipc: no handle for this worker's device {key!r} among "
+                             f"{sorted(ipc_handles or {})}")
+        return self._load_bucket(transport.rebuild(ipc_handles[key]), metas)
