@@ -107,8 +107,8 @@ def run(args) -> dict:
         def join(self, port, rank, world):
             self.group = _gloo(port, rank, world)
 
-        def update_weight(self, name, dtype, shape, empty_cache=False):  # OpenRLHF's per-tensor broadcast receive
-            weight = torch.empty(shape, dtype=dtype)
+        async def update_weight(self, name, dtype, shape, empty_cache=False):  # OpenRLHF's per-tensor receive
+            weight = torch.empty(shape, dtype=dtype)  # (async as vLLM's actor: runs in the order Ray starts it)
             _bcast(self.group, weight)
             return self._take([(name, weight)], empty_cache)
 
@@ -124,7 +124,10 @@ def run(args) -> dict:
             import torch.distributed as dist
 
             torch.set_num_threads(1)
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+            from datetime import timedelta
+
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                    timeout=timedelta(seconds=120))
             self.stream = scaled(items, scale)
             self.sender = self.route = None
 
@@ -135,6 +138,8 @@ def run(args) -> dict:
                 self.sender, self.route = WeightSender(), node_route()
             c0, t0 = time.process_time(), time.time()
             fresh = ((n, t.clone()) for n, t in self.stream)  # the export makes new tensors at every sync
+            if mode == "ready":
+                return 0.0, 0.0, 0
             if mode == "after":
                 info = self.sender.send_ipc(fresh, engines, SharedMemoryIPC(), self.route, bucket_bytes)
                 calls = info["calls"]
@@ -154,14 +159,24 @@ def run(args) -> dict:
         r, 2, port, args.scale) for r in range(2)]
     out = {}
 
+    def get(refs, what):
+        ready, waiting = ray.wait(refs, num_returns=len(refs), timeout=args.timeout)
+        if waiting:
+            raise TimeoutError(f"{what}: no answer within {args.timeout:g} s")
+        return ray.get(refs)
+
     def engines_cpu():
-        return sum(ray.get([e.cpu.remote() for e in engines]))
+        return sum(get([e.cpu.remote() for e in engines], "engines"))
+
+    get([e.cpu.remote() for e in engines] + [r.sync.remote([], "ready", 1) for r in ranks], "start-up")
+    _say("actors up")
 
     for mode in ("before", "after"):  # the IPC route
         rows = []
         for i in range(args.syncs + 1):
             e0 = engines_cpu()
-            res = ray.get([r.sync.remote(engines, mode, bucket_bytes) for r in ranks])
+            res = get([r.sync.remote(engines, mode, bucket_bytes) for r in ranks], f"ipc/{mode} sync {i}")
+            _say(f"ipc/{mode} sync {i}: {res[0][1]:.2f} s")
             if i:  # the first is a warm-up
                 rows.append((sum(c for c, _, _ in res), max(w for _, w, _ in res), engines_cpu() - e0, res[0][2]))
         out[f"ipc/{mode}"] = _mean(rows)
@@ -170,7 +185,7 @@ def run(args) -> dict:
     bport = _free_port()
     joins = [e.join.remote(bport, i + 1, 3) for i, e in enumerate(engines)]
     group = _gloo(bport, 0, 3)
-    ray.get(joins)
+    get(joins, "gloo group")
     from openrlhf_lpo.megatron.weight_sync import WeightSender
 
     sender = WeightSender()
@@ -183,6 +198,7 @@ def run(args) -> dict:
                 calls = sender.stream(fresh, engines, lambda b: _bcast(group, b), bucket_bytes)["calls"]
             else:
                 calls = per_tensor_broadcast(fresh, engines, group)
+            _say(f"broadcast/{mode} sync {i}: {time.time() - t0:.2f} s")
             if i:
                 rows.append((time.process_time() - c0, time.time() - t0, engines_cpu() - e0, calls))
         out[f"broadcast/{mode}"] = _mean(rows)
@@ -246,8 +262,10 @@ def per_tensor_broadcast(named, engines, group):
 def _gloo(port, rank, world):
     from torch.distributed import ProcessGroupGloo, TCPStore
 
-    store = TCPStore("127.0.0.1", port, world, rank == 0)
-    return ProcessGroupGloo(store, rank, world)
+    from datetime import timedelta
+
+    store = TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=120))
+    return ProcessGroupGloo(store, rank, world, timedelta(seconds=120))
 
 
 def _bcast(group, tensor):
@@ -256,6 +274,10 @@ def _bcast(group, tensor):
     opts = BroadcastOptions()
     opts.rootRank = 0
     group.broadcast([tensor], opts).wait()
+
+
+def _say(msg: str) -> None:
+    print(f"[weight_sync_buckets] {msg}", file=sys.stderr, flush=True)
 
 
 def _free_port() -> int:
@@ -278,6 +300,7 @@ def main() -> None:
     ap.add_argument("--bucket-mb", type=float, default=512.0)
     ap.add_argument("--scale", type=int, default=256)
     ap.add_argument("--syncs", type=int, default=3)
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds a sync may take before the run stops")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     torch.set_num_threads(1)
