@@ -189,6 +189,8 @@ def run(args) -> dict:
     from openrlhf_lpo.megatron.weight_sync import WeightSender
 
     sender = WeightSender()
+    # the engines apply one sender's numbers: continue where the IPC route's leader (rank 0) left them
+    sender.seq = get([engines[0].weight_update_stats.remote()], "engine stats")[0]["next_seq"]
     for mode in ("before", "after"):
         rows = []
         for i in range(args.syncs + 1):
