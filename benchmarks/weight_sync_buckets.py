@@ -160,7 +160,7 @@ def run(args) -> dict:
     out = {}
 
     def get(refs, what):
-        ready, waiting = ray.wait(refs, num_returns=len(refs), timeout=args.timeout)
+        _, waiting = ray.wait(refs, num_returns=len(refs), timeout=args.timeout)
         if waiting:
             raise TimeoutError(f"{what}: no answer within {args.timeout:g} s")
         return ray.get(refs)
