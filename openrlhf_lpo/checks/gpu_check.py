@@ -20,8 +20,9 @@ Checks (rows of the table):
 * ``logprobs_te_bf16`` -- the same with Transformer Engine's layer spec (THD attention) in bf16 when
   TE is installed (SKIP otherwise); alone vs left-padded must be bit-identical (same packed row).
 * ``weight_sync_vllm`` -- a vLLM engine (bf16, prefix caching) built in this process; after one
-  Megatron step the weights are streamed in the engine's dtype into vLLM's ``load_weights`` and the
-  prefix cache is reset; vLLM's prompt log-probs must then match Megatron's (and not before).
+  Megatron step the weights are streamed in the engine's dtype, in 256 KiB buckets whose unpacked views go to
+  vLLM's ``load_weights`` one call per bucket (what ``engines/vllm_worker.py`` does), and the prefix cache is
+  reset; vLLM's prompt log-probs must then match Megatron's (and not before).
 * ``checkpoint_round_trip`` -- save (layout-free), load into a fresh actor: weights bit-exact, the
   next step identical within bf16 rounding; the HF export loads into transformers.
 * ``deepspeed_lpo_trainer_zero2`` / ``deepspeed_lpo_trainer_zero3`` -- one ``ppo_train`` of the
@@ -52,8 +53,12 @@ Checks (rows of the table):
   (the Ray actor's sleep), the save reads the optimizer state from host memory: no tracked byte comes back to the
   device, the peak allocated during the save stays within the plan's transients (GPU), and the files equal those of
   a save made awake.
-* (hook, issue 43 item 5) the bucketed weight sync's row belongs to the ``sync`` work (``megatron/weight_sync.py``):
-  it goes beside ``megatron_offload_ipc`` in :func:`main` (see ``HOOK: bucketed sync``).
+* ``weight_sync_buckets`` -- the bucketed weight sync's device side (issue 43 item 5): the bf16 export cut into
+  buckets of 256 KiB (:func:`~openrlhf_lpo.engines.buckets.bucketize`: the small tensors packed into flat buffers
+  on the device, the 384 KiB MLP matrices alone), one handle per bucket through the weight route's transport into
+  a spawned process, which unpacks each bucket as the engines do: every tensor bit for bit (SHA-256), one handle
+  per bucket, fewer than the tensors. vLLM's worker extension (``engines/vllm_worker.py``) needs vLLM on the
+  machine and is not run here.
 * ``peak_memory_actor_step`` -- one training step (two-pass LPO, 8 responses of 5120 tokens, full
   recompute) of a randomly initialised Qwen3-1.7B-shaped model in bf16, and the old-log-prob pass:
   peak accelerator memory next to the static estimate (``--cpu``: a tiny shape, resident memory).
@@ -79,7 +84,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives
 
 import torch  # noqa: E402
 
-CHECKS = ("core", "deepspeed", "megatron", "logprobs", "te", "sync", "ckpt", "colocate", "memory", "trainer")
+CHECKS = ("core", "deepspeed", "megatron", "logprobs", "te", "sync", "ckpt", "colocate", "buckets", "memory", "trainer")
 SAVE_SLACK_BYTES = 2**20  # the accelerator's allocator rounds every block up (512 B): room for a few of them
 TRAINER_PACKAGES = ("deepspeed", "openrlhf", "flash_attn", "ray")  # trainer_check.py (ray: imports only)
 ROWS: List[Dict] = []
@@ -262,16 +267,21 @@ def check_sync(assets, llm, use_te: Optional[bool], cpu: bool) -> Dict:
     with torch.no_grad():
         mine = _per_row(actor.log_probs(_batch([probe])), _batch([probe]))[0]
     before = float((_vllm_prompt_logprobs(llm, probe.tolist()) - mine).abs().max())
-    n = 0
+    from openrlhf_lpo.engines.buckets import bucketize, unpack
+
+    n = buckets = 0
     dtypes = set()
     streamed = {}
-    for name, t in actor.export_hf_weights(dtype):
-        dtypes.add(str(t.dtype))
-        if cpu:
-            streamed[name] = t.detach().clone()
-        else:  # what OpenRLHF's vLLM worker does with each broadcast tensor
-            llm.apply_model(lambda model, _n=name, _t=t: model.load_weights(weights=[(_n, _t)]))
-        n += 1
+    for bucket in bucketize(actor.export_hf_weights(dtype), 256 << 10):
+        named = unpack(bucket.buffer, bucket.wire_metas())  # the views the worker extension loads
+        buckets += 1
+        for name, t in named:
+            dtypes.add(str(t.dtype))
+            n += 1
+            if cpu:
+                streamed[name] = t.clone()
+        if not cpu:  # one load_weights per bucket, as engines/vllm_worker.py does with each received bucket
+            llm.apply_model(lambda model, _w=named: model.load_weights(weights=_w))
     if cpu:  # vLLM's CPU backend repacks linear weights at load time: rebuild it from the stream
         llm = _rebuild_vllm(llm, streamed, assets)
     llm.reset_prefix_cache()  # KV blocks cached before the sync belong to the old weights
@@ -281,7 +291,8 @@ def check_sync(assets, llm, use_te: Optional[bool], cpu: bool) -> Dict:
     del actor
     ok = after < 0.1 and after < before / 5 and dtypes == {str(dtype)}
     return row("weight_sync_vllm", "PASS" if ok else "FAIL",
-               f"max|diff| after {after:.2e} (mean {mean_after:.1e}), before {before:.3f}; {n} tensors {sorted(dtypes)}",
+               f"max|diff| after {after:.2e} (mean {mean_after:.1e}), before {before:.3f}; {n} tensors in {buckets} "
+               f"buckets {sorted(dtypes)}",
                "after < 0.1 (bf16) and < before/5")
 
 
@@ -425,6 +436,36 @@ def check_colocated_save(assets, work: Path, device) -> Dict:
                f"peak allocated {peak_text} (plan: transients {plan} B); still asleep after: {still_asleep}; files "
                f"equal to an awake save: {same} ({len(awake)} tensors)",
                "0 state bytes on the device, peak <= plan + 1 MiB, same files")
+
+
+def check_buckets(assets, device, bucket_bytes: int = 256 << 10) -> Dict:
+    """``weight_sync_buckets`` (module docstring): buckets of the bf16 export through the transport, unpacked in
+    another process bit for bit."""
+    import multiprocessing
+
+    from openrlhf_lpo.checks.ipc_probe import rebuild_bucket_digests, tensor_digest
+    from openrlhf_lpo.engines.buckets import bucketize
+    from openrlhf_lpo.megatron.vllm_sync import VLLM_ENGINE_DTYPE
+    from openrlhf_lpo.megatron.weight_sync import transport_for
+
+    a = _actor(assets["model"], "bf16", False, micro_batch_size=2)
+    want = {n: tensor_digest(t) for n, t in a.export_hf_weights(VLLM_ENGINE_DTYPE)}
+    t0 = time.time()
+    buckets = list(bucketize(a.export_hf_weights(VLLM_ENGINE_DTYPE), bucket_bytes))  # alive until rebuilt
+    packed_s = time.time() - t0
+    on_device = all(b.buffer.device == a.device for b in buckets)
+    transport = transport_for(device)
+    handles = [(b.wire_metas(), transport.export(b.buffer)) for b in buckets]
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        got = pool.apply(rebuild_bucket_digests, (type(transport).__name__, handles))
+    alone, shared = sum(b.alone for b in buckets), sum(len(b.metas) > 1 for b in buckets)
+    del a
+    ok = got == want and on_device and 1 < len(buckets) < len(want) and alone > 0 and shared > 0
+    return row("weight_sync_buckets", "PASS" if ok else "FAIL",
+               f"{len(want)} tensors in {len(buckets)} buckets of <= {bucket_bytes >> 10} KiB ({alone} alone, {shared} "
+               f"shared) packed on {buckets[0].buffer.device} in {packed_s:.2f} s; {type(transport).__name__}: "
+               f"{sum(got.get(n) == d for n, d in want.items())}/{len(want)} unpacked bit for bit in another process",
+               "every tensor equal; fewer handles than tensors")
 
 
 def _memory_config(cpu: bool):
@@ -816,8 +857,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if "colocate" in only:
         run_check("megatron_offload_ipc", lambda: check_colocate(assets, device, work))
         run_check("megatron_colocated_save", lambda: check_colocated_save(assets, work, device))
-    # HOOK: bucketed sync (issue 43 item 5, the `sync` work): its row ("megatron_bucketed_sync": calls per sync for
-    # the 8B shapes, one per bucket, through DeviceIPC on a GPU and SharedMemoryIPC with --cpu) runs here
+    if "buckets" in only:
+        run_check("weight_sync_buckets", lambda: check_buckets(assets, device))
     if "memory" in only:
         run_check("peak_memory_actor_step", lambda: check_memory(a.cpu, use_te))
     row("total", "PASS" if all(r["status"] != "FAIL" for r in ROWS) else "FAIL", f"{time.time() - t0:.0f} s",

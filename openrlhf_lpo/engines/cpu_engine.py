@@ -16,8 +16,10 @@ a handful of Ray methods; :class:`CPURolloutEngine` implements the same ones:
 * for the CPU weight sync (:func:`openrlhf_lpo.cpu.mode.cpu_broadcast_to_engines`):
   ``update_weights(state_dict)`` and ``log_probs_of(token_ids, temperature, images=None)``;
 * for a colocated run's weight sync (``--train.colocate_all``, the Megatron actor's IPC route,
-  :mod:`openrlhf_lpo.megatron.weight_sync`): ``update_weight_cuda_ipc(name, dtype, shape, ipc_handles,
-  empty_cache)``, OpenRLHF's worker method with the shared-memory stand-in for CUDA IPC.
+  :mod:`openrlhf_lpo.megatron.weight_sync`): ``update_weight_bucket_ipc(seq, metas, ipc_handles, empty_cache)``,
+  one flat bucket of tensors per call in sequence order (:mod:`openrlhf_lpo.engines.weight_updates`), and
+  ``weight_sync_device_ids()``; OpenRLHF's per-tensor ``update_weight_cuda_ipc(name, dtype, shape, ipc_handles,
+  empty_cache)`` too; both with the shared-memory stand-in for CUDA IPC.
 
 Backends (``LPO_CPU_ENGINE`` or ``backend=``) are a registry:
 
@@ -43,8 +45,10 @@ import ray
 from openrlhf_lpo.engines import cpu_vlm  # noqa: F401  (registers the -vlm backends)
 from openrlhf_lpo.engines.backends import (BACKENDS, HFBackend, VLLMBackend, media_key,  # noqa: F401 (re-exported)
                                            register_backend, request_seed)
+from openrlhf_lpo.engines.buckets import unpack
 from openrlhf_lpo.engines.cpu_vlm import vlm_backend_name
 from openrlhf_lpo.engines.responses import PerSampleResponses
+from openrlhf_lpo.engines.weight_updates import BucketUpdates
 
 
 def _load_agent_executor(path: str):
@@ -63,7 +67,7 @@ def _load_agent_executor(path: str):
     return cls()
 
 
-class CPURolloutEngine(PerSampleResponses):
+class CPURolloutEngine(BucketUpdates, PerSampleResponses):
     """Ray actor with OpenRLHF's rollout-engine methods (see module docstring)."""
 
     def __init__(
@@ -159,29 +163,46 @@ class CPURolloutEngine(PerSampleResponses):
         self.num_weight_updates += 1
         return self.num_weight_updates
 
-    def update_weight_cuda_ipc(self, name, dtype, shape, ipc_handles=None, empty_cache=False) -> int:
-        """One full HF tensor from the colocated actor rank on this engine's device, as OpenRLHF's
-        ``WorkerWrap.update_weight_cuda_ipc`` takes it: the handle keyed by this process's (stand-in) device id
-        is rebuilt from shared memory (:class:`SharedMemoryIPC`) and kept; the last tensor (``empty_cache=True``,
-        as the sender marks it) loads them all (``update_weights``). Returns the tensors received so far."""
+    def _own_handle(self, what: str, ipc_handles):
+        """The handle of this engine's (stand-in) device among ``ipc_handles``, rebuilt."""
         from openrlhf_lpo.engines.ipc import SharedMemoryIPC
 
         transport = SharedMemoryIPC()
         key = transport.device_id()
         if not ipc_handles or key not in ipc_handles:
-            raise ValueError(f"update_weight_cuda_ipc({name!r}): no handle for this engine's device {key!r} among "
-                             f"{sorted(ipc_handles or {})}; a colocated engine sits on one actor rank's device")
-        weight = transport.rebuild(ipc_handles[key])
-        if weight.dtype != dtype or tuple(weight.shape) != tuple(shape):
-            raise ValueError(f"update_weight_cuda_ipc({name!r}): announced {dtype} {tuple(shape)}, the handle holds "
-                             f"{weight.dtype} {tuple(weight.shape)}")
-        self._ipc_pending[name] = weight.clone()  # our own copy: the sender frees its shared segment after the sync
-        del weight
+            raise ValueError(f"{what}: no handle for this engine's device {key!r} among {sorted(ipc_handles or {})}; "
+                             "a colocated engine sits on one actor rank's device")
+        return transport.rebuild(ipc_handles[key])
+
+    def _take(self, named, empty_cache: bool) -> int:
+        """Keep our own copies (the sender frees its shared segments after the sync); the last call
+        (``empty_cache=True``, as the sender marks it) loads them all. Returns the tensors received so far."""
+        for name, weight in named:
+            self._ipc_pending[name] = weight.clone()
         received = len(self._ipc_pending)
         if empty_cache:
             pending, self._ipc_pending = self._ipc_pending, {}
             self.update_weights(pending)
         return received
+
+    def update_weight_cuda_ipc(self, name, dtype, shape, ipc_handles=None, empty_cache=False) -> int:
+        """One full HF tensor from the colocated actor rank on this engine's device, as OpenRLHF's
+        ``WorkerWrap.update_weight_cuda_ipc`` takes it (the shared-memory stand-in for CUDA IPC)."""
+        weight = self._own_handle(f"update_weight_cuda_ipc({name!r})", ipc_handles)
+        if weight.dtype != dtype or tuple(weight.shape) != tuple(shape):
+            raise ValueError(f"update_weight_cuda_ipc({name!r}): announced {dtype} {tuple(shape)}, the handle holds "
+                             f"{weight.dtype} {tuple(weight.shape)}")
+        return self._take([(name, weight)], empty_cache)
+
+    def _receive_bucket_ipc(self, metas, ipc_handles, empty_cache) -> int:
+        """A bucket (:mod:`openrlhf_lpo.engines.buckets`) by the shared-memory stand-in, in sequence order."""
+        buffer = self._own_handle(f"update_weight_bucket_ipc({len(metas)} tensors)", ipc_handles)
+        return self._take(unpack(buffer, metas), empty_cache)
+
+    def _device_ids(self):
+        from openrlhf_lpo.engines.ipc import SharedMemoryIPC
+
+        return [SharedMemoryIPC().device_id()]
 
     def log_probs_of(self, token_ids, temperature: float = 1.0, images=None) -> List[float]:
         if images:  # a VLM probe with its image(s) (engines/cpu_vlm.py)

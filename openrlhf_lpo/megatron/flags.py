@@ -9,7 +9,8 @@ Flags: ``--megatron.tp N``,
 ``--megatron.sequence_parallel`` (needs TP > 1), ``--megatron.cp`` (1 only: context parallelism
 needs Transformer Engine, see ``CP_REFUSAL``), ``--megatron.params_dtype {bf16,fp32}``,
 ``--megatron.distributed_optimizer``, ``--megatron.timeout_minutes`` (process groups' NCCL/gloo
-timeout, default 60 as OpenRLHF's DeepSpeed strategy).
+timeout, default 60 as OpenRLHF's DeepSpeed strategy), ``--megatron.sync_bucket_mb`` (the weight sync's bucket
+size, default 512 MiB: :mod:`.weight_sync`).
 
 Stock flags the Megatron actor honours: ``--actor.gradient_checkpointing_enable`` (full layer
 recompute), ``--actor.eps_clip_low_high``, ``--actor.lr_scheduler`` / ``--actor.lr_warmup_ratio`` /
@@ -75,6 +76,10 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="Transformer Engine layer spec: off (default: megatron's local spec, the path every test runs), "
                    "on (required: the run stops at start when transformer_engine is not importable), auto (TE when "
                    "importable and an accelerator is present; NGC images ship it). docs/megatron.md, Transformer Engine")
+    g.add_argument("--megatron.sync_bucket_mb", type=float, default=512.0,
+                   help="weight sync into the rollout engines: small tensors travel in flat buckets of at most this "
+                   "many MiB, one engine call per bucket (a larger tensor goes alone), on the broadcast and the IPC "
+                   "route; a sync holds at most 3 buckets and one tensor per GPU (docs/megatron.md, Weights by IPC) (default 512)")
     g.add_argument("--megatron.save_timeout_minutes", type=int, default=360,
                    help="how long ranks wait for a checkpoint or HF export to be written (a gloo group of its own, "
                    "so a slow filesystem never trips the training groups' --megatron.timeout_minutes), minutes")
@@ -96,6 +101,11 @@ def _validate(args: argparse.Namespace) -> None:
         raise FlagError(f"--megatron.timeout_minutes must be >= 1, got {m.timeout_minutes}")
     if m.save_timeout_minutes < 1:
         raise FlagError(f"--megatron.save_timeout_minutes must be >= 1, got {m.save_timeout_minutes}")
+    from openrlhf_lpo.megatron.weight_sync import MAX_BUCKET_MB
+
+    if not (0 < m.sync_bucket_mb <= MAX_BUCKET_MB):  # (nan fails both comparisons)
+        raise FlagError(f"--megatron.sync_bucket_mb must be > 0 and <= {MAX_BUCKET_MB:g} MiB, got {m.sync_bucket_mb:g}: "
+                        "the size of the flat buffer each weight-sync call carries (default 512)")
     if m.cp != 1:
         raise FlagError(f"--megatron.cp {m.cp}: {CP_REFUSAL}")
     if args.ds.ring_attn_size > 1:

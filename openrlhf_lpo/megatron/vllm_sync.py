@@ -5,20 +5,22 @@
 over OpenRLHF's model-update group (NCCL, or Ray collectives with ``--vllm.sync_with_ray``), then the
 engines' prefix caches are reset as upstream does. Engines that take state dicts (the CPU rollout engines)
 get one dict through Ray and a parity check. Colocated (``--train.colocate_all``, not async): the same
-export on every rank of every replica, handed over by IPC (:mod:`.weight_sync`).
+export on every rank of every replica, handed over by IPC, node by node. Both routes send flat buckets of
+``--megatron.sync_bucket_mb`` with sequence numbers the engines apply in order (:mod:`.weight_sync`).
 """
 
 from __future__ import annotations
 
 import torch
 
+from openrlhf_lpo.megatron import weight_sync
 from openrlhf_lpo.megatron.pipeline_plan import _get
 
 # OpenRLHF 0.11.2's create_vllm_engines builds every engine with dtype="bfloat16" and its worker
 # asserts that each synced tensor has that dtype (tests/megatron check this contract upstream)
 VLLM_ENGINE_DTYPE = torch.bfloat16
 
-SYNC_IN_FLIGHT = 3  # weight-sync broadcasts rank 0 issues before waiting for the oldest
+SYNC_IN_FLIGHT = weight_sync.IN_FLIGHT  # buckets with the engines before the sender waits for the oldest
 
 
 def colocated(args) -> bool:
@@ -60,57 +62,62 @@ class VLLMSyncMixin:
             self._stream_to_vllm(rank)
         dist.barrier()
 
-    def _stream_to_vllm(self, rank: int) -> None:
-        """Tensor by tensor, in the engines' dtype, over OpenRLHF's model-update group: each tensor reaches rank 0
-        once (``export_hf_weights(dst=0)``), and up to ``SYNC_IN_FLIGHT`` broadcasts are in flight before rank 0
-        waits for the engines' oldest ``update_weight``."""
-        from collections import deque
+    def _weight_sender(self) -> "weight_sync.WeightSender":
+        """This process's sender: its sequence numbers run on over the whole run."""
+        sender = self.__dict__.get("_sync_sender")
+        if sender is None:
+            sender = self.__dict__["_sync_sender"] = weight_sync.WeightSender()
+        return sender
 
+    def _stream_to_vllm(self, rank: int) -> None:
+        """Bucket by bucket, in the engines' dtype, over OpenRLHF's model-update group: each tensor reaches rank 0
+        once (``export_hf_weights(dst=0)``); rank 0 announces each bucket to every engine with its sequence number
+        and broadcasts its buffer, up to ``SYNC_IN_FLIGHT`` buckets ahead of the engines' loads."""
         import ray
 
         args = self.args
-        use_ray = bool(getattr(args.vllm, "sync_with_ray", False))
         engines = self.vllm_engines or []
-        in_flight: deque = deque()  # (refs, tensor): a tensor stays alive until its engines took it
-        for name, t in self.actor.export_hf_weights(VLLM_ENGINE_DTYPE, dst=0):
-            if not engines:
-                continue
-            t = t.contiguous()
-            refs = [e.update_weight.remote(name, dtype=t.dtype, shape=t.shape, empty_cache=False) for e in engines]
-            if use_ray:
-                import ray.util.collective as collective
+        if bool(getattr(args.vllm, "sync_with_ray", False)):
+            import ray.util.collective as collective
 
-                collective.broadcast(t, 0, group_name=self._model_update_group)
-            else:
-                self._model_update_group.broadcast(t, src=0)
-            in_flight.append((refs, t))
-            if len(in_flight) > SYNC_IN_FLIGHT:
-                ray.get(in_flight.popleft()[0])
-        while in_flight:
-            ray.get(in_flight.popleft()[0])
+            def broadcast(buffer):
+                collective.broadcast(buffer, 0, group_name=self._model_update_group)
+        else:
+            def broadcast(buffer):
+                self._model_update_group.broadcast(buffer, src=0)
+
+        info = self._weight_sender().stream(self.actor.export_hf_weights(VLLM_ENGINE_DTYPE, dst=0),
+                                            engines if rank == 0 else [], broadcast,
+                                            weight_sync.bucket_bytes_of(args))
+        self.last_sync = {"route": "broadcast", **info}
         if rank == 0 and engines and getattr(args.vllm, "enable_prefix_caching", False):
             # cached KV blocks were computed with the old weights
             ray.get([e.reset_prefix_cache.remote() for e in engines])
 
     def _ipc_to_vllm(self) -> None:
         """Colocated engines: every rank of every replica receives each full HF tensor
-        (``export_hf_weights(dst=None)``, the NCCL stream's resharding and naming) and hands its engine worker an
-        IPC handle of it (:func:`.weight_sync.send_weights`); vLLM's ``load_weights`` cuts its own TP shard out of
-        the full tensor. vLLM engines get bf16 (their worker asserts it); the CPU engines the actor's dtype and a
-        parity check, as their state-dict sync."""
+        (``export_hf_weights(dst=None)``, the broadcast route's resharding and naming) and, bucket by bucket, its
+        node's leader hands the node's engines the handles of the node's ranks
+        (:meth:`.weight_sync.WeightSender.send_ipc`); vLLM's ``load_weights`` cuts its own TP shard out of each full
+        tensor. vLLM engines get bf16 (their worker asserts it); the CPU engines the actor's dtype and a parity
+        check, as their state-dict sync."""
         import torch.distributed as dist
-
-        from openrlhf_lpo.megatron import weight_sync
 
         cpu_engines = self._engines_take_state_dicts()
         transport = weight_sync.transport_for(self.actor.device)
-        info = weight_sync.send_weights(
+        route = self.__dict__.get("_sync_route")
+        if route is None:  # collective: every rank builds every node's group once
+            route = self.__dict__["_sync_route"] = weight_sync.node_route()
+        info = self._weight_sender().send_ipc(
             self.actor.export_hf_weights(None if cpu_engines else VLLM_ENGINE_DTYPE), self.vllm_engines, transport,
-            in_flight=SYNC_IN_FLIGHT, reset_prefix_cache=bool(getattr(self.args.vllm, "enable_prefix_caching", False)))
+            route, weight_sync.bucket_bytes_of(self.args),
+            reset_prefix_cache=bool(getattr(self.args.vllm, "enable_prefix_caching", False)))
         self.last_sync = {"route": "ipc", "transport": transport.name, **info}
         if cpu_engines:
             self._check_engine_parity(info["tensors"] if dist.get_rank() == 0 else 0, route="ipc",
-                                      transport=transport.name, device_ids=info["device_ids"])
+                                      transport=transport.name, device_ids=info["device_ids"],
+                                      buckets=info["buckets"], calls=info["calls"], seq=info["seq"],
+                                      node_engines=info["engines"])
 
     def _check_engine_parity(self, num_tensors: int, **record) -> None:
         """After a state-dict sync: engines' log-probs of a fixed probe sequence must equal the

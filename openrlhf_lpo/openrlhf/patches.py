@@ -92,13 +92,19 @@ def _samples_generator() -> None:
 
 @patch_point("rollout-actor-class", "openrlhf.trainer.ray.vllm_engine", "RolloutRayActor", "swap",
              "create_vllm_engines looks it up at call time; SeededRolloutRayActor adds per-sample settings to "
-             "generate_responses (openrlhf/seeded_vllm.py); the CPU mode's engine class is left in place")
+             "generate_responses and the bucketed weight sync (openrlhf/seeded_vllm.py: it swaps the "
+             "worker_extension_cls create_vllm_engines names for engines/vllm_worker.py's subclass); the CPU mode's "
+             "engine class is left in place")
 def _rollout_actor_class() -> None:
     from openrlhf.trainer.ray import vllm_engine
 
     rollout = getattr(vllm_engine.RolloutRayActor, "__ray_actor_class__", None)
     if rollout is None:  # (the CPU mode's engine class stands there in CPU mode)
         return
+    _needles(inspect.getsource(vllm_engine.create_vllm_engines),
+             ('"worker_extension_cls": "openrlhf.trainer.ray.vllm_worker_wrap.WorkerWrap"',), "create_vllm_engines")
+    _needles(inspect.getsource(rollout.__init__), ("vllm.AsyncEngineArgs(*args, **self.kwargs)",),
+             "RolloutRayActor.__init__")
     if params(rollout.generate_responses) != ["self", "prompt", "label", "sampling_params", "max_length",
                                               "hf_tokenizer", "num_samples", "images"] or \
             "self.executor.execute(" not in inspect.getsource(rollout.generate_responses):

@@ -1,12 +1,15 @@
 """``--backend megatron`` colocated with the rollout engines (issue 32): the flags are accepted (and the flags that
 still mean nothing are refused naming themselves), the dry run passes, and the shared-memory stand-in for CUDA
 IPC crosses processes: a handle made in another process is rebuilt bit for bit, and the CPU rollout engine's
-``update_weight_cuda_ipc`` loads the sender's weights from such handles, keyed by its device.
+``update_weight_bucket_ipc`` loads the sender's weights from bucket handles keyed by its device, in sequence order
+whatever order the calls come in (issue 43 item 5: buckets, :mod:`openrlhf_lpo.engines.buckets`; order,
+:mod:`openrlhf_lpo.engines.weight_updates`).
 
 The Megatron side of the route (TP2 / PP2 export through IPC vs the NCCL route) runs in the shared gloo world
 (``mcore_checks/weight_ipc.py``); the real trainer loop with sleep and the IPC sync in the CPU pipeline e2e
 (``test_megatron_pipeline_e2e.py``)."""
 
+import asyncio
 import pickle
 import subprocess
 import sys
@@ -45,8 +48,13 @@ def test_colocation_with_sleep_is_accepted(tiny_dir, layout):
     """The DeepSpeed hybrid-engine flags work on megatron unchanged (vLLM TP may differ from Megatron TP)."""
     from openrlhf_lpo.megatron.ray_actor import colocated
 
+    from openrlhf_lpo.megatron.weight_sync import bucket_bytes_of
+
     a = _parse(_argv(tiny_dir, *layout, *COLOCATED))
     assert a.train.colocate_all and a.vllm.enable_sleep and a.ds.enable_sleep and colocated(a)
+    assert bucket_bytes_of(a) == 512 << 20  # --megatron.sync_bucket_mb's default
+    a.megatron.sync_bucket_mb = 0.5
+    assert bucket_bytes_of(a) == 1 << 19
     # async runs colocate the trained models only (OpenRLHF): the engines keep the NCCL stream
     b = _parse(_argv(tiny_dir, *layout, "--train.colocate_all", "--train.async_enable"))
     assert b.train.colocate_all and not colocated(b)
@@ -84,6 +92,67 @@ def test_dry_run_of_a_colocated_sleeping_run_passes(tiny_dir, tmp_path, capsys):
     assert "megatron actor, TP 1 x PP 1 x DP 4" in out
 
 
+# ----------------------------------------------------------------------------- buckets and their order
+
+
+def test_buckets_pack_small_tensors_in_stream_order_and_send_large_ones_alone():
+    """The greedy rule by hand: a 300-byte bucket, offsets aligned to 256 bytes. 40 + 24 bytes share one bucket
+    (the second at 256); 400 bytes go alone as their own bytes (no copy); a 40-byte int tensor and a transposed
+    (non-contiguous) 16-byte view share the next; 280 bytes do not fit after them and close it. Unpacked, every
+    tensor equals the original bit for bit with its dtype and shape; planning without data gives the same buckets."""
+    from openrlhf_lpo.engines.buckets import ALIGN, bucketize, plan_buckets, unpack
+
+    g = torch.Generator().manual_seed(0)
+    big = torch.randn(100, generator=g)
+    stream = [("a", torch.randn(10, generator=g)), ("b", torch.randn(3, 4, generator=g).to(torch.bfloat16)),
+              ("big", big), ("c", torch.arange(5)), ("d", torch.randn(2, 2, generator=g).t()),
+              ("e", torch.randn(70, generator=g))]
+    buckets = list(bucketize(stream, 300))
+    assert ALIGN == 256
+    assert [[(m.name, m.offset) for m in b.metas] for b in buckets] == \
+        [[("a", 0), ("b", 256)], [("big", 0)], [("c", 0), ("d", 256)], [("e", 0)]]
+    assert [b.alone for b in buckets] == [False, True, False, False]
+    assert [b.buffer.numel() for b in buckets] == [256 + 24, 400, 256 + 16, 280]
+    assert buckets[1].buffer.data_ptr() == big.data_ptr()  # alone: the tensor's own bytes
+    got = [item for b in buckets for item in unpack(b.buffer, b.wire_metas())]
+    assert [n for n, _ in got] == [n for n, _ in stream]
+    for (_, t), (_, ref) in zip(got, stream):
+        assert t.dtype == ref.dtype and t.shape == ref.shape and torch.equal(t, ref)
+    assert plan_buckets([(n, t.dtype, t.shape) for n, t in stream], 300) == [(list(b.metas), b.alone) for b in buckets]
+    with pytest.raises(ValueError, match="shorter than its tensors"):
+        unpack(buckets[0].buffer[:100], buckets[0].wire_metas())
+
+
+def test_engine_update_order_runs_calls_by_sequence_number():
+    """UpdateOrder (the engines' gate): calls that arrive as 3, 1, 0, 2, 5, 4 run as 0..5; a number already applied
+    is refused; a call whose predecessor never comes fails after the wait naming the missing number; after a failed
+    update the next ones fail too instead of loading half a sync."""
+    from openrlhf_lpo.engines.weight_updates import UpdateOrder
+
+    order, ran = UpdateOrder(wait_s=0.5), []
+
+    async def call(seq, fail=False):
+        async with order.turn(seq):
+            await asyncio.sleep(0.001 * (6 - seq))  # later numbers finish sooner if let through
+            if fail:
+                raise OSError("disk")
+            ran.append(seq)
+
+    async def main():
+        await asyncio.gather(*[call(s) for s in (3, 1, 0, 2, 5, 4)])
+        with pytest.raises(ValueError, match=r"#2 arrived after #5 was applied"):
+            await call(2)
+        with pytest.raises(TimeoutError, match=r"#8 waited 0.5 s for #6, which never arrived"):
+            await call(8)
+        with pytest.raises(OSError):
+            await call(6, fail=True)
+        with pytest.raises(RuntimeError, match=r"#7 not applied: an earlier update failed \(#6: OSError: disk\)"):
+            await call(7)
+
+    asyncio.run(main())
+    assert ran == [0, 1, 2, 3, 4, 5] and order.applied == 7 and order.out_of_order == 6
+
+
 # ----------------------------------------------------------------------------- the shared-memory stand-in
 
 _SENDER = textwrap.dedent("""
@@ -91,14 +160,19 @@ _SENDER = textwrap.dedent("""
     import torch
     from openrlhf_lpo.megatron.weight_sync import SharedMemoryIPC
 
-    key, path = sys.argv[1], sys.argv[2]
+    from openrlhf_lpo.engines.buckets import bucketize
+
+    key, path, bucket_bytes = sys.argv[1], sys.argv[2], int(sys.argv[3])
     state = torch.load(path)
     ipc = SharedMemoryIPC(device_id="sender-side")
-    kept, out = [], []
+    kept, out, buckets = [], [], []
     for name, t in state.items():
         kept.append(t)
         out.append((name, t.dtype, tuple(t.shape), {key: ipc.export(t), "other:gpu9": ipc.export(t.clone())}))
-    sys.stdout.buffer.write(pickle.dumps(out))
+    for b in bucketize(state.items(), bucket_bytes):
+        kept.append(b.buffer)
+        buckets.append((b.wire_metas(), {key: ipc.export(b.buffer)}))
+    sys.stdout.buffer.write(pickle.dumps((out, buckets)))
     sys.stdout.flush()
     sys.stdin.readline()  # the tensors live until the receiver has rebuilt them
 """)
@@ -107,12 +181,12 @@ _SENDER = textwrap.dedent("""
 class _Sender:
     """A process that exports ``state`` through :class:`SharedMemoryIPC` and keeps it alive until closed."""
 
-    def __init__(self, state, key, tmp_path):
+    def __init__(self, state, key, tmp_path, bucket_bytes=1 << 20):
         path = tmp_path / "state.pt"
         torch.save(state, path)
-        self.proc = subprocess.Popen([sys.executable, "-c", _SENDER, key, str(path)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE)
-        self.handles = pickle.load(self.proc.stdout)
+        self.proc = subprocess.Popen([sys.executable, "-c", _SENDER, key, str(path), str(bucket_bytes)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.handles, self.buckets = pickle.load(self.proc.stdout)
 
     def close(self):
         self.proc.stdin.write(b"\n")
@@ -148,9 +222,11 @@ def test_transport_choice_and_device_ids(monkeypatch):
 
 
 def test_cpu_engine_takes_colocated_weights_from_another_process(tiny_dir, tmp_path, monkeypatch):
-    """OpenRLHF's ``update_weight_cuda_ipc`` on the CPU rollout engine: each call rebuilds the handle keyed by the
-    engine's own (stand-in) device from a sender process; the last one (``empty_cache=True``) loads them all; the
-    engine then scores with the sent weights (its log-probs equal a model loaded with them)."""
+    """The CPU rollout engine's bucket API (``update_weight_bucket_ipc``): each call rebuilds the bucket handle keyed by
+    the engine's own (stand-in) device from a sender process and unpacks it; the calls arrive in reverse order and
+    are applied in sequence order; the last bucket (``empty_cache=True``) loads them all and the engine then scores
+    with the sent weights (its log-probs equal a model loaded with them). OpenRLHF's per-tensor
+    ``update_weight_cuda_ipc`` refuses a missing device key or a wrong announced dtype."""
     from transformers import AutoModelForCausalLM
 
     from openrlhf_lpo.engines.cpu_engine import CPURolloutEngine
@@ -164,19 +240,30 @@ def test_cpu_engine_takes_colocated_weights_from_another_process(tiny_dir, tmp_p
              for n, p in ref.named_parameters()}
     ids = list(range(3, 20))
     before = engine.log_probs_of(ids)
-    sender = _Sender(state, key, tmp_path)
+    sender = _Sender(state, key, tmp_path, bucket_bytes=20_000)
     try:
         items = sender.handles
         with pytest.raises(ValueError, match="no handle for this engine's device"):
             engine.update_weight_cuda_ipc(items[0][0], items[0][1], items[0][2], {"other:gpu9": items[0][3]["other:gpu9"]})
         with pytest.raises(ValueError, match="announced torch.bfloat16"):
             engine.update_weight_cuda_ipc(items[0][0], torch.bfloat16, items[0][2], items[0][3])
-        counts = [engine.update_weight_cuda_ipc(name, dtype, shape, ipc_handles=handles,
-                                                empty_cache=i == len(items) - 1)
-                  for i, (name, dtype, shape, handles) in enumerate(items)]
+        assert asyncio.run(engine.weight_sync_device_ids()) == [key]
+        buckets = sender.buckets
+        assert 2 < len(buckets) < len(items)
+
+        async def deliver():  # the calls arrive last first; the engine applies them in sequence order
+            return await asyncio.gather(*[
+                engine.update_weight_bucket_ipc(seq, metas, ipc_handles=handles, empty_cache=seq == len(buckets) - 1)
+                for seq, (metas, handles) in reversed(list(enumerate(buckets)))])
+
+        counts = asyncio.run(deliver())[::-1]
     finally:
         sender.close()
-    assert counts == list(range(1, len(items) + 1)) and engine.num_weight_updates == 1
+    sizes = [len(metas) for metas, _ in buckets]
+    assert counts == [sum(sizes[:i + 1]) for i in range(len(sizes))] and counts[-1] == len(state)
+    assert engine.num_weight_updates == 1
+    stats = engine.weight_update_stats()
+    assert stats["applied"] == stats["next_seq"] == len(buckets) and stats["out_of_order"] == len(buckets) - 1
     got = dict(engine.backend.model.named_parameters())
     assert all(torch.equal(got[n], state[n]) for n in state)
     ref.load_state_dict(state, strict=False)

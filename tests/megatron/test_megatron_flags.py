@@ -63,6 +63,8 @@ def test_the_kl_flags_reach_the_megatron_loss(tiny_dir, estimator):
         (["--actor.lr_scheduler", "reduce_lr_on_plateau"], "--actor.lr_scheduler reduce_lr_on_plateau: OpenRLHF's"),
         (["--actor.lr_scheduler", "warmup_stable_decay"], "the DeepSpeed backend fails on it too"),
         (["--megatron.timeout_minutes", "0"], "--megatron.timeout_minutes must be >= 1"),
+        (["--megatron.sync_bucket_mb", "0"], "--megatron.sync_bucket_mb must be > 0 and <= 16384 MiB, got 0: the size"),
+        (["--megatron.sync_bucket_mb", "nan"], "--megatron.sync_bucket_mb must be > 0 and <= 16384 MiB, got nan"),
     ],
 )
 def test_bad_megatron_layouts_exit_2(tiny_dir, capsys, extra, needle):

@@ -41,7 +41,7 @@ def test_cpu_mode_runs_every_check(gpu_check):
     assert set(rows) == {"listwise_core", "deepspeed_lpo_iteration", "megatron_colocated_iteration",
                          "logprobs_local_fp32", "logprobs_te_bf16", "weight_sync_vllm",
                          "checkpoint_round_trip", "megatron_offload_ipc", "megatron_colocated_save",
-                         "peak_memory_actor_step", "deepspeed_lpo_trainer_zero2",
+                         "weight_sync_buckets", "peak_memory_actor_step", "deepspeed_lpo_trainer_zero2",
                          "deepspeed_lpo_trainer_zero3", "total"}
     assert rows["logprobs_te_bf16"]["status"] == "SKIP"
     assert all(r["status"] == "PASS" for k, r in rows.items() if k != "logprobs_te_bf16")
@@ -79,6 +79,12 @@ def test_numbers_behind_the_rows(gpu_check):
     # the Megatron iteration's flags parse (--cpu-full runs it) and their colocated plan has a save phase
     assert re.search(r"flags parsed \(CPU dry mode\); planned checkpoint save \d+ MiB per GPU",
                      rows["megatron_colocated_iteration"]["value"])
+    # the bucketed sync's device side: buckets packed on the device, unpacked in another process bit for bit
+    buckets = rows["weight_sync_buckets"]["value"]
+    n, b, alone, shared = (int(x) for x in re.search(r"(\d+) tensors in (\d+) buckets of <= 256 KiB \((\d+) alone, "
+                                                     r"(\d+) shared\)", buckets).groups())
+    assert 0 < alone and 0 < shared and alone + shared <= b < n and "packed on cpu" in buckets
+    assert re.search(rf"SharedMemoryIPC: {n}/{n} unpacked bit for bit", buckets)
 
 
 def test_deepspeed_trainer_rows(gpu_check):

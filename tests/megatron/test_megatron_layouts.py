@@ -297,14 +297,26 @@ def test_policy_actor_wrapper_fit_sync_resume(mcore_world):
 
 
 def test_weight_stream_to_vllm_engines(mcore_world):
-    """Towards vLLM engines: bf16 (the engines' dtype, whatever the actor's), the exported values,
-    prefix caches reset once after the last tensor; --vllm.sync_with_ray uses Ray collectives."""
+    """Towards vLLM engines, in buckets of --megatron.sync_bucket_mb 0.0125 (13107 bytes): bf16 tensors (the engines'
+    dtype, whatever the actor's) unpacked from each broadcast buffer equal the export bit for bit, in order; one
+    update_weight_bucket per bucket, numbered 0, 1, ... and on over the next sync; small tensors share buckets,
+    a tensor larger than a bucket goes alone; prefix caches reset once after the last bucket; --vllm.sync_with_ray
+    broadcasts the same buffers with Ray collectives."""
     rec = world_checks(mcore_world, "policy_actor")[0]["policy_actor"]
     assert rec["vllm_names_ok"] and rec["vllm_values_ok"]
-    assert rec["vllm_dtypes"] == ["torch.bfloat16"]
+    assert rec["vllm_dtypes"] == ["torch.bfloat16"] and rec["vllm_buffers"] == ["torch.uint8"]
+    buckets = rec["vllm_buckets"]
+    n = len(buckets)
+    assert rec["vllm_seqs"] == list(range(n)) and rec["vllm_empty_cache"] == [n - 1]
+    assert all(k == 1 for k, size in buckets if size > 13107) and any(size > 13107 for _, size in buckets)
+    assert any(k > 1 for k, _ in buckets) and all(size <= 13107 for k, size in buckets if k > 1)
+    tensors = sum(k for k, _ in buckets)
+    assert n < tensors, buckets  # fewer calls than tensors (the 8B count: benchmarks/weight_sync_buckets.py)
+    assert rec["vllm_last_sync"] == {"route": "broadcast", "tensors": tensors, "buckets": n, "calls": n, "seq": n}
     assert rec["vllm_reset_last"]
-    n, expect = rec["ray_sync_count"]
-    assert n == expect > 0 and rec["ray_sync_ok"] and rec["ray_sync_no_reset"]
+    count, expect = rec["ray_sync_count"]
+    assert count == expect == n and rec["ray_sync_ok"] and rec["ray_sync_no_reset"]
+    assert rec["ray_sync_seqs"] == list(range(n, 2 * n))  # the sender's numbers run on over the run
 
 
 def test_layout_changes_release_their_process_groups(mcore_world):

@@ -6,8 +6,9 @@ checkpoints, then a resumed run.
 Checks: the placement check against the (CPU-mode) Ray cluster passes; both iterations finish
 with activation recompute; OpenRLHF's trainer puts the actor to sleep (``offload_states`` at start-up and
 after every ``fit``, ``reload_states`` before it): every sleep leaves 0 parameter bytes on the device; the
-weights reach the engines after every step through the IPC route (``update_weight_cuda_ipc`` with the
-shared-memory stand-in, one handle per rank keyed by its logical GPU) and the engines' log-probs of a probe
+weights reach the engines after every step through the IPC route (``update_weight_bucket_ipc`` with the
+shared-memory stand-in, one handle per rank keyed by its logical GPU, in buckets of ``--megatron.sync_bucket_mb
+0.0125``: one call per bucket and engine, numbered on over the run) and the engines' log-probs of a probe
 sequence then equal the Megatron actor's (logged by the sync); the policy checkpoint (``global_step2``, older
 ones pruned by ``--ckpt.max_num 1``) and the HF export exist, saved while the actor sleeps: every save reads the
 optimizer state from host memory (no tracked byte of the actor's state on the device during it), each sleep drops
@@ -69,6 +70,7 @@ def e2e(tmp_path_factory):
         "--ckpt.path", str(w / "ckpt"), "--ckpt.output_dir", str(w / "final"), "--ckpt.save_steps", "1",
         "--ckpt.save_hf", "--algo.advantage.estimator", "lpo", "--lpo.end_kl",
         "--backend", "megatron", "--megatron.tp", "2", "--megatron.params_dtype", "fp32",
+        "--megatron.sync_bucket_mb", "0.0125",  # 13107 bytes: buckets of several tensors, and tensors alone
     ]
     argv1 = base + ["--data.max_samples", "8", "--train.num_episodes", "1", "--logger.tensorboard_dir", str(w / "tb1")]
     rc1, log1 = _run(argv1, env, w / "run1.log")
@@ -105,9 +107,15 @@ def _sleeps(log):
 
 
 def _ipc_syncs(parity):
+    """The syncs' records: by IPC, one handle per rank keyed by its logical GPU, both engines fed by the node's
+    leader one call per bucket (fewer than tensors), its numbers running on from sync to sync."""
     syncs = [r for r in parity if r.get("backend") == "megatron"]
     assert all(r.get("route") == "ipc" and r.get("transport") == "shared-memory" for r in syncs), syncs
     assert all(len(set(r["device_ids"])) == 2 and all(":gpu" in d for d in r["device_ids"]) for r in syncs)
+    buckets = syncs[0]["buckets"]
+    assert 1 < buckets < syncs[0]["num_tensors"], syncs[0]
+    assert all(r["node_engines"] == 2 and r["buckets"] == buckets and r["calls"] == 2 * buckets for r in syncs)
+    assert [r["seq"] for r in syncs] == [buckets * (i + 1) for i in range(len(syncs))]
     return syncs
 
 

@@ -337,20 +337,33 @@ def test_the_actors_sleep_drops_gradients_reuses_one_pool_and_saves_from_host_me
 
 def test_ipc_weight_route_hands_over_the_nccl_routes_tensors_bit_for_bit(mcore_world):
     """--train.colocate_all's weight route (openrlhf_lpo/megatron/weight_sync.py, mcore_checks/weight_ipc.py) with the
-    shared-memory stand-in for CUDA IPC, at TP2 and PP2 (DP2), fp32 and bf16: every rank hands over a handle of each
-    full HF tensor keyed by its own device; a receiver rebuilds all four ranks' handles (three from other processes)
-    and each equals the NCCL route's tensor (export_hf_weights(dst=0)) bit for bit, names, order, dtype and shape
-    included; the last tensor carries empty_cache=True and the prefix-cache reset comes after it."""
+    shared-memory stand-in for CUDA IPC, at TP2 and PP2 (DP2), fp32 and bf16, in buckets of 13107 bytes: the four
+    ranks (one host: one node group, rank 0 its leader) hand over a handle of each bucket keyed by their own device;
+    a receiver rebuilds all four ranks' handles (three from other processes) and each unpacked tensor equals the NCCL
+    route's tensor (export_hf_weights(dst=0)) bit for bit, names, order, dtype and shape included; one call per
+    bucket, numbered on from the previous sync; small tensors share buckets, larger ones go alone; the last bucket
+    carries empty_cache=True and the prefix-cache reset comes after it."""
     checks = world_checks(mcore_world, "weight_ipc")
+    bucket = int(0.0125 * (1 << 20))
     for rank, c in enumerate(checks):
         assert sorted(c["weight_ipc"]) == ["pp2/bf16", "pp2/fp32", "tp2/bf16", "tp2/fp32"]
         for name, r in c["weight_ipc"].items():
             assert r["tensors"] == 46, (rank, name)  # the tiny qwen3's HF tensors (tied: no lm_head)
-            assert len(set(r["device_ids"])) == 4, (rank, name)  # one device per rank
+            assert len(set(r["device_ids"])) == 4 and r["route_ranks"] == [0, 1, 2, 3], (rank, name)
+            assert r["calls"] == (r["buckets"] if rank == 0 else 0) and r["engines"] == (rank == 0), (rank, name)
+    for layout in ("tp2", "pp2"):
+        fp32, bf16 = checks[0]["weight_ipc"][f"{layout}/fp32"], checks[0]["weight_ipc"][f"{layout}/bf16"]
+        assert fp32["seqs"] == list(range(fp32["buckets"]))
+        assert bf16["seqs"] == list(range(fp32["buckets"], fp32["buckets"] + bf16["buckets"]))  # one sender
+        assert bf16["buckets"] < fp32["buckets"] < 46  # fewer calls than tensors; fewer still at half the bytes
     for name, r in checks[0]["weight_ipc"].items():
         assert r["nccl_tensors"] == r["tensors"] and r["names_equal"], name
         assert r["handles_per_tensor"] == [4] and r["keys_equal_device_ids"], name
         assert r["mismatches"] == [], (name, r["mismatches"][:5])
         assert r["dtypes"] == (["torch.bfloat16"] if name.endswith("bf16") else ["torch.float32"]), name
-        assert r["empty_cache"] == [r["tensors"] - 1] and r["reset_last"], name
+        assert r["empty_cache"] == [r["buckets"] - 1] and r["reset_last"], name
+        sizes = r["per_bucket"]  # [tensors, [buffer bytes of the 4 handles]]
+        assert all(len(b) == 1 for _, b in sizes), name  # every rank packs the same buckets
+        assert all(k == 1 for k, b in sizes if b[0] > bucket) and any(b[0] > bucket for _, b in sizes), name
+        assert any(k > 1 for k, _ in sizes), name
         assert r["elements"] > 150_000, name

@@ -6,6 +6,12 @@ more than 16 bundles out of node order (ray-project/ray#51117), so without the s
 splits TP groups across nodes. The stand-in actor class records the bundle each rank is started on; one
 case starts real Ray actors and asks each where it runs. Where a bundle sits is read from Ray's own
 ``placement_group_table``.
+
+The same cluster runs the colocated weight sync across two nodes (issue 43 item 4, ``COLOCATE=1`` on several
+nodes): three actor ranks in a gloo world and three CPU rollout engines on the same three one-GPU bundles, two on
+the head node and one on a grid node; every engine must receive every tensor bit for bit, through buckets whose
+handles come only from the ranks of its own node (the CPU stand-in for CUDA IPC), in sequence order even when the
+calls are sent in reverse.
 """
 
 from __future__ import annotations
@@ -233,3 +239,125 @@ def test_the_optimizer_build_check_asks_every_gpu_node(multinode):
     fields = ("host", "nvidia_gpus", "which", "nvcc_text", "torch_version", "torch_cuda", "ds_version", "ds_built")
     for node, f in facts.items():
         assert {k: getattr(f, k) for k in fields} == {k: getattr(here, k) for k in fields}, node
+
+
+def test_colocated_weight_sync_hands_each_node_its_own_ranks_weights(multinode, tmp_path):
+    """COLOCATE=1 on two nodes (openrlhf_lpo/megatron/weight_sync.py): ranks 0 and 2 on the head node, rank 1 on a
+    grid node (a node's ranks need not be consecutive, nodes may differ in size), each with a CPU rollout engine on
+    its one-GPU bundle. Two syncs through ``WeightSender.send_ipc`` with the shared-memory stand-in and 6000-byte
+    buckets: each node's leader (its lowest rank) calls its node's engines once per bucket with its node's handles
+    and no other; each engine loads every tensor of the second sync bit for bit (its model's parameters); the calls
+    are numbered on from the first sync. Then rank 0 sends a third state to its engine with the calls in reverse
+    order: the engine applies them in sequence order and holds that state exactly."""
+    import socket
+
+    import torch
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    from safetensors.torch import load_file
+
+    from openrlhf_lpo.engines.cpu_engine import RemoteCPURolloutEngine
+    from openrlhf_lpo.testing.tiny import build_tiny_model
+
+    ray = multinode
+    model = build_tiny_model(tmp_path / "q3", arch="qwen3", hidden_size=32, num_layers=2, num_heads=2,
+                             num_kv_heads=1, head_dim=16, intermediate_size=64)
+    state = load_file(f"{model}/model.safetensors")
+    head, grid = {"node:__internal_head__": 0.001}, {"grid": 1}
+    pg = placement_group([{"GPU": 1, "CPU": 1, **head}, {"GPU": 1, "CPU": 1, **head}, {"GPU": 1, "CPU": 1, **grid}],
+                         strategy="PACK")
+    ray.get(pg.ready())
+    bundle_of_rank = [0, 2, 1]  # ranks 0, 2 on the head; 1 on the grid node
+    on = lambda b: PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=b)  # noqa: E731
+
+    @ray.remote(num_cpus=0.1, num_gpus=0.2)
+    class Rank:
+        def __init__(self, rank, world, port, path):
+            import torch.distributed as dist
+            from safetensors.torch import load_file
+
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+            self.state = load_file(path)
+
+        def sync(self, engines, scale, bucket_bytes):
+            from openrlhf_lpo.megatron.weight_sync import SharedMemoryIPC, WeightSender, node_route
+
+            if not hasattr(self, "route"):
+                self.route, self.sender = node_route(), WeightSender()
+            named = ((n, t * scale + 0.25) for n, t in self.state.items())  # the same stream on every rank
+            info = self.sender.send_ipc(named, engines, SharedMemoryIPC(), self.route, bucket_bytes)
+            return dict(info, ranks=self.route.ranks)
+
+        def reversed_sync(self, engine, scale, bucket_bytes):
+            """This rank's own handles to its own engine, the calls submitted last first."""
+            from openrlhf_lpo.engines.buckets import bucketize
+            from openrlhf_lpo.megatron.weight_sync import SharedMemoryIPC
+
+            ipc = SharedMemoryIPC()
+            buckets = list(bucketize(((n, t * scale + 0.25) for n, t in self.state.items()), bucket_bytes))
+            base, n = self.sender.seq, len(buckets)
+            refs = [engine.update_weight_bucket_ipc.remote(base + i, buckets[i].wire_metas(),
+                                                           ipc_handles={ipc.device_id(): ipc.export(buckets[i].buffer)},
+                                                           empty_cache=i == n - 1) for i in reversed(range(n))]
+            return ray.get(refs)[::-1]
+
+    def record_sources(engine):
+        """Wraps the engine's bucket receiver: the device ids of the handles each call brought."""
+        orig = engine._receive_bucket_ipc
+        engine.sources = []
+
+        def receive(metas, ipc_handles, empty_cache):
+            engine.sources.append(sorted(ipc_handles))
+            return orig(metas, ipc_handles, empty_cache)
+
+        engine._receive_bucket_ipc = receive
+
+    def report(engine):
+        from openrlhf_lpo.engines.ipc import standin_device_id
+
+        params = {n: p.detach().clone() for n, p in engine.backend.model.named_parameters()}
+        return standin_device_id(), engine.sources, params, engine.weight_update_stats()
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    engines = [RemoteCPURolloutEngine.options(num_cpus=0.1, num_gpus=0.2, scheduling_strategy=on(b)).remote(model)
+               for b in range(3)]
+    ranks = [Rank.options(scheduling_strategy=on(bundle_of_rank[r])).remote(r, 3, port, f"{model}/model.safetensors")
+             for r in range(3)]
+    try:
+        ray.get([e.__ray_call__.remote(record_sources) for e in engines])
+        first = ray.get([r.sync.remote(engines, 2.0, 6000) for r in ranks])
+        infos = ray.get([r.sync.remote(engines, -1.5, 6000) for r in ranks])
+        reports = ray.get([e.__ray_call__.remote(report) for e in engines])
+        table = ray.util.placement_group_table(pg)["bundles_to_node_id"]
+        expect = {n: t * -1.5 + 0.25 for n, t in state.items()}
+        buckets = infos[0]["buckets"]
+        assert 2 < buckets < len(state) and infos[0]["tensors"] == len(state)
+        head_node, grid_node = table[0], table[2]
+        assert head_node != grid_node and table[1] == head_node
+        assert [i["node"] for i in infos] == [head_node, grid_node, head_node]
+        assert [i["ranks"] for i in infos] == [[0, 2], [1], [0, 2]]
+        assert [i["engines"] for i in infos] == [2, 1, 0]  # each leader fed its node's engines
+        assert [i["calls"] for i in infos] == [2 * buckets, buckets, 0]
+        assert [i["seq"] for i in infos[:2]] == [2 * buckets] * 2 and [i["seq"] for i in first[:2]] == [buckets] * 2
+        node_keys = {i["node"]: sorted(i["device_ids"]) for i in infos[:2]}
+        assert [len(node_keys[head_node]), len(node_keys[grid_node])] == [2, 1]
+        assert all(k.startswith(node) for node, keys in node_keys.items() for k in keys)
+        for b, (own, sources, params, stats) in enumerate(reports):
+            node = table[b]
+            assert own in node_keys[node]  # the engine's device is one of its node's ranks'
+            assert len(sources) == 2 * buckets and all(keys == node_keys[node] for keys in sources), (b, sources)
+            assert stats["applied"] == stats["next_seq"] == 2 * buckets, (b, stats)
+            assert sorted(params) == sorted(expect)
+            assert all(params[n].dtype == t.dtype and torch.equal(params[n], t) for n, t in expect.items()), b
+        # a deliberate reorder: rank 0 sends its engine (bundle 0) a third state, its calls submitted last first
+        counts = ray.get(ranks[0].reversed_sync.remote(engines[0], 0.5, 6000))
+        _, _, params, stats = ray.get(engines[0].__ray_call__.remote(report))
+        assert counts[-1] == len(state) and counts == sorted(counts)  # taken in sequence order
+        assert stats["applied"] == stats["next_seq"] == 3 * buckets and stats["out_of_order"] >= 1
+        assert all(torch.equal(params[n], t * 0.5 + 0.25) for n, t in state.items())
+    finally:
+        for actor in ranks + engines:
+            ray.kill(actor)
+        remove_placement_group(pg)

@@ -191,28 +191,39 @@ class _FakeUpdateGroup:
 
 
 def vllm_stream(pa):
-    """broadcast_to_vllm towards vLLM engines (no state-dict method): every tensor in the engines'
-    bf16, one update_weight per tensor, prefix caches reset after the last one, and the Ray
-    collective path with --vllm.sync_with_ray."""
+    """broadcast_to_vllm towards vLLM engines (no state-dict method) with --megatron.sync_bucket_mb 0.0125 (12.8 KiB):
+    every tensor in the engines' bf16, one update_weight_bucket per bucket with consecutive sequence numbers that
+    run on over the next sync, each bucket's broadcast buffer unpacking to the exported tensors bit for bit, prefix
+    caches reset after the last one, and the Ray collective path with --vllm.sync_with_ray."""
     import ray.util.collective as collective
 
+    from openrlhf_lpo.engines.buckets import unpack
     from openrlhf_lpo.megatron.ray_actor import VLLM_ENGINE_DTYPE
 
     events = []
-    engine = NS(update_weight=_Remote(lambda name, dtype, shape, empty_cache=False: events.append(("w", name, dtype))),
+    engine = NS(update_weight_bucket=_Remote(lambda seq, metas, empty_cache=False:
+                                             events.append(("b", seq, metas, empty_cache))),
                 reset_prefix_cache=_Remote(lambda: events.append(("reset",))))
     group = _FakeUpdateGroup()
-    saved = (pa.vllm_engines, pa._model_update_group, pa.args.vllm)
+    saved = (pa.vllm_engines, pa._model_update_group, pa.args.vllm, getattr(pa.args, "megatron", None))
     pa.vllm_engines, pa._model_update_group = [engine], group
     pa.args.vllm = NS(sync_backend="nccl", sync_with_ray=False, enable_prefix_caching=True)
+    pa.args.megatron = NS(**{**vars(saved[3] or NS()), "sync_bucket_mb": 0.0125})
     expect = {k: v.to(VLLM_ENGINE_DTYPE) for k, v in pa.actor.export_hf_weights()}
     pa.broadcast_to_vllm()
     out = {}
     if W.RANK == 0:
-        out["vllm_names_ok"] = [e[1] for e in events if e[0] == "w"] == list(expect)
-        out["vllm_dtypes"] = sorted({str(e[2]) for e in events if e[0] == "w"} | {str(d) for d, _, _ in group.sent})
-        out["vllm_values_ok"] = all(torch.equal(t, expect[n]) for (_, _, t), n in zip(group.sent, expect))
+        calls = [e for e in events if e[0] == "b"]
+        got = [(n, t) for (_, _, metas, _), (_, _, buf) in zip(calls, group.sent) for n, t in unpack(buf, metas)]
+        out["vllm_names_ok"] = [n for n, _ in got] == list(expect)
+        out["vllm_dtypes"] = sorted({str(t.dtype) for _, t in got} | {str(m[1]) for c in calls for m in c[2]})
+        out["vllm_buffers"] = sorted({str(d) for d, _, _ in group.sent})
+        out["vllm_values_ok"] = len(got) == len(expect) and all(torch.equal(t, expect[n]) for n, t in got)
+        out["vllm_seqs"] = [c[1] for c in calls]
+        out["vllm_buckets"] = [[len(c[2]), int(buf.numel())] for c, (_, _, buf) in zip(calls, group.sent)]
+        out["vllm_empty_cache"] = [i for i, c in enumerate(calls) if c[3]]
         out["vllm_reset_last"] = events[-1] == ("reset",) and sum(e[0] == "reset" for e in events) == 1
+        out["vllm_last_sync"] = dict(pa.last_sync)
     # --vllm.sync_with_ray: the same stream through ray.util.collective
     ray_sent = []
     orig = collective.broadcast
@@ -225,9 +236,9 @@ def vllm_stream(pa):
     finally:
         collective.broadcast = orig
     if W.RANK == 0:
-        out["ray_sync_count"] = [len(ray_sent), len(expect)]
-        out["ray_sync_ok"] = all(d == VLLM_ENGINE_DTYPE and g == "openrlhf" for d, g in ray_sent)
+        out["ray_sync_count"] = [len(ray_sent), len(out["vllm_seqs"])]
+        out["ray_sync_seqs"] = [e[1] for e in events if e[0] == "b"]
+        out["ray_sync_ok"] = all(d == torch.uint8 and g == "openrlhf" for d, g in ray_sent)
         out["ray_sync_no_reset"] = ("reset",) not in events
-    pa.vllm_engines, pa._model_update_group, pa.args.vllm = saved
+    pa.vllm_engines, pa._model_update_group, pa.args.vllm, pa.args.megatron = saved
     return out
-
