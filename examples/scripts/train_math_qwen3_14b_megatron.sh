@@ -17,7 +17,7 @@
 #     Adam moments 22.2 GB sharded over TP x DP ~ 44.3 GB static) peaks at forward/backward 49.7 GB (CE / entropy
 #     temporaries 1.9 GB), optimizer step 51.7 GB (AdamW foreach sqrt(v) 7.4 GB), peak 54.7 GB with a 3 GB
 #     allowance for the CUDA context and NCCL buffers; + 2 GB vLLM keeps asleep. See docs/megatron.md.
-#   weight sync 43.5 GB; checkpoint save 45.0 GB: vLLM's weights stay awake after the sync, the actor reads its
+#   weight sync 45.1 GB; checkpoint save 45.0 GB: vLLM's weights stay awake after the sync, the actor reads its
 #     optimizer state from host memory (nothing comes back for the checkpoint; the HF export brings the
 #     bf16 weights back, as the sync does).
 # Host memory of the node: 709.8 GB (python -m openrlhf_lpo.megatron.host_memory; the actor's host pools,

@@ -19,7 +19,7 @@
 # allowance for the CUDA context and NCCL buffers. See docs/megatron.md (memory table, formula).
 # Colocated, per GPU of either node (python -m openrlhf_lpo.megatron.colocation_memory examples/model_configs/qwen3-32b
 # --tp 8 --pp 2 --dp 1 --sp --vllm-tp 2; lpo-train --dry-run prints every phase per node and stops a plan that does
-# not fit): generation 71.5 GB (KV cache for up to ~257k tokens per engine), training 50.1 GB, weight sync 43.4 GB,
+# not fit): generation 71.5 GB (KV cache for up to ~257k tokens per engine), training 50.1 GB, weight sync 45.0 GB,
 # checkpoint save 45.0 GB (the optimizer state is read from host memory; the HF export brings the weights back).
 # Host memory per node: 652.2 GB (actor host pools 229.4 GB, vLLM's sleep backups ~292 GB, checkpoint buffers,
 # 6 GB per process); lpo-train stops a launch whose node has less than that / 0.95 (--megatron.host_memory_gb).

@@ -17,7 +17,7 @@
 #     Adam moments 12.3 GB sharded over TP x DP ~ 36.9 GB static) peaks at forward/backward 44.5 GB (CE / entropy
 #     temporaries 3.7 GB), optimizer step 41.0 GB (AdamW foreach sqrt(v) 4.1 GB), peak 47.5 GB with a 3 GB
 #     allowance for the CUDA context and NCCL buffers; + 2 GB vLLM keeps asleep. See docs/megatron.md.
-#   weight sync 30.8 GB; checkpoint save 32.1 GB: vLLM's weights stay awake after the sync, the actor reads its
+#   weight sync 32.4 GB; checkpoint save 32.1 GB: vLLM's weights stay awake after the sync, the actor reads its
 #     optimizer state from host memory (nothing comes back for the checkpoint; the HF export brings the
 #     bf16 weights back, as the sync does).
 # Host memory of the node: 453.3 GB (python -m openrlhf_lpo.megatron.host_memory; the actor's host pools,

@@ -21,7 +21,7 @@
 # Colocated, per GPU of the fullest node (python -m openrlhf_lpo.megatron.colocation_memory
 # examples/model_configs/deepseek-r1-distill-llama-70b --tp 8 --pp 4 --dp 1 --sp --vllm-tp 4; lpo-train --dry-run
 # prints every phase per node and stops a plan that does not fit): generation 71.5 GB (KV cache for up to ~381k
-# tokens per engine), training 55.0 GB, weight sync 46.9 GB, checkpoint save 49.7 GB (the optimizer state is read
+# tokens per engine), training 55.0 GB, weight sync 48.5 GB, checkpoint save 49.7 GB (the optimizer state is read
 # from host memory). Host memory per node: up to 724.2 GB (actor host pools 254.3 GB, vLLM's sleep backups ~331 GB,
 # checkpoint buffers, 6 GB per process); lpo-train stops a launch whose node has less than that / 0.95
 # (--megatron.host_memory_gb).

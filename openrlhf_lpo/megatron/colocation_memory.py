@@ -106,11 +106,13 @@ def colocated_memory(hf_config, tp: int, pp: int, dp: int, tokens: int, action_t
                      sequence_parallel: bool = False, recompute: bool = True, distributed_optimizer: bool = True,
                      reference_bytes: float = 0.0, overhead_gb: float = OVERHEAD_GB,
                      vllm_context_gb: float = VLLM_CONTEXT_GB, vllm_asleep_gb: float = VLLM_ASLEEP_GB,
-                     save_hf: bool = True, stage: Optional[int] = None) -> Dict[str, Dict[str, float]]:
+                     save_hf: bool = True, stage: Optional[int] = None,
+                     sync_bucket_mb: float = 512.0) -> Dict[str, Dict[str, float]]:
     """Bytes per GPU in each phase (module docstring): ``{phase: {row: bytes}}``, every phase ending in ``total``;
     the generation phase also gives ``KV cache tokens (at most)`` (a count, not bytes). The allowances (the actor's
     ``overhead_gb``, vLLM's context and what it keeps asleep) are in GB. ``stage``: a GPU of that pipeline stage
-    (None: the most loaded one); ``save_hf``: the save phase includes the HF export (``--ckpt.save_hf``)."""
+    (None: the most loaded one); ``save_hf``: the save phase includes the HF export (``--ckpt.save_hf``);
+    ``sync_bucket_mb``: ``--megatron.sync_bucket_mb`` (the weight sync holds up to 3 buckets in flight)."""
     shape = Shape.of(hf_config)
     actor = actor_memory(hf_config, tp, pp, dp, tokens, action_tokens, sequence_parallel=sequence_parallel,
                          recompute=recompute, distributed_optimizer=distributed_optimizer, overhead_gb=overhead_gb,
@@ -141,6 +143,8 @@ def colocated_memory(hf_config, tp: int, pp: int, dp: int, tokens: int, action_t
         "vLLM bf16 weights (awake) + what it keeps asleep": weights + vllm_asleep_gb * GB,
         "actor bf16 parameters (onloaded for the sync)": actor["bf16 weights"],
         "one gathered tensor (largest: embedding / output layer, bf16)": largest,
+        "weight-sync buckets in flight (3 x --megatron.sync_bucket_mb, megatron/weight_sync.py)":
+            3.0 * sync_bucket_mb * 2**20,
         "actor CUDA context + NCCL buffers (allowance)": overhead_gb * GB,
     }
     save = {
@@ -215,7 +219,8 @@ def _run_memory(args, stage: Optional[int] = None) -> Optional[Dict[str, Dict[st
             gpu_memory_gb=m.gpu_memory_gb or GPU_MEMORY_GB, sequence_parallel=m.sequence_parallel,
             recompute=bool(getattr(args.actor, "gradient_checkpointing_enable", False)),
             distributed_optimizer=m.distributed_optimizer, reference_bytes=_reference_bytes(args, Shape.of(hf)),
-            save_hf=bool(getattr(args.ckpt, "save_hf", False)), stage=stage)
+            save_hf=bool(getattr(args.ckpt, "save_hf", False)), stage=stage,
+            sync_bucket_mb=float(getattr(m, "sync_bucket_mb", None) or 512.0))
     except (KeyError, TypeError, ValueError, ZeroDivisionError):  # a config without the dims the formula reads
         return None
 
