@@ -677,7 +677,10 @@ def check_megatron_iteration(assets, work: Path, cpu: bool, full: bool) -> Dict:
 
         args = build_parser_and_parse(argv)  # validates the colocated plan, the save phase included
         save = _run_memory(args)[SAVE]["total"]
-        ok = args.backend == "megatron" and args.train.colocate_all and args.ckpt.save_steps == 1
+        from openrlhf_lpo.core.training_backends import backend_of
+        from openrlhf_lpo.megatron.training_backend import MEGATRON
+
+        ok = backend_of(args) is MEGATRON and args.train.colocate_all and args.ckpt.save_steps == 1
         return row("megatron_colocated_iteration", "PASS" if ok else "FAIL",
                    f"flags parsed (CPU dry mode); planned checkpoint save {save / 2**20:.0f} MiB per GPU",
                    "--cpu-full runs it")

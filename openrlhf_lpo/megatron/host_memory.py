@@ -37,6 +37,9 @@ turns the check off. ``python -m openrlhf_lpo.megatron.host_memory MODEL --tp 4 
 
 from __future__ import annotations
 
+from openrlhf_lpo.core.training_backends import backend_of
+from openrlhf_lpo.megatron.training_backend import MEGATRON
+
 import argparse
 import math
 import os
@@ -150,7 +153,7 @@ def _plan(args) -> Optional[List[Tuple[int, int, int, Dict[str, float]]]]:
     from openrlhf_lpo.core.config import dp_size
     from openrlhf_lpo.megatron.colocation_memory import _hf_config, is_colocated
 
-    if getattr(args, "backend", "deepspeed") != "megatron":
+    if backend_of(args) is not MEGATRON:
         return None
     hf = _hf_config(args)
     if hf is None:
@@ -187,7 +190,7 @@ def _limit(args) -> Tuple[Optional[float], str]:
 
 def host_plan_lines(args: argparse.Namespace) -> List[str]:
     """What ``lpo-train --dry-run`` prints: host memory per node of a Megatron run."""
-    if getattr(args, "backend", "deepspeed") != "megatron":
+    if backend_of(args) is not MEGATRON:
         return []
     plan = _plan(args)
     if plan is None:
@@ -232,7 +235,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _validate(args: argparse.Namespace) -> None:
-    if getattr(args, "backend", "deepspeed") != "megatron":
+    if backend_of(args) is not MEGATRON:
         return
     given = getattr(args.megatron, "host_memory_gb", None)
     if given is not None and given < 0:

@@ -101,10 +101,10 @@ def _rollout_actor_class() -> None:
     rollout = getattr(vllm_engine.RolloutRayActor, "__ray_actor_class__", None)
     if rollout is None:  # (the CPU mode's engine class stands there in CPU mode)
         return
-    _needles(inspect.getsource(vllm_engine.create_vllm_engines),
-             ('"worker_extension_cls": "openrlhf.trainer.ray.vllm_worker_wrap.WorkerWrap"',), "create_vllm_engines")
-    _needles(inspect.getsource(rollout.__init__), ("vllm.AsyncEngineArgs(*args, **self.kwargs)",),
-             "RolloutRayActor.__init__")
+    needles(inspect.getsource(vllm_engine.create_vllm_engines),
+            ('"worker_extension_cls": "openrlhf.trainer.ray.vllm_worker_wrap.WorkerWrap"',), "create_vllm_engines")
+    needles(inspect.getsource(rollout.__init__), ("vllm.AsyncEngineArgs(*args, **self.kwargs)",),
+            "RolloutRayActor.__init__")
     if params(rollout.generate_responses) != ["self", "prompt", "label", "sampling_params", "max_length",
                                               "hf_tokenizer", "num_samples", "images"] or \
             "self.executor.execute(" not in inspect.getsource(rollout.generate_responses):

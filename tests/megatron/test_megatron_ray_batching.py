@@ -52,7 +52,7 @@ def test_merge_repads_prompts_left_and_responses_right():
 def test_loss_spec_from_args():
     """LPO: the listwise loss (each window's plan picks one pass or the surrogate), its divergence and clip band;
     any other estimator: OpenRLHF's PolicyLoss with --actor.eps_clip_low_high."""
-    args = NS(algo=NS(advantage=NS(estimator="lpo")), rollout=NS(n_samples_per_prompt=4),
+    args = NS(algo=NS(advantage=NS(estimator="lpo")), rollout=NS(n_samples_per_prompt=4), train=NS(seed=42),
               actor=NS(eps_clip=0.2, eps_clip_low_high=None, loss_agg_mode="seq-mean-token-mean"),
               lpo=NS(divergence="rev", projection="listwise", force_two_pass=False))
     spec = loss_spec_from_args(args)
