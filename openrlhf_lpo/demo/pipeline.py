@@ -9,12 +9,12 @@ Ray's object store.
 Metrics arrive as they are produced: the PPO trainer actor logs ``Global step N: {...}`` after
 every step; those lines are parsed from the subprocess output and written to the method's jsonl
 at once. The TensorBoard files (``--logger.tensorboard_dir``) fill in every step whose line did
-not arrive (Ray may drop a job's last forwarded lines at exit). Mapping of upstream keys to the demo's columns is :data:`METRIC_KEYS`.
+not arrive (Ray may drop a job's last forwarded lines at exit). The upstream keys map to the demo's columns
+through the one table of :mod:`openrlhf_lpo.compare.metrics`.
 """
 
 from __future__ import annotations
 
-import ast
 import math
 import os
 import re
@@ -26,29 +26,12 @@ from collections import deque
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
+from openrlhf_lpo.compare.metrics import parse_step_line, step_row
 from openrlhf_lpo.demo.loop import RLConfig
 from openrlhf_lpo.demo.methods import Method
 from openrlhf_lpo.testing.tensorboard_rows import train_rows
 
 REWARD_FILE = Path(__file__).with_name("reward_func.py")
-
-# demo column -> upstream metric names, first present wins
-METRIC_KEYS = {
-    "reward": ("rollout/reward_mean", "reward"),
-    "entropy": ("response_entropy", "entropy_loss"),
-    "grad_norm": ("actor_grad_norm",),
-    "kl_target": ("lpo/kl_end",),
-    "kl_start": ("lpo/kl_start",),
-    "loss": ("policy_loss",),
-    "response_length": ("rollout/response_length_mean",),
-    "degenerate_groups": ("lpo/degenerate_frac",),
-    "step_s": ("timing/step_total",),
-    "rollout_fingerprint": ("rollout_fingerprint",),
-}
-
-_STEP_LINE = re.compile(r"Global step (\d+): (\{.*\})")
-_PAIR = re.compile(r"'([^']+)':\s*(?:np\.float\d+\(|tensor\()?(-?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|nan|inf))")
-
 
 _ERROR_LINE = re.compile(r"^(?:.*\] )?((?:[\w.]+Error|[\w.]+Exception)(?:\([\w]+\))?: .*)$", re.MULTILINE)
 
@@ -76,30 +59,8 @@ def _component(message: str) -> str:
     return "other"
 
 
-def parse_step_line(line: str) -> Optional[Dict]:
-    """``(PPOTrainer pid=..) ... Global step 3: {'policy_loss': 0.1, ...}`` -> ``{"step": 3, ...}``."""
-    m = _STEP_LINE.search(line)
-    if not m:
-        return None
-    try:
-        raw = ast.literal_eval(m.group(2))
-        values = {k: float(v) for k, v in raw.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    except (ValueError, SyntaxError):
-        values = {k: float(v) for k, v in _PAIR.findall(m.group(2))}
-    return {"step": int(m.group(1)), **values}
-
-
 def to_row(method: str, upstream: Dict, elapsed_s: float) -> Dict:
-    row = {"method": method, "step": int(upstream["step"]), "backend": "pipeline", "elapsed_s": elapsed_s}
-    for col, keys in METRIC_KEYS.items():
-        for k in keys:
-            if k in upstream and math.isfinite(upstream[k]):
-                row[col] = upstream[k]
-                break
-    if "degenerate_groups" in row:
-        row["informative_groups"] = 1.0 - row["degenerate_groups"]
-    row["upstream"] = {k: v for k, v in upstream.items() if k != "step"}
-    return row
+    return step_row(method, upstream, backend="pipeline", elapsed_s=elapsed_s)
 
 
 def pipeline_argv(method: Method, cfg: RLConfig, model_path: str, dataset: str, out_dir: Path,
