@@ -7,12 +7,13 @@ Two markers in each run's directory, both written atomically (:mod:`openrlhf_lpo
 
 Per run, :func:`decide` picks one of
 
-* ``skip``: ``done.json`` holds this settings hash and the metrics file is there; nothing runs;
+* ``skip`` (policy ``resume``): ``done.json`` holds this settings hash and the metrics file is there; nothing
+  runs;
 * ``resume`` (policy ``resume``): ``attempt.json`` holds this hash and there is no ``done.json`` (the last
   attempt was killed or failed); the job starts again in the same directory, where ``lpo-train`` continues
   from the run's last checkpoint (its flags carry ``--ckpt.load_enable``);
-* ``fresh``: anything else (no attempt yet, other settings, or policy ``fresh``); the run's directory and
-  metrics file are removed first, so nothing of another run is loaded.
+* ``fresh``: anything else (no attempt yet, other settings, or policy ``fresh``: every run again); the run's
+  directory and metrics file are removed first, so nothing of another run is loaded.
 
 A job is an object with ``run(spec, attempt) -> dict`` (raises on failure) and ``stop()`` (Ctrl-C: stop every
 process it started). Runs of a job run in threads; each ``lpo-train`` is a process of its own.
@@ -43,10 +44,12 @@ def decide(spec: RunSpec, policy: str = "resume") -> str:
     """``skip``, ``resume`` or ``fresh`` for ``spec`` (module docstring)."""
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}; got {policy!r}")
+    if policy == "fresh":
+        return "fresh"
     done = read_json(spec.work_dir / DONE)
     if done and done.get("settings_hash") == spec.settings_hash and spec.metrics_path.exists():
         return "skip"
-    if policy == "fresh" or done:
+    if done:
         return "fresh"
     attempt = read_json(spec.work_dir / ATTEMPT)
     if attempt and attempt.get("settings_hash") == spec.settings_hash:
@@ -61,6 +64,7 @@ def start_attempt(spec: RunSpec, decision: str) -> Dict:
         shutil.rmtree(spec.work_dir, ignore_errors=True)
         spec.metrics_path.unlink(missing_ok=True)
     spec.work_dir.mkdir(parents=True, exist_ok=True)
+    spec.metrics_path.parent.mkdir(parents=True, exist_ok=True)
     attempt = {"settings_hash": spec.settings_hash, "n": (previous or {}).get("n", 0) + 1,
                "resume": decision == "resume", "started": time.time(), "method": spec.method, "seed": spec.seed}
     atomic_write_json(spec.work_dir / ATTEMPT, attempt)

@@ -68,7 +68,8 @@ def pipeline_argv(method: Method, cfg: RLConfig, model_path: str, dataset: str, 
     """The ``lpo-train`` flags of one demo method (same for every method but the estimator flags).
 
     With held-out evaluation on, the actor saves a checkpoint every ``cfg.eval_every`` steps (DeepSpeed
-    state, so a job can resume, and ``<out_dir>/ckpt/global_step<N>_hf``); :func:`evaluate_checkpoints`
+    state, and ``<out_dir>/ckpt/global_step<N>_hf``) and loads the last one at start (``--ckpt.load_enable``:
+    a killed job resumes); :func:`evaluate_checkpoints`
     scores the HF ones after the job, in the demo's process, with the same code as the in-process loop.
     ``cfg.pipeline_args`` come last, so they override (e.g. data-parallel ranks).
     """
@@ -97,7 +98,10 @@ def pipeline_argv(method: Method, cfg: RLConfig, model_path: str, dataset: str, 
         "--ckpt.path", str(out_dir / "ckpt"), "--ckpt.output_dir", str(out_dir / "final"),
     ]
     if cfg.eval_every:  # every HF export stays for the held-out evaluation after the job (not rotated)
-        argv += ["--ckpt.save_steps", str(cfg.eval_every), "--ckpt.save_hf", "--ckpt.hf_max_num", "-1"]
+        argv += ["--ckpt.save_steps", str(cfg.eval_every), "--ckpt.save_hf", "--ckpt.hf_max_num", "-1",
+                 # a killed job started again in the same directory continues from its last checkpoint (the
+                 # study runner empties the directory of a run that starts from scratch)
+                 "--ckpt.load_enable"]
     return argv + method.pipeline_flags() + list(cfg.pipeline_args)
 
 
