@@ -168,7 +168,7 @@ def run_pipeline(method: Method, cfg: RLConfig, model_path: str, out_dir: Path,
     if bar is not None:
         bar.set_postfix(stage="starting Ray + engine")
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "openrlhf_lpo.cli.train_ppo_ray", *argv],
+        proc = subprocess.Popen([sys.executable, "-c", _STOP_WITH_PARENT, str(os.getpid()), *argv],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                 start_new_session=True, bufsize=1)
         LIVE.add(proc)
@@ -248,6 +248,20 @@ def evaluate_checkpoints(out_dir: Path, cfg: RLConfig, steps_done: int,
         if bar is not None:
             bar.close()
     return out
+
+
+# ``python -m openrlhf_lpo.cli.train_ppo_ray <argv>`` that gets SIGTERM when the thread that started it dies (the
+# demo or lpo-compare killed outright: Linux's prctl PR_SET_PDEATHSIG), so no job trains on unseen in a directory
+# the next invocation resumes in; elsewhere it is the plain command
+_STOP_WITH_PARENT = """import ctypes, os, runpy, signal, sys
+try:
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+except (OSError, AttributeError):
+    pass
+if os.getppid() != int(sys.argv.pop(1)):  # the parent died before the prctl
+    sys.exit(143)
+runpy.run_module("openrlhf_lpo.cli.train_ppo_ray", run_name="__main__", alter_sys=True)
+"""
 
 
 LIVE: set = set()  # the lpo-train processes running now (jobs of the demo may run side by side)
