@@ -173,7 +173,7 @@ def report(study: Study) -> Dict:
     table = build_table(runs, study.methods, study.seeds, study.window)
     paths = write_table(study.out, table, study.title)
     if runs:
-        paths.update(plot_study(runs, study.methods, study.seeds, study.out, study.title))
+        paths.update(plot_study(runs, study.methods, study.seeds, study.out, study.title, window=study.window))
     print(table_markdown(table), end="", flush=True)
     _log("wrote " + ", ".join(str(p) for p in paths.values()))
     return table

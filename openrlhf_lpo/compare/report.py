@@ -24,7 +24,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from openrlhf_lpo.compare.files import atomic_write_json, atomic_write_text
 from openrlhf_lpo.compare.metrics import FIGURE5, pass_columns
-from openrlhf_lpo.compare.summary import aggregate, curve, paired_curve, run_summary, study_keys
+from openrlhf_lpo.compare.summary import aggregate, curve, paired_curve, run_summary, study_keys, trailing_mean
 
 Runs = Mapping[Tuple[str, int], List[Dict]]  # (method, seed) -> metrics rows
 
@@ -160,9 +160,10 @@ def _panels(runs: Runs) -> List[Tuple[List[str], str]]:
 
 
 def plot_study(runs: Runs, methods: Sequence[str], seeds: Sequence[int], out_dir: Path, title: str = "",
-               colors: Optional[Mapping[str, str]] = None) -> Dict[str, Path]:
+               colors: Optional[Mapping[str, str]] = None, window: int = 5) -> Dict[str, Path]:
     """``figure5.png`` (mean ± 95% band over seeds per method) and, with two or more methods, ``paired.png``
-    (the per-step difference to ``methods[0]`` on the same seed)."""
+    (the per-step difference to ``methods[0]`` on the same seed). Each seed's training curves are first
+    smoothed by their trailing mean over ``window`` steps; held-out points are drawn as evaluated."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -171,8 +172,16 @@ def plot_study(runs: Runs, methods: Sequence[str], seeds: Sequence[int], out_dir
     colors = dict(colors or {})
     for i, m in enumerate(methods):
         colors.setdefault(m, f"C{i}")
-    by_method = {m: {s: runs[(m, s)] for s in seeds if runs.get((m, s))} for m in methods}
     panels = _panels(runs)
+    by_method = {}
+    for m in methods:
+        by_method[m] = {}
+        for s in seeds:
+            rows = runs.get((m, s))
+            for cols, _ in panels[:len(FIGURE5)]:
+                rows = trailing_mean(rows, cols[0], window) if rows else rows
+            if rows:
+                by_method[m][s] = rows
     styles = ("-", "--", ":")
     out = {}
 
@@ -194,7 +203,8 @@ def plot_study(runs: Runs, methods: Sequence[str], seeds: Sequence[int], out_dir
         if axes[0][0].get_legend_handles_labels()[0]:
             axes[0][0].legend(fontsize=7)
         if title:
-            fig.suptitle(title, fontsize=10)
+            fig.suptitle(f"{title}  (training curves: trailing mean over {window} steps; bands: 95% over seeds)",
+                         fontsize=10)
         out[name] = save_figure(fig, Path(out_dir) / f"{name}.png")
 
     draw("figure5", {m: (lambda m, col: curve(by_method[m], col)) for m in methods}, "")

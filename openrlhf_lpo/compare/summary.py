@@ -83,6 +83,19 @@ def aggregate(summaries: Mapping[Tuple[str, int], Dict[str, float]], methods: Se
     return {"cells": cells, "paired_differences": diffs}
 
 
+def trailing_mean(rows: List[Dict], key: str, window: int) -> List[Dict]:
+    """``rows`` with ``key`` replaced, at each training step, by its mean over the last ``window`` training steps
+    that logged it (a figure's smoothing; the other columns unchanged)."""
+    out, recent = [], []
+    for r in rows:
+        r = dict(r)
+        if r.get("step", 0) >= 1 and r.get(key) is not None:
+            recent = (recent + [float(r[key])])[-window:]
+            r[key] = sum(recent) / len(recent)
+        out.append(r)
+    return out
+
+
 def curve(rows_by_seed: Mapping[Hashable, List[Dict]], key: str, x_key: str = "step"):
     """Mean and 95% half-width over seeds of ``key`` at each x (the rows that have it): ``(xs, means, halves)``
     (half-width 0 where one seed has the x)."""

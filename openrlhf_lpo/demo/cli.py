@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import shlex
 import sys
 import time
@@ -40,6 +39,7 @@ warnings.filterwarnings("ignore", message=".*pynvml.*")
 from openrlhf_lpo.demo.methods import METHODS, parse_methods
 from openrlhf_lpo.demo.presets import PRESETS, get_preset
 from openrlhf_lpo.demo.report import atomic_write_json, atomic_write_text, load_run, plot_run, summarize
+from openrlhf_lpo.demo.study import quiet_libraries as _quiet_libraries
 
 BACKENDS = ("pipeline", "inprocess")
 
@@ -108,19 +108,6 @@ def resolve(args: argparse.Namespace):
 
 def _log(msg: str) -> None:
     print(f"[lpo-demo] {msg}", flush=True)
-
-
-def _quiet_libraries() -> None:
-    """Keep the demo's own progress bars readable: no per-file HF bars, no import-time warnings."""
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
-    except ImportError:
-        pass
 
 
 def run_demo(argv: Optional[List[str]] = None) -> int:

@@ -31,6 +31,22 @@ from openrlhf_lpo.demo.loop import RLConfig
 TRAINED = "trained.json"
 
 
+def quiet_libraries() -> None:
+    """Keep the demo's own progress lines readable: no per-file HF bars, no import-time warnings."""
+    import os
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
+
+
 @dataclass(frozen=True)
 class RecipeMethod:
     """A ``configs/methods/<name>.sh`` method in the demo pipeline: its flags select the method."""
@@ -186,6 +202,7 @@ def _cpu_preset(name: str, demo_preset: str, description: str) -> StudyPreset:
     def job(specs: Sequence[RunSpec], extra_args: Sequence[str], progress: bool, log: Callable[[str], None]):
         from openrlhf_lpo.demo.warmup import ensure_warmup
 
+        quiet_libraries()
         wu, rl = configs(extra_args)
         warm = ensure_warmup(wu, progress=progress)
         log(("reused the cached warm-up" if warm["cached"] else "warm-up trained") + f": {warm['steps']} steps, "

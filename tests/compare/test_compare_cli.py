@@ -110,3 +110,34 @@ def test_dry_run_prints_the_matrix_and_decisions(tmp_path, capsys):
     assert [line.split()[:2] for line in text.splitlines() if "/seed" in line and "fresh" in line] == \
         [["grpo/seed0", "fresh"], ["lpo_fwd/seed0", "fresh"], ["grpo/seed1", "fresh"], ["lpo_fwd/seed1", "fresh"]]
     assert os.path.basename(str(out)) in text
+
+
+def test_every_class_that_builds_the_prompt_dataloader_seeds_its_order():
+    """A paired study's baseline runs the stock trainer classes (RuntimePPOTrainer: grpo.sh, dapo.sh, ...), its LPO
+    methods ours: both seed the prompt order with --train.seed (SeededPromptOrder), first in the MRO, so the
+    stock __init__ shuffles after it. The mixin itself: a torch DataLoader built in the base's __init__ yields
+    the same order for one seed whatever the global RNG held before, another order for another seed."""
+    import types
+
+    import torch
+
+    from openrlhf_lpo.openrlhf import ray_classes as rc_
+
+    for cls in (rc_.RuntimePPOTrainer, rc_.LPOTrainer, rc_.RuntimeGenerateSamplesActor, rc_.LPOGenerateSamplesActor):
+        assert cls.__mro__[1] is rc_.SeededPromptOrder, cls
+
+    class Base:
+        def __init__(self, pretrain, strategy):
+            loader = torch.utils.data.DataLoader(list(range(64)), batch_size=8, shuffle=True)
+            self.order = [int(x) for batch in loader for x in batch]
+
+    class Probe(rc_.SeededPromptOrder, Base):
+        pass
+
+    strategy = lambda seed: types.SimpleNamespace(args=types.SimpleNamespace(train=types.SimpleNamespace(seed=seed)))  # noqa: E731
+    torch.manual_seed(123)
+    a = Probe("model", strategy(3)).order
+    torch.rand(5)
+    b = Probe("model", strategy(3)).order
+    c = Probe("model", strategy(4)).order
+    assert a == b and a != c and sorted(a) == list(range(64))
