@@ -207,7 +207,9 @@ def run(argv: Optional[List[str]] = None) -> int:
             status[spec.key] = entry
             atomic_write_json(study.out / "status.json", status)
 
-        job = study.make_job(not args.no_progress, _log)
+        # every run finished before: nothing to prepare (the CPU presets would load the warm-up)
+        job = None if all(decide(s, policy) == "skip" for s in study.specs) else \
+            study.make_job(not args.no_progress, _log)
         try:
             run_matrix(study.specs, job, jobs, policy, record=record, log=_log)
         except KeyboardInterrupt:
