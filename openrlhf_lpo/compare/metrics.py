@@ -19,12 +19,15 @@ import re
 from dataclasses import dataclass
 from typing import Dict, Mapping, Optional, Tuple
 
-# row column -> upstream keys of a training step (``train/<key>`` in TensorBoard), first present wins
+# row column -> upstream keys of a training step (``train/<key>`` in TensorBoard), first present wins. The
+# names are docs/metrics.md's (issue 42 item 2: every method logs them); the second names read older logs
+# (``entropy_loss``: OpenRLHF's own loop logged the entropy only under that name).
 STEP_COLUMNS: Dict[str, Tuple[str, ...]] = {
     "reward": ("rollout/reward_mean", "reward"),
     "entropy": ("response_entropy", "entropy_loss"),
-    "grad_norm": ("actor_grad_norm",),
+    "grad_norm": ("actor_grad_norm",),  # per update: the mean over its optimizer steps
     "response_length": ("rollout/response_length_mean", "response_length"),
+    "clip_ratio": ("clip_ratio",),
     "kl_target": ("lpo/kl_end",),
     "kl_start": ("lpo/kl_start",),
     "loss": ("policy_loss",),

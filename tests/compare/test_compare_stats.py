@@ -150,8 +150,10 @@ def test_table_files_and_figures(tmp_path):
 def test_metric_rows_from_logged_keys():
     row = step_row("grpo", {"step": 3, "rollout/reward_mean": 0.5, "response_entropy": 0.7, "entropy_loss": 9.0,
                             "actor_grad_norm": float("nan"), "rollout/response_length_mean": 4.0,
-                            "lpo/degenerate_frac": 0.25})
+                            "lpo/degenerate_frac": 0.25, "clip_ratio": 0.125, "policy_loss": -0.5})
     assert (row["step"], row["reward"], row["entropy"], row["response_length"]) == (3, 0.5, 0.7, 4.0)
+    assert (row["clip_ratio"], row["loss"]) == (0.125, -0.5)
+    assert step_row("grpo", {"step": 1, "entropy_loss": 9.0})["entropy"] == 9.0  # a log from before issue 42
     assert "grad_norm" not in row and row["informative_groups"] == 0.75 and row["upstream"]["entropy_loss"] == 9.0
     one = eval_columns({"eval_math_pass1": 0.4, "eval_math_pass8": 0.7, "eval_pass1": 0.4, "eval_math_maj8": 0.5})
     assert one == {"heldout_pass@1": 0.4, "heldout_pass@8": 0.7}
