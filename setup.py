@@ -36,6 +36,7 @@ setup(
             "lpo-explain=openrlhf_lpo.cli.explain:main",
             "lpo-train=openrlhf_lpo.cli.train_ppo_ray:main",
             "lpo-demo=openrlhf_lpo.demo.cli:main",
+            "lpo-compare=openrlhf_lpo.cli.compare:main",
             "lpo-eval=evaluation.cli:main",
         ]
     },

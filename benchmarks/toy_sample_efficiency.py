@@ -16,7 +16,7 @@ script asserts it from the digests the loop logs (``prompt_digest`` at every ste
 at step 1) and stops if they differ. The held-out evaluation uses the same problems and sampling seed
 for every method of a seed.
 
-Reported per (method, K), as mean +- 95% t-interval over seeds (:mod:`openrlhf_lpo.demo.stats`):
+Reported per (method, K), as mean +- 95% t-interval over seeds (:mod:`openrlhf_lpo.compare.stats`):
 final sampled reward (mean of the last ``--window`` steps), held-out Pass@1 / Pass@4 / Pass@16
 (unbiased estimator, 16 samples per problem), distinct correct answers per held-out prompt, coverage
 of the answer set, response entropy, gradient norm, and steps to threshold: the first step whose
@@ -108,65 +108,43 @@ def check_pairing(runs: Dict[Job, List[Dict]]) -> int:
 
 
 def run_summary(rows: List[Dict], window: int) -> Dict[str, float]:
-    """Final metrics of one run: the last ``window`` steps' reward and entropy, the mean gradient
-    norm, and the held-out metrics of the last evaluation."""
-    from openrlhf_lpo.demo.report import training_rows
+    """Final metrics of one run (:func:`openrlhf_lpo.compare.summary.run_summary`): the last ``window`` steps'
+    reward and entropy, the mean gradient norm, and the held-out metrics of the last evaluation."""
+    from openrlhf_lpo.compare.summary import run_summary as summary
 
-    train = training_rows(rows)
-    tail = train[-window:]
-    out = {"reward_final": statistics.mean(r["reward"] for r in tail),
-           "entropy_final": statistics.mean(r["entropy"] for r in tail),
-           "grad_norm_mean": statistics.mean(r["grad_norm"] for r in train),
-           "informative_mean": statistics.mean(r["informative_groups"] for r in train)}
-    evals = [r for r in rows if any(k.startswith("heldout_") for k in r)]
-    if evals:
-        out.update({k: v for k, v in evals[-1].items() if k.startswith("heldout_") and isinstance(v, (int, float))})
-    return out
+    return summary(rows, window)
 
 
 def aggregate(runs: Dict[Job, List[Dict]], methods: Sequence[str], ks: Sequence[int], seeds: Sequence[int],
               window: int, threshold: Optional[float] = None) -> Dict:
     """Per (method, K): mean +- 95% CI over seeds of every run summary metric and of the steps to
-    threshold; per LPO method and K: the paired difference to its baseline."""
+    threshold; per LPO method and K: the paired difference to its baseline
+    (:func:`openrlhf_lpo.compare.summary.aggregate` per K)."""
+    from openrlhf_lpo.compare.stats import mean_ci
+    from openrlhf_lpo.compare.summary import aggregate as per_seed
     from openrlhf_lpo.demo.methods import METHODS
     from openrlhf_lpo.demo.report import steps_to_reach
-    from openrlhf_lpo.demo.stats import mean_ci, paired_ci
 
     summ = {job: run_summary(rows, window) for job, rows in runs.items()}
     cells, diffs = {}, {}
     for k in ks:
-        for m in methods:
+        at_k = {(m, s): v for (m, kk, s), v in summ.items() if kk == k}
+        agg = per_seed(at_k, methods, seeds, lambda m: METHODS[m].baseline.name,
+                       keys=[key for key, _ in TABLE_METRICS])
+        for m, cell in agg["cells"].items():
             base = METHODS[m].baseline.name
             if threshold is not None:
                 thr = threshold
             else:
                 finals = [summ[(base, k, s)]["reward_final"] for s in seeds if (base, k, s) in summ]
                 thr = statistics.mean(finals) if finals else None
-            have = [s for s in seeds if (m, k, s) in summ]
-            if not have:
-                continue
-            cell = {"seeds": have, "threshold": thr}
-            keys = sorted({key for s in have for key in summ[(m, k, s)]})
-            for key in keys:
-                vals = [summ[(m, k, s)].get(key) for s in have]
-                ci = mean_ci(vals)
-                cell[key] = {"values": vals, "mean": ci.mean, "ci95": ci.half, "n": ci.n}
-            hits = [steps_to_reach(runs[(m, k, s)], thr, window) if thr is not None else None for s in have]
+            hits = [steps_to_reach(runs[(m, k, s)], thr, window) if thr is not None else None for s in cell["seeds"]]
             reached = [h for h in hits if h is not None]
             ci = mean_ci(reached)
-            cell["steps_to_threshold"] = {"values": hits, "mean": ci.mean, "ci95": ci.half, "reached": len(reached),
-                                          "n": len(hits)}
-            cells[f"{m}|{k}"] = cell
-            if base != m and any((base, k, s) in summ for s in seeds):
-                both = [s for s in seeds if (m, k, s) in summ and (base, k, s) in summ]
-                d = {}
-                for key in [key for key, _ in TABLE_METRICS]:
-                    a = [summ[(m, k, s)].get(key) for s in both]
-                    b = [summ[(base, k, s)].get(key) for s in both]
-                    if all(v is not None for v in a + b):
-                        ci = paired_ci(a, b)
-                        d[key] = {"mean": ci.mean, "ci95": ci.half, "n": ci.n}
-                diffs[f"{m}|{k}"] = {"baseline": base, **d}
+            cells[f"{m}|{k}"] = {**cell, "threshold": thr,
+                                 "steps_to_threshold": {"values": hits, "mean": ci.mean, "ci95": ci.half,
+                                                        "reached": len(reached), "n": len(hits)}}
+        diffs.update({f"{m}|{k}": d for m, d in agg["paired_differences"].items()})
     return {"cells": cells, "paired_differences": diffs}
 
 
@@ -271,13 +249,7 @@ def plot_group_size(agg: Dict, methods: Sequence[str], ks: Sequence[int], out_pn
                 ax.set_ylabel(f"tau of {base}", fontsize=9)
                 ax.legend(fontsize=7, loc="best")
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    out_png = Path(out_png)
-    tmp = out_png.with_name(f".{out_png.stem}.tmp-{os.getpid()}.png")
-    fig.savefig(tmp, dpi=90)
-    plt.close(fig)
-    os.replace(tmp, out_png)
-    return out_png
+    return _save(fig, out_png)
 
 
 # ----------------------------------------------------------------------------- research suite (issue 25)
@@ -337,7 +309,7 @@ CONTRAST_METRICS = ("reward_final", "heldout_pass@1", "heldout_pass@4", "heldout
 
 def contrast_differences(runs: Dict[Job, List[Dict]], contrasts, seeds, window: int) -> Dict:
     """Per contrast: the paired difference (method minus reference, same seeds) of each metric."""
-    from openrlhf_lpo.demo.stats import paired_ci
+    from openrlhf_lpo.compare.stats import paired_ci
 
     summ = {job: run_summary(rows, window) for job, rows in runs.items()}
     out = {}
@@ -379,17 +351,9 @@ def format_contrasts(diffs: Dict) -> str:
 
 def _curves(runs: Dict[Job, List[Dict]], method: str, k: int, seeds, key: str, x_key: str = "step"):
     """Mean and 95% CI over seeds of ``key`` at each x (rows that have it)."""
-    from openrlhf_lpo.demo.stats import mean_ci
+    from openrlhf_lpo.compare.summary import curve
 
-    by_x: Dict[float, List[float]] = {}
-    for s in seeds:
-        for r in runs.get((method, k, s), []):
-            if r.get(key) is not None:
-                x = r["step"] if x_key == "step" else r.get(x_key, 0.0)  # the step-0 row: nothing generated yet
-                by_x.setdefault(float(x), []).append(float(r[key]))
-    xs = sorted(by_x)
-    cis = [mean_ci(by_x[x]) for x in xs]
-    return xs, [c.mean for c in cis], [0.0 if math.isnan(c.half) else c.half for c in cis]
+    return curve({s: runs.get((method, k, s), []) for s in seeds}, key, x_key)
 
 
 def _cell_points(agg: Dict, methods_x, k: int, key: str):
@@ -406,8 +370,9 @@ def _cell_points(agg: Dict, methods_x, k: int, key: str):
 
 def _band(ax, xs, ys, es, color, label, marker="o"):
     """A mean curve with its 95% band."""
-    ax.plot(xs, ys, color=color, marker=marker, markersize=3, label=label)
-    ax.fill_between(xs, [y - e for y, e in zip(ys, es)], [y + e for y, e in zip(ys, es)], color=color, alpha=0.15)
+    from openrlhf_lpo.compare.report import band
+
+    band(ax, xs, ys, es, color, label, marker)
 
 
 def _style(ax, title: str, legend: bool, xlabel: Optional[str] = None):
@@ -420,15 +385,9 @@ def _style(ax, title: str, legend: bool, xlabel: Optional[str] = None):
 
 
 def _save(fig, out_png: Path) -> Path:
-    import matplotlib.pyplot as plt
+    from openrlhf_lpo.compare.report import save_figure
 
-    out_png = Path(out_png)
-    tmp = out_png.with_name(f".{out_png.stem}.tmp-{os.getpid()}.png")
-    fig.tight_layout()
-    fig.savefig(tmp, dpi=90)
-    plt.close(fig)
-    os.replace(tmp, out_png)
-    return out_png
+    return save_figure(fig, out_png)
 
 
 def plot_research(agg: Dict, runs: Dict[Job, List[Dict]], ks: Sequence[int], seeds, out_dir: Path, title: str):

@@ -26,14 +26,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import os
 import shlex
 import sys
-import threading
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import List, Optional
 
@@ -42,8 +38,8 @@ warnings.filterwarnings("ignore", message=".*pynvml.*")
 
 from openrlhf_lpo.demo.methods import METHODS, parse_methods
 from openrlhf_lpo.demo.presets import PRESETS, get_preset
-from openrlhf_lpo.demo.report import (MetricsWriter, atomic_write_json, atomic_write_text, load_run,
-                                      plot_run, summarize)
+from openrlhf_lpo.demo.report import atomic_write_json, atomic_write_text, load_run, plot_run, summarize
+from openrlhf_lpo.demo.study import quiet_libraries as _quiet_libraries
 
 BACKENDS = ("pipeline", "inprocess")
 
@@ -114,19 +110,6 @@ def _log(msg: str) -> None:
     print(f"[lpo-demo] {msg}", flush=True)
 
 
-def _quiet_libraries() -> None:
-    """Keep the demo's own progress bars readable: no per-file HF bars, no import-time warnings."""
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
-    except ImportError:
-        pass
-
-
 def run_demo(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -142,9 +125,6 @@ def run_demo(argv: Optional[List[str]] = None) -> int:
     config = {"preset": args.preset, "backend": backend, "methods": [m.name for m in methods],
               "warmup": dataclasses.asdict(wu), "rl": dataclasses.asdict(rl) | {"pipeline_args": list(rl.pipeline_args)},
               "argv": argv or sys.argv[1:]}
-    previous = _resumable(run_dir, config) if args.resume else {}
-    if args.resume and not previous:
-        _log("--resume: no finished method with the same settings in this run directory; running all")
     atomic_write_json(run_dir / "config.json", config)
     _log(f"run directory: {run_dir}")
 
@@ -160,125 +140,33 @@ def run_demo(argv: Optional[List[str]] = None) -> int:
     atomic_write_json(run_dir / "warmup.json", {k: v for k, v in warm.items() if k != "history"}
                       | {"load_s": warm_s})
 
-    start_eval = None
-    if rl.eval_every:
-        from openrlhf_lpo.demo.heldout import evaluate_checkpoint
-        from openrlhf_lpo.demo.task import get_task
+    from openrlhf_lpo.compare.plan import RunSpec
+    from openrlhf_lpo.compare.runner import run_matrix
+    from openrlhf_lpo.demo.study import DemoJob
 
-        t0 = time.time()
-        start_eval = evaluate_checkpoint(warm["path"], get_task(rl.task), rl.heldout(), threads=rl.threads)
-        _log(f"held-out start ({rl.eval_prompts} problems x {rl.eval_samples} samples, {time.time() - t0:.0f}s): "
-             + ", ".join(f"{k.replace('heldout_', '')} {v:.3f}" for k, v in start_eval.items()))
-
+    # the demo is a paired study of one seed (openrlhf_lpo.compare): one run per method, markers in its directory
+    job = DemoJob({m.name: m for m in methods}, rl, warm, backend, progress, _log)
+    job.start_eval(rl.seed, run_dir)  # the warm-up's held-out metrics: every method's step-0 row
+    rl_settings = dataclasses.asdict(rl) | {"pipeline_args": list(rl.pipeline_args)}
+    specs = [RunSpec(m.name, rl.seed, run_dir / backend / m.name, run_dir / "metrics" / f"{m.name}.jsonl",
+                     {"preset": args.preset, "backend": backend, "warmup": dataclasses.asdict(wu), "rl": rl_settings,
+                      "method": m.name, "flags": m.pipeline_flags()}) for m in methods]
     status = {}
-    lock = threading.Lock()
 
-    def record(name: str, entry: dict) -> None:
-        with lock:
-            status[name] = entry
-            atomic_write_json(run_dir / "status.json", status)
+    def record(spec, entry: dict) -> None:  # the runner serialises its calls
+        status[spec.method] = {**entry, "backend": backend}
+        atomic_write_json(run_dir / "status.json", status)
 
-    def run_method(method) -> None:
-        metrics_path = run_dir / "metrics" / f"{method.name}.jsonl"
-        writer = MetricsWriter(metrics_path)
-        tm = time.time()
-        record(method.name, {"state": "running", "backend": backend})
-        try:
-            if backend == "inprocess":
-                from openrlhf_lpo.demo.loop import run_inprocess
-
-                info = run_inprocess(method, rl, warm["path"], on_row=writer, progress=progress,
-                                     start_eval=start_eval)
-                writer.close()
-            else:
-                if start_eval is not None:
-                    writer({"method": method.name, "step": 0, "backend": backend, **start_eval})
-                info = _run_pipeline_with_retry(method, rl, warm["path"], run_dir, writer, progress)
-                writer.close()
-                info.update(_evaluate_pipeline_run(run_dir / "pipeline" / method.name, rl, info["steps"],
-                                                   metrics_path, progress))
-            record(method.name, {"state": "done", "backend": backend, "wall_s": time.time() - tm, **info})
-        except Exception as e:  # keep what finished; report which component failed
-            record(method.name, {"state": "failed", "backend": backend, "wall_s": time.time() - tm,
-                                 "error": f"{type(e).__name__}: {e}"})
-            _log(f"{method.name} failed: {type(e).__name__}: {e}")
-        finally:
-            writer.close()
-
-    todo = []
-    for method in methods:
-        if method.name in previous:
-            record(method.name, dict(previous[method.name]))
-            _log(f"{method.name}: kept from the earlier run (--resume)")
-        else:
-            todo.append(method)
     # pipeline jobs side by side (--jobs): their start-up (imports, Ray, actors) overlaps; the in-process
     # loop runs one method at a time
-    jobs = 1 if backend == "inprocess" else max(1, min(args.jobs, len(todo)))
-    pool = ThreadPoolExecutor(max_workers=jobs)
-    futures = [pool.submit(run_method, m) for m in todo]
+    jobs = 1 if backend == "inprocess" else args.jobs
     try:
-        for f in futures:
-            f.result()
+        run_matrix(specs, job, jobs, policy="resume" if args.resume else "fresh", record=record, log=_log)
     except KeyboardInterrupt:
-        from openrlhf_lpo.demo.pipeline import stop_all
-
-        stop_all()
-        for m in todo:
-            if status.get(m.name, {}).get("state") in (None, "running"):
-                record(m.name, {"state": "interrupted", "backend": backend})
-        pool.shutdown(wait=False, cancel_futures=True)
         _finish(run_dir, status, args, wu, rl, backend, warm, warm_s, t_start)
         raise
-    pool.shutdown()
     ok = _finish(run_dir, status, args, wu, rl, backend, warm, warm_s, t_start)
     return 0 if ok else 1
-
-
-def _evaluate_pipeline_run(out_dir: Path, rl, steps_done: int, metrics_path: Path, progress: bool) -> dict:
-    """Held-out metrics of a finished ``lpo-train`` job's checkpoints, merged into its metrics rows."""
-    if not rl.eval_every:
-        return {}
-    from openrlhf_lpo.demo.pipeline import evaluate_checkpoints
-    from openrlhf_lpo.demo.report import merge_step_metrics
-
-    t0 = time.time()
-    found = evaluate_checkpoints(out_dir, rl, steps_done, progress=progress)
-    if found:
-        merge_step_metrics(metrics_path, found)
-    missing = [s for s in rl.eval_steps() if 0 < s <= steps_done and s not in found]
-    if missing:
-        _log(f"no checkpoint for held-out steps {missing} in {out_dir} (see its lpo-train.log)")
-    return {"heldout_eval_s": time.time() - t0, "heldout_steps": sorted(found)}
-
-
-def _resumable(run_dir: Path, config: dict) -> dict:
-    """Finished methods of an earlier run in ``run_dir`` whose settings equal ``config``."""
-    try:
-        old_config = json.loads((run_dir / "config.json").read_text())
-        old_status = json.loads((run_dir / "status.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    same = all(old_config.get(k) == config.get(k) for k in ("preset", "backend", "warmup", "rl"))
-    if not same:
-        return {}
-    return {n: st for n, st in old_status.items()
-            if st.get("state") == "done" and (run_dir / "metrics" / f"{n}.jsonl").exists()}
-
-
-def _run_pipeline_with_retry(method, rl, model_path, run_dir, writer, progress):
-    """One ``lpo-train`` job; if Ray itself failed to start (nothing trained yet: a busy machine can
-    time the GCS out), try once more before giving up."""
-    from openrlhf_lpo.demo import pipeline
-
-    out = Path(run_dir) / "pipeline" / method.name
-    try:
-        return pipeline.run_pipeline(method, rl, model_path, out, on_row=writer, progress=progress)
-    except pipeline.PipelineError as e:
-        if getattr(e, "component", None) != "ray" or getattr(e, "steps_done", 1):
-            raise
-        _log(f"{method.name}: {e} -- retrying once")
-        return pipeline.run_pipeline(method, rl, model_path, out, on_row=writer, progress=progress)
 
 
 def _finish(run_dir, status, args, wu, rl, backend, warm, warm_s, t_start) -> bool:
@@ -293,6 +181,12 @@ def _finish(run_dir, status, args, wu, rl, backend, warm, warm_s, t_start) -> bo
     summary = summarize(runs, status, header=header)
     atomic_write_text(Path(run_dir) / "summary.txt", summary)
     if runs:
+        from openrlhf_lpo.compare.report import build_table, write_table
+
+        # lpo-compare's table of this one seed: the Figure-5 quantities, each LPO method minus the baseline
+        names = sorted(runs, key=lambda n: METHODS[n].is_lpo if n in METHODS else True)  # a baseline first
+        table = build_table({(n, rl.seed): runs[n] for n in names}, names, [rl.seed], window=5)
+        write_table(run_dir, table, title=f"lpo-demo --preset {args.preset}: {rl.task}, seed {rl.seed}")
         png = plot_run(runs, Path(run_dir) / "comparison.png",
                        title=f"{rl.task}: " + " vs ".join(runs) + f" (K={rl.k}, {rl.prompts_per_step} prompts/step, "
                              f"seed {rl.seed}, {backend})")

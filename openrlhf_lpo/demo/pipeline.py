@@ -9,12 +9,12 @@ Ray's object store.
 Metrics arrive as they are produced: the PPO trainer actor logs ``Global step N: {...}`` after
 every step; those lines are parsed from the subprocess output and written to the method's jsonl
 at once. The TensorBoard files (``--logger.tensorboard_dir``) fill in every step whose line did
-not arrive (Ray may drop a job's last forwarded lines at exit). Mapping of upstream keys to the demo's columns is :data:`METRIC_KEYS`.
+not arrive (Ray may drop a job's last forwarded lines at exit). The upstream keys map to the demo's columns
+through the one table of :mod:`openrlhf_lpo.compare.metrics`.
 """
 
 from __future__ import annotations
 
-import ast
 import math
 import os
 import re
@@ -26,29 +26,12 @@ from collections import deque
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
+from openrlhf_lpo.compare.metrics import parse_step_line, step_row
 from openrlhf_lpo.demo.loop import RLConfig
 from openrlhf_lpo.demo.methods import Method
 from openrlhf_lpo.testing.tensorboard_rows import train_rows
 
 REWARD_FILE = Path(__file__).with_name("reward_func.py")
-
-# demo column -> upstream metric names, first present wins
-METRIC_KEYS = {
-    "reward": ("rollout/reward_mean", "reward"),
-    "entropy": ("response_entropy", "entropy_loss"),
-    "grad_norm": ("actor_grad_norm",),
-    "kl_target": ("lpo/kl_end",),
-    "kl_start": ("lpo/kl_start",),
-    "loss": ("policy_loss",),
-    "response_length": ("rollout/response_length_mean",),
-    "degenerate_groups": ("lpo/degenerate_frac",),
-    "step_s": ("timing/step_total",),
-    "rollout_fingerprint": ("rollout_fingerprint",),
-}
-
-_STEP_LINE = re.compile(r"Global step (\d+): (\{.*\})")
-_PAIR = re.compile(r"'([^']+)':\s*(?:np\.float\d+\(|tensor\()?(-?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|nan|inf))")
-
 
 _ERROR_LINE = re.compile(r"^(?:.*\] )?((?:[\w.]+Error|[\w.]+Exception)(?:\([\w]+\))?: .*)$", re.MULTILINE)
 
@@ -76,30 +59,8 @@ def _component(message: str) -> str:
     return "other"
 
 
-def parse_step_line(line: str) -> Optional[Dict]:
-    """``(PPOTrainer pid=..) ... Global step 3: {'policy_loss': 0.1, ...}`` -> ``{"step": 3, ...}``."""
-    m = _STEP_LINE.search(line)
-    if not m:
-        return None
-    try:
-        raw = ast.literal_eval(m.group(2))
-        values = {k: float(v) for k, v in raw.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    except (ValueError, SyntaxError):
-        values = {k: float(v) for k, v in _PAIR.findall(m.group(2))}
-    return {"step": int(m.group(1)), **values}
-
-
 def to_row(method: str, upstream: Dict, elapsed_s: float) -> Dict:
-    row = {"method": method, "step": int(upstream["step"]), "backend": "pipeline", "elapsed_s": elapsed_s}
-    for col, keys in METRIC_KEYS.items():
-        for k in keys:
-            if k in upstream and math.isfinite(upstream[k]):
-                row[col] = upstream[k]
-                break
-    if "degenerate_groups" in row:
-        row["informative_groups"] = 1.0 - row["degenerate_groups"]
-    row["upstream"] = {k: v for k, v in upstream.items() if k != "step"}
-    return row
+    return step_row(method, upstream, backend="pipeline", elapsed_s=elapsed_s)
 
 
 def pipeline_argv(method: Method, cfg: RLConfig, model_path: str, dataset: str, out_dir: Path,
@@ -107,7 +68,8 @@ def pipeline_argv(method: Method, cfg: RLConfig, model_path: str, dataset: str, 
     """The ``lpo-train`` flags of one demo method (same for every method but the estimator flags).
 
     With held-out evaluation on, the actor saves a checkpoint every ``cfg.eval_every`` steps (DeepSpeed
-    state, so a job can resume, and ``<out_dir>/ckpt/global_step<N>_hf``); :func:`evaluate_checkpoints`
+    state, and ``<out_dir>/ckpt/global_step<N>_hf``) and loads the last one at start (``--ckpt.load_enable``:
+    a killed job resumes); :func:`evaluate_checkpoints`
     scores the HF ones after the job, in the demo's process, with the same code as the in-process loop.
     ``cfg.pipeline_args`` come last, so they override (e.g. data-parallel ranks).
     """
@@ -136,7 +98,10 @@ def pipeline_argv(method: Method, cfg: RLConfig, model_path: str, dataset: str, 
         "--ckpt.path", str(out_dir / "ckpt"), "--ckpt.output_dir", str(out_dir / "final"),
     ]
     if cfg.eval_every:  # every HF export stays for the held-out evaluation after the job (not rotated)
-        argv += ["--ckpt.save_steps", str(cfg.eval_every), "--ckpt.save_hf", "--ckpt.hf_max_num", "-1"]
+        argv += ["--ckpt.save_steps", str(cfg.eval_every), "--ckpt.save_hf", "--ckpt.hf_max_num", "-1",
+                 # a killed job started again in the same directory continues from its last checkpoint (the
+                 # study runner empties the directory of a run that starts from scratch)
+                 "--ckpt.load_enable"]
     return argv + method.pipeline_flags() + list(cfg.pipeline_args)
 
 
@@ -203,7 +168,7 @@ def run_pipeline(method: Method, cfg: RLConfig, model_path: str, out_dir: Path,
     if bar is not None:
         bar.set_postfix(stage="starting Ray + engine")
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "openrlhf_lpo.cli.train_ppo_ray", *argv],
+        proc = subprocess.Popen([sys.executable, "-c", _STOP_WITH_PARENT, str(os.getpid()), *argv],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                 start_new_session=True, bufsize=1)
         LIVE.add(proc)
@@ -283,6 +248,20 @@ def evaluate_checkpoints(out_dir: Path, cfg: RLConfig, steps_done: int,
         if bar is not None:
             bar.close()
     return out
+
+
+# ``python -m openrlhf_lpo.cli.train_ppo_ray <argv>`` that gets SIGTERM when the thread that started it dies (the
+# demo or lpo-compare killed outright: Linux's prctl PR_SET_PDEATHSIG), so no job trains on unseen in a directory
+# the next invocation resumes in; elsewhere it is the plain command
+_STOP_WITH_PARENT = """import ctypes, os, runpy, signal, sys
+try:
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+except (OSError, AttributeError):
+    pass
+if os.getppid() != int(sys.argv.pop(1)):  # the parent died before the prctl
+    sys.exit(143)
+runpy.run_module("openrlhf_lpo.cli.train_ppo_ray", run_name="__main__", alter_sys=True)
+"""
 
 
 LIVE: set = set()  # the lpo-train processes running now (jobs of the demo may run side by side)

@@ -18,11 +18,14 @@ The plot uses matplotlib's Agg backend (no display needed).
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
+
+# the run-directory files are shared with lpo-compare (imported here under their old names too)
+from openrlhf_lpo.compare.files import (MetricsWriter, atomic_write_json, atomic_write_text,  # noqa: F401
+                                        read_metrics, write_metrics)
 
 # (metric key or "heldout_pass", panel title); "heldout_pass" draws Pass@1 and the largest Pass@k
 PANELS = (
@@ -35,48 +38,6 @@ PANELS = (
 )
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def atomic_write_json(path: Path, obj) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=1, sort_keys=True, default=str) + "\n")
-
-
-class MetricsWriter:
-    """Append one json row per line and flush, so a crash keeps every finished step."""
-
-    def __init__(self, path: Path):
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = open(self.path, "w")
-
-    def __call__(self, row: Dict) -> None:
-        self._f.write(json.dumps(row, sort_keys=True) + "\n")
-        self._f.flush()
-
-    def close(self) -> None:
-        self._f.close()
-
-
-def read_metrics(path: Path) -> List[Dict]:
-    """Rows of a metrics jsonl; a torn last line (killed writer) is ignored."""
-    rows = []
-    with open(path) as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                break
-    return rows
-
-
 def merge_step_metrics(path: Path, updates: Dict[int, Dict]) -> List[Dict]:
     """Add ``updates[step]`` to the row of that step in a metrics jsonl (rewritten atomically);
     a step without a row gets a new one. Returns the merged rows, ordered by step."""
@@ -87,7 +48,7 @@ def merge_step_metrics(path: Path, updates: Dict[int, Dict]) -> List[Dict]:
         row = by_step.setdefault(int(step), {"method": method, "step": int(step)})
         row.update(values)
     merged = sorted(by_step.values(), key=lambda r: r["step"])
-    atomic_write_text(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in merged))
+    write_metrics(path, merged)
     return merged
 
 

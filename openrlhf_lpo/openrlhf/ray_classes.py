@@ -24,8 +24,9 @@ Public names (stable):
     RemoteLPOTrainer, RemoteLPOTrainingActor, RemoteLPOTrainerAsync
 
 The processes that build the prompt dataloader (the trainer; the async sample generator) seed torch
-with ``--train.seed`` first: the stock dataloader shuffles with the process's unseeded global RNG, so
-two runs with the same seed would see the prompts in different orders. Both trainers use
+with ``--train.seed`` first, for every estimator (``SeededPromptOrder``): the stock dataloader shuffles
+with the process's unseeded global RNG, so two runs with the same seed would see the prompts in
+different orders. Both trainers use
 ``LPOExperienceMaker`` instead of ``RemoteExperienceMaker`` and, for lpo, a
 ``train_step`` that (1) skips a rollout batch with fewer prompt groups than data-parallel ranks
 (the end of an episode), with a warning, and (2) under dynamic batching hands each rank its own
@@ -81,6 +82,16 @@ def _seed_prompt_order(strategy) -> None:
     torch.manual_seed(int(strategy.args.train.seed))
 
 
+class SeededPromptOrder:
+    """Mixin of every class that builds the prompt dataloader (the sync trainer, the async sample generator),
+    for every estimator: torch is seeded with ``--train.seed`` before the stock ``__init__`` shuffles, so the
+    runs of one seed see the prompts in one order whatever the method (a paired study's baseline included)."""
+
+    def __init__(self, pretrain, strategy, *args, **kwargs):
+        _seed_prompt_order(strategy)
+        super().__init__(pretrain, strategy, *args, **kwargs)
+
+
 # ----------------------------------------------------------------------------- every estimator
 
 
@@ -114,8 +125,8 @@ def _broadcast_to_vllm(self):
     return _StockTrainingActor.broadcast_to_vllm(self)
 
 
-class RuntimePPOTrainer(RewardErrorGuard, SeededRollouts, _StockPPOTrainer):
-    """The stock sync trainer with the reward-error window and seeded rollouts."""
+class RuntimePPOTrainer(SeededPromptOrder, RewardErrorGuard, SeededRollouts, _StockPPOTrainer):
+    """The stock sync trainer with the reward-error window, the seeded prompt order and seeded rollouts."""
 
 
 class RuntimeTrainingActor(RewardErrorGuard, _StockTrainingActor):
@@ -127,8 +138,8 @@ class RuntimeTrainingActor(RewardErrorGuard, _StockTrainingActor):
 RemoteRuntimeTrainingActor = ray.remote(RuntimeTrainingActor)
 
 
-class RuntimeGenerateSamplesActor(SeededGenerateSamples, _StockGenerateSamplesActor):
-    """The stock async sample generator with seeded rollouts."""
+class RuntimeGenerateSamplesActor(SeededPromptOrder, SeededGenerateSamples, _StockGenerateSamplesActor):
+    """The stock async sample generator with the seeded prompt order and seeded rollouts."""
 
 
 RemoteRuntimeGenerateSamplesActor = ray.remote(RuntimeGenerateSamplesActor)
@@ -236,9 +247,8 @@ class _LPOTrainerMixin:
         return stock(experiences) if ext is None else ext.fresh_rollout_stats(experiences, stock)
 
 
-class LPOTrainer(RewardErrorGuard, SeededRollouts, _LPOTrainerMixin, _StockPPOTrainer):
+class LPOTrainer(SeededPromptOrder, RewardErrorGuard, SeededRollouts, _LPOTrainerMixin, _StockPPOTrainer):
     def __init__(self, pretrain, strategy, *args, **kwargs):
-        _seed_prompt_order(strategy)
         super().__init__(pretrain, strategy, *args, **kwargs)
         self._use_lpo_experience_maker()
 
@@ -260,11 +270,7 @@ class LPOTrainingActor(RewardErrorGuard, _LPOTrainerMixin, _StockTrainingActor):
 RemoteLPOTrainingActor = ray.remote(LPOTrainingActor)
 
 
-class LPOGenerateSamplesActor(SeededGenerateSamples, _StockGenerateSamplesActor):
-    def __init__(self, pretrain, strategy, *args, **kwargs):
-        _seed_prompt_order(strategy)
-        super().__init__(pretrain, strategy, *args, **kwargs)
-
+class LPOGenerateSamplesActor(SeededPromptOrder, SeededGenerateSamples, _StockGenerateSamplesActor):
     def _run_eval(self):
         """The async trainer's ``--eval.*`` round with the project's grader (evaluation/training_eval.py)."""
         from functools import partial

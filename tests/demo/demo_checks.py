@@ -125,3 +125,39 @@ def inprocess_runs(model, methods, k, seeds, **cfg):
                           progress=False)
             out[(m, k, seed)] = rows
     return out
+
+
+def check_study_files(run: Path, methods: List[str], baseline: str, window: int = 5) -> None:
+    """The demo ran as a one-seed study (openrlhf_lpo.compare): each method's done marker holds its settings
+    hash and attempt, its job loads its checkpoints when started again, and the study table's numbers are the
+    rows' own (recomputed here: the last ``window`` steps' mean, the last evaluation, the paired difference)."""
+    run = Path(run)
+    table = json.loads((run / "table.json").read_text())
+    assert table["baseline"] == baseline and table["methods"][0] == baseline and len(table["seeds"]) == 1
+    seed = table["seeds"][0]
+    finals = {}
+    for m in methods:
+        done = json.loads((run / "pipeline" / m / "done.json").read_text())
+        attempt = json.loads((run / "pipeline" / m / "attempt.json").read_text())
+        assert done["settings_hash"] == attempt["settings_hash"] and done["attempts"] == attempt["n"] == 1
+        assert (run / "pipeline" / m / "trained.json").exists()
+        assert "--ckpt.load_enable" in (run / "pipeline" / m / "command.txt").read_text().split()
+        rows = load_rows(run, m)
+        train = [r for r in rows if r["step"] >= 1]
+        evals = [r for r in rows if "heldout_pass@1" in r]
+        want = {"reward_final": sum(r["reward"] for r in train[-window:]) / len(train[-window:]),
+                "response_length_final": sum(r["response_length"] for r in train[-window:]) / len(train[-window:]),
+                "grad_norm_mean": sum(r["grad_norm"] for r in train) / len(train),
+                "heldout_pass@1": evals[-1]["heldout_pass@1"]}
+        got = table["runs"][f"{m}/seed{seed}"]
+        for key, value in want.items():
+            assert got[key] == pytest.approx(value, rel=1e-12), (m, key)
+        finals[m] = want
+    for m in methods:
+        if m != baseline:
+            d = table["paired_differences"][m]
+            for key in finals[m]:
+                assert d[key]["values"] == [pytest.approx(finals[m][key] - finals[baseline][key], rel=1e-9)]
+    md = (run / "table.md").read_text()
+    assert "Paired differences against " + baseline in md and all(f"| {m} |" in md for m in methods)
+

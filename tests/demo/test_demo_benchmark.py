@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from openrlhf_lpo.demo.stats import mean_ci
+from openrlhf_lpo.compare.stats import mean_ci
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "toy_sample_efficiency.py"
 

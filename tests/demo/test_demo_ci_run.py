@@ -13,7 +13,7 @@ The assertions live in ``demo_checks`` so a shared end-to-end fixture can reuse 
 import pytest
 
 from demo_checks import (check_heldout, check_informative, check_layout, check_paired_rollouts, check_pipeline_rows,
-                         check_same_start, check_warmup, load_rows)
+                         check_same_start, check_study_files, check_warmup, load_rows)
 
 pytestmark = pytest.mark.e2e  # the demo through lpo-train (two pipeline runs)
 
@@ -39,3 +39,4 @@ def test_ci_preset_end_to_end(demo_ci_run):
         assert (run / "pipeline" / name / "command.txt").read_text().startswith("lpo-train ")
     check_same_start(rows)
     check_paired_rollouts(rows)  # same seed: same prompts and the same step-1 samples for every method
+    check_study_files(run, methods, baseline="grpo")  # the demo is lpo-compare's runner and table for one seed

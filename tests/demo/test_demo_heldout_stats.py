@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from openrlhf_lpo.demo.heldout import HeldoutConfig, evaluate_heldout, heldout_problems, summarize_samples
-from openrlhf_lpo.demo.stats import mean_ci, paired_ci, t975
+from openrlhf_lpo.compare.stats import mean_ci, paired_ci, t975
 from openrlhf_lpo.demo.task import get_task
 
 

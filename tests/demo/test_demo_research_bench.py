@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from openrlhf_lpo.demo.stats import paired_ci
+from openrlhf_lpo.compare.stats import paired_ci
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "toy_sample_efficiency.py"
 K = 8

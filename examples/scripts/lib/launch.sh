@@ -6,7 +6,8 @@
 # ~/lpo_runs: checkpoints, TensorBoard and the final model under $SAVE_ROOT/$RUN_NAME, never inside the checkout),
 # WANDB_KEY, AUTO_RESUME (default 3: --ckpt.auto_resume, 0 turns it off), EXTRA_ARGS (appended last, so they override the recipe), LPO_PRINT_ARGS=1 (print the
 # flags one per line and exit: used by tests/pipeline to parse every recipe with the lpo-train parser),
-# LPO_PRINT_RUNTIME_ENV=1 (print the Ray job's runtime env and exit). A task may set TASK_ENV=(NAME=value ...):
+# LPO_PRINT_RUNTIME_ENV=1 (print the Ray job's runtime env and exit), LPO_SUBMISSION_ID (the Ray job's submission id;
+# lpo-compare sets it). A task may set TASK_ENV=(NAME=value ...):
 # environment variables for every Ray worker (e.g. the code reward's LPO_CODE_* settings), also exported here.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
@@ -66,6 +67,8 @@ if [ "${LPO_PRINT_RUNTIME_ENV:-0}" = "1" ]; then
   exit 0
 fi
 
-ray job submit --address="${RAY_ADDRESS:-http://127.0.0.1:8265}" \
+SUBMIT_ID=()  # LPO_SUBMISSION_ID: the Ray job's submission id (lpo-compare follows or stops its runs by it)
+[ -z "${LPO_SUBMISSION_ID:-}" ] || SUBMIT_ID=(--submission-id "$LPO_SUBMISSION_ID")
+ray job submit --address="${RAY_ADDRESS:-http://127.0.0.1:8265}" ${SUBMIT_ID[@]+"${SUBMIT_ID[@]}"} \
   --runtime-env-json="$RUNTIME_ENV" \
   -- python3 -m openrlhf_lpo.cli.train_ppo_ray "${ARGS[@]}"

@@ -1,4 +1,5 @@
-"""Seed statistics for the toy benchmark: mean with a 95% confidence interval, paired differences.
+"""Seed statistics: mean with a 95% confidence interval, paired differences (lpo-compare, the demo, the
+toy benchmark).
 
 With n seeds the interval is ``mean +- t_{0.975, n-1} * s / sqrt(n)`` (Student's t, s the sample
 standard deviation with ddof=1): the usual interval for the mean of n independent runs. A paired
