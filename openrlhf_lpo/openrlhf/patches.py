@@ -1,14 +1,14 @@
 """The DeepSpeed backend's patch points: where openrlhf_lpo touches OpenRLHF 0.11.2, and the swaps.
 
 Public names (stable):
-    apply_patches(lpo=True)  context manager: the "swap" points (restored on exit)
+    apply_patches()  context manager: the "swap" points (restored on exit)
     rebind(namespace)        context manager: names in ``namespace`` (e.g. the stock CLI's globals,
                              imported before the swaps) follow the active swaps
 
 The points register in the neutral registry :mod:`openrlhf_lpo.upstream` (PatchPoint, check_contracts, the
 contract helpers) when this module is imported; ``lpo-train`` imports it before it checks. The "swap" points are
-replaced while ``apply_patches(lpo)`` is active: the LPO classes for lpo / maxrl / --lpo.end_kl runs, else the
-stock classes plus the runtime safety nets (reward-error window, HF export rotation; ray_classes.py). The Megatron
+replaced while ``apply_patches()`` is active: this project's classes for every estimator (the one update loop, the
+runtime safety nets: reward-error window, HF export rotation, seeded prompts; ray_classes.py). The Megatron
 backend registers its own points (megatron/patch_points.py).
 
 The contract test (tests/openrlhf/test_lpo_patches_contract.py) runs ``check_contracts`` and more.
@@ -342,16 +342,12 @@ _active: Dict[Tuple[str, str], Tuple[object, object]] = {}
 
 
 @contextlib.contextmanager
-def apply_patches(lpo: bool = True):
-    """Swap the stock Ray classes (kind "swap") for the LPO ones (``lpo``) or for the stock ones with the
-    runtime safety nets, restore them on exit."""
+def apply_patches():
+    """Swap the stock Ray classes (kind "swap") for this project's (every estimator: openrlhf/ray_classes.py),
+    restore them on exit."""
     from openrlhf_lpo.openrlhf import ray_classes as rc
 
-    if lpo:
-        actor, trainer, trainer_async = rc.RemoteLPOPolicyActor, rc.RemoteLPOTrainer, rc.RemoteLPOTrainerAsync
-    else:
-        actor, trainer = rc.RemoteRuntimePolicyActor, rc.RemoteRuntimePPOTrainer
-        trainer_async = rc.RemoteRuntimePPOTrainerAsync
+    actor, trainer, trainer_async = rc.RemoteLPOPolicyActor, rc.RemoteLPOTrainer, rc.RemoteLPOTrainerAsync
     from openrlhf.trainer.ray import vllm_engine
 
     from openrlhf.trainer.ray import launcher

@@ -1,7 +1,7 @@
 """Ray-side classes swapped into OpenRLHF 0.11.2 by ``openrlhf_lpo.openrlhf.patches``.
 
-Every ``lpo-train`` run gets the runtime safety nets; lpo, maxrl and ``--lpo.end_kl`` runs get the LPO
-classes, which include them:
+Every ``lpo-train`` run, whatever its estimator, gets these classes: the one update loop (``LPOActorTrainer``,
+core/update.py) and the runtime safety nets:
 
 * reward errors (``reward_guard.RewardErrorGuard``): every rollout sample's reward error counted,
   ``reward/error_frac`` logged, the run stopped only when errors persist;
@@ -11,9 +11,6 @@ classes, which include them:
   rotates only the DeepSpeed state under ``ckpt.path/_actor``).
 
 Public names (stable):
-    RuntimePolicyActor, RuntimePPOTrainer, RuntimeTrainingActor, RuntimePPOTrainerAsync
-                        the stock classes plus the safety nets (every other estimator)
-    RemoteRuntimePolicyActor, RemoteRuntimePPOTrainer, RemoteRuntimeTrainingActor, RemoteRuntimePPOTrainerAsync
     LPOPolicyActor      subclass of the class behind ``@ray.remote PolicyModelActor``; builds
                         ``LPOActorTrainer`` instead of ``ActorPPOTrainer``; saves a VLM's processor
                         files with its HF checkpoints
@@ -59,11 +56,7 @@ from openrlhf_lpo.openrlhf.vlm import save_processor_files
 from openrlhf_lpo.upstream import ray_class
 
 __all__ = ["LPOPolicyActor", "LPOTrainer", "LPOTrainingActor", "LPOGenerateSamplesActor", "LPOTrainerAsync",
-           "RemoteLPOPolicyActor",
-           "RemoteLPOTrainer", "RemoteLPOTrainingActor", "RemoteLPOTrainerAsync",
-           "RuntimePolicyActor", "RuntimePPOTrainer", "RuntimeTrainingActor", "RuntimePPOTrainerAsync",
-           "RemoteRuntimePolicyActor", "RemoteRuntimePPOTrainer", "RemoteRuntimeTrainingActor",
-           "RemoteRuntimePPOTrainerAsync"]
+           "RemoteLPOPolicyActor", "RemoteLPOTrainer", "RemoteLPOTrainingActor", "RemoteLPOTrainerAsync"]
 
 logger = init_logger(__name__)
 
@@ -107,42 +100,11 @@ class HFExportRotation:
         return result
 
 
-class RuntimePolicyActor(HFExportRotation, _StockPolicyActor):
-    """The stock policy actor whose HF exports rotate with --ckpt.max_num; its trainer builds its loss with
-    the policy-loss types we add (``--actor.policy_loss_type cispo``, openrlhf/cispo.py)."""
-
-    def init_model_from_pretrained(self, *args, **kwargs):
-        with policy_loss_types():
-            out = super().init_model_from_pretrained(*args, **kwargs)
-        bind_policy_loss(self.trainer, self.strategy.args)
-        return out
-
-
 def _broadcast_to_vllm(self):
     # The stock method's zero-argument super() fails when Ray dispatches it on a subclass of the
     # remote class (measured: "super(type, obj): obj must be an instance or subtype of type");
     # called explicitly, the same stock code runs as written (lock, pause/resume, sync).
     return _StockTrainingActor.broadcast_to_vllm(self)
-
-
-class RuntimePPOTrainer(SeededPromptOrder, RewardErrorGuard, SeededRollouts, _StockPPOTrainer):
-    """The stock sync trainer with the reward-error window, the seeded prompt order and seeded rollouts."""
-
-
-class RuntimeTrainingActor(RewardErrorGuard, _StockTrainingActor):
-    """The stock async training actor with the reward-error window."""
-
-    broadcast_to_vllm = _broadcast_to_vllm
-
-
-RemoteRuntimeTrainingActor = ray.remote(RuntimeTrainingActor)
-
-
-class RuntimeGenerateSamplesActor(SeededPromptOrder, SeededGenerateSamples, _StockGenerateSamplesActor):
-    """The stock async sample generator with the seeded prompt order and seeded rollouts."""
-
-
-RemoteRuntimeGenerateSamplesActor = ray.remote(RuntimeGenerateSamplesActor)
 
 
 class _AsyncTrainer(_StockPPOTrainerAsync):
@@ -157,13 +119,6 @@ class _AsyncTrainer(_StockPPOTrainerAsync):
             super().__init__(*args, **kwargs)
 
 
-class RuntimePPOTrainerAsync(_AsyncTrainer):
-    training_actor, sample_actor = RemoteRuntimeTrainingActor, RemoteRuntimeGenerateSamplesActor
-
-
-RemoteRuntimePolicyActor = ray.remote(num_gpus=1)(RuntimePolicyActor)
-RemoteRuntimePPOTrainer = ray.remote(RuntimePPOTrainer)
-RemoteRuntimePPOTrainerAsync = ray.remote(RuntimePPOTrainerAsync)
 
 
 # ----------------------------------------------------------------------------- lpo, maxrl, --lpo.end_kl

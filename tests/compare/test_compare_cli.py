@@ -113,8 +113,8 @@ def test_dry_run_prints_the_matrix_and_decisions(tmp_path, capsys):
 
 
 def test_every_class_that_builds_the_prompt_dataloader_seeds_its_order():
-    """A paired study's baseline runs the stock trainer classes (RuntimePPOTrainer: grpo.sh, dapo.sh, ...), its LPO
-    methods ours: both seed the prompt order with --train.seed (SeededPromptOrder), first in the MRO, so the
+    """A paired study's baseline and its LPO pair run the same classes (every estimator: LPOTrainer, the async
+    sample generator): they seed the prompt order with --train.seed (SeededPromptOrder), first in the MRO, so the
     stock __init__ shuffles after it. The mixin itself: a torch DataLoader built in the base's __init__ yields
     the same order for one seed whatever the global RNG held before, another order for another seed."""
     import types
@@ -123,7 +123,7 @@ def test_every_class_that_builds_the_prompt_dataloader_seeds_its_order():
 
     from openrlhf_lpo.openrlhf import ray_classes as rc_
 
-    for cls in (rc_.RuntimePPOTrainer, rc_.LPOTrainer, rc_.RuntimeGenerateSamplesActor, rc_.LPOGenerateSamplesActor):
+    for cls in (rc_.LPOTrainer, rc_.LPOGenerateSamplesActor):
         assert cls.__mro__[1] is rc_.SeededPromptOrder, cls
 
     class Base:

@@ -71,7 +71,7 @@ def test_check_contracts_detects_a_changed_signature(monkeypatch):
         upstream.check_contracts()
 
 
-def test_runtime_classes_for_other_estimators_swap_and_restore():
+def test_every_estimator_s_classes_swap_and_restore():
     import openrlhf.trainer.ppo_trainer as ppo_trainer
     import openrlhf.trainer.ppo_trainer_async as async_mod
     import openrlhf.trainer.ray.ppo_actor as ppo_actor
@@ -79,16 +79,11 @@ def test_runtime_classes_for_other_estimators_swap_and_restore():
     from openrlhf_lpo.upstream import ray_class
 
     stock = (ppo_actor.PolicyModelActor, ppo_trainer.PPOTrainer, async_mod.PPOTrainerAsync)
-    with patches.apply_patches(lpo=False):
-        assert ray_class(ppo_actor.PolicyModelActor) is rc.RuntimePolicyActor
-        assert ray_class(ppo_trainer.PPOTrainer) is rc.RuntimePPOTrainer
-        assert ray_class(async_mod.PPOTrainerAsync) is rc.RuntimePPOTrainerAsync
+    with patches.apply_patches():
+        assert ray_class(ppo_actor.PolicyModelActor) is rc.LPOPolicyActor
+        assert ray_class(ppo_trainer.PPOTrainer) is rc.LPOTrainer
+        assert ray_class(async_mod.PPOTrainerAsync) is rc.LPOTrainerAsync
     assert (ppo_actor.PolicyModelActor, ppo_trainer.PPOTrainer, async_mod.PPOTrainerAsync) == stock
-    # the safety nets only wrap the stock behaviour: train_step, save_checkpoint, the samples generator
-    own = {name for cls in (rc.RuntimePPOTrainer, rc.RuntimePolicyActor, rc.RuntimeTrainingActor)
-           for klass in cls.__mro__ if klass.__module__.startswith("openrlhf_lpo") for name in vars(klass)
-           if callable(vars(klass)[name]) and not name.startswith("__")}
-    assert own == {"train_step", "save_checkpoint", "init_checkpoint_states", "broadcast_to_vllm", "init_model_from_pretrained"}
 
 
 def test_seeded_samples_generator_swap_is_scoped():
@@ -118,7 +113,7 @@ def test_actor_group_placement_swap_is_active_inside_and_restored():
     from openrlhf.trainer.ray import launcher
 
     stock = launcher.RayActorGroup.__dict__["_initiate_actors"]
-    with patches.apply_patches(lpo=False):
+    with patches.apply_patches():
         swapped = launcher.RayActorGroup.__dict__["_initiate_actors"]
         assert swapped is not stock and swapped.__module__ == "openrlhf_lpo.openrlhf.placement"
         assert swapped.__wrapped__ is stock  # upstream's actor start, with the node-major bundle order

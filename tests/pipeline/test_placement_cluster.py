@@ -119,7 +119,7 @@ def _group(num_nodes, gpus_per_node, tag, duplicate_actors=1, node_block=None, s
     if node_block:
         Group.node_block, Group.node_block_strict = node_block, strict
     recorder = actor_type or Recorder()
-    with apply_patches(lpo=True):
+    with apply_patches():
         group = Group(num_nodes, gpus_per_node, recorder, duplicate_actors=duplicate_actors,
                       resources={tag: 1}, num_resources_per_node=1)
     return group, recorder
