@@ -10,9 +10,12 @@ from openrlhf_lpo.core.metrics import expected_keys
 # what the driver (OpenRLHF's trainer and ours) adds to the actor's status: the same code on both backends
 DRIVER_PREFIXES = ("rollout/", "timing/", "lpo/replay_")
 DRIVER_KEYS = {"dynamic_filtering_pass_rate", "lpo/divergence_switched_at", "lpo/skipped_groups", "generated_samples"}
-# per-sample values every task's experiences carry besides core.metrics.EXPERIENCE_KEYS: the reward's score and the
-# reward-error flag of the runtime guard (openrlhf_lpo/openrlhf/reward_guard.py)
-TASK_INFO = {"score", "reward/error_frac"}
+# per-sample values every task's experiences carry besides core.metrics.EXPERIENCE_KEYS: the reward's score, the
+# reward-error flag of the runtime guard (openrlhf_lpo/openrlhf/reward_guard.py) and OpenRLHF's truncation flag
+TASK_INFO = {"score", "reward/error_frac", "response_clip_ratio"}
+# the reward functions' extra logs (per sample): openrlhf_lpo/rewards/reward_func.py, the demo's reward
+PROJECT_REWARD_INFO = ("answer_found", "grader_timeout")
+DEMO_REWARD_INFO = ("answer_length", "rollout_fingerprint")
 
 
 def actor_keys(tb: Dict[str, dict]) -> Set[str]:

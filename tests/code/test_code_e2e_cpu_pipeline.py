@@ -111,9 +111,6 @@ def e2e(tmp_path_factory):
     return {"log": log, "scalars": tb_scalars(out / "tb"), "argv": args}
 
 
-CODE_REWARD_INFO = ()  # the code reward's per-sample extra logs
-
-
 def test_the_taught_answers_grade_as_designed(box):
     assert grade_code(RIGHT, TESTS, sandbox=box).reward("fraction") == 1.0
     assert grade_code(WRONG, TESTS, sandbox=box).reward("fraction") == 0.5
@@ -141,6 +138,6 @@ def test_two_cispo_iterations_with_sandboxed_code_rewards(e2e):
 def test_cispo_logs_the_metric_contract(e2e):
     """CISPO (a registered policy-loss type) logs exactly the keys of docs/metrics.md, the code reward's extra logs
     included."""
-    from metric_contract import check_run
+    from metric_contract import PROJECT_REWARD_INFO, check_run
 
-    check_run(e2e["scalars"], e2e["argv"], info=CODE_REWARD_INFO)
+    check_run(e2e["scalars"], e2e["argv"], info=PROJECT_REWARD_INFO)

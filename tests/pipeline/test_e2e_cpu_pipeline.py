@@ -110,11 +110,11 @@ def test_the_preflight_reads_a_real_deepspeed_checkpoint(e2e, capsys):
 
 def test_both_jobs_log_the_metric_contract(e2e, demo_ci_run):
     """LPO-fwd and its GRPO pair (with --lpo.end_kl) log exactly the keys of docs/metrics.md, with one meaning."""
-    from metric_contract import check_run
+    from metric_contract import DEMO_REWARD_INFO, check_run
 
-    check_run(e2e["tb_a"], shlex.split((e2e["job"] / "command.txt").read_text()))
+    check_run(e2e["tb_a"], shlex.split((e2e["job"] / "command.txt").read_text()), info=DEMO_REWARD_INFO)
     grpo_job = demo_ci_run["run"] / "pipeline" / "grpo"
-    check_run(tb_scalars(grpo_job / "tb"), shlex.split((grpo_job / "command.txt").read_text()))
+    check_run(tb_scalars(grpo_job / "tb"), shlex.split((grpo_job / "command.txt").read_text()), info=DEMO_REWARD_INFO)
     tb = e2e["tb_a"]
     steps = range(1, e2e["steps"] + 1)
     for s in steps:  # one meaning: the token fraction outside the band, a mean over the update's steps

@@ -72,9 +72,9 @@ def test_a_failing_reward_costs_its_samples_not_the_run(runs):
     assert (out / "final" / "config.json").exists()
     # a GSPO update ran: OpenRLHF's sequence-level loss through the one update loop logged its policy loss at both steps
     assert "LPOTrainer" in log and sorted(tb["train/policy_loss"]) == [1, 2]
-    from metric_contract import check_run
+    from metric_contract import PROJECT_REWARD_INFO, check_run
 
-    check_run(tb, runs["argv_a"])
+    check_run(tb, runs["argv_a"], info=PROJECT_REWARD_INFO)
 
 
 def test_hf_exports_rotate_with_the_training_state(runs):
