@@ -108,12 +108,12 @@ def check_shared(path: str, look_s: float = LOOK_S, timeout_s: float = 120.0) ->
     return problems, unanswered, checked
 
 
-def check_or_exit(args: argparse.Namespace, prog: str = "lpo-train") -> None:
+def check_or_exit(args: argparse.Namespace, prog: str = "lpo-train", look_s: float = LOOK_S) -> None:
     """The run's start-up check (module docstring): exit 2 naming the nodes that do not share ``--ckpt.path``."""
     ckpt = args.ckpt
     if not ((ckpt.save_steps or 0) > 0 or ckpt.load_enable):
         return
-    problems, unanswered, checked = check_shared(ckpt.path)
+    problems, unanswered, checked = check_shared(ckpt.path, look_s=look_s)
     for node in unanswered:
         print(f"{prog}: warning: node {node} did not answer the shared-storage check of --ckpt.path {ckpt.path}; "
               "not checked", file=sys.stderr, flush=True)

@@ -599,8 +599,11 @@ def init_ray(num_cpus: Optional[int] = None, num_gpus: Optional[int] = None, **k
     kwargs.setdefault("include_dashboard", False)
     address = ray_address()
     if address:  # an existing cluster: its resources are its own (it needs logical GPU slots)
+        from openrlhf_lpo.cli.capacity import restart_number
+
         ctx = ray.init(address=address, runtime_env=ray_runtime_env(), **kwargs)
-        if float(ray.cluster_resources().get("GPU", 0.0)) <= 0:
+        # (a restart of --ckpt.auto_resume after a lost node waits for the GPUs instead: cli/capacity.py)
+        if float(ray.cluster_resources().get("GPU", 0.0)) <= 0 and restart_number() == 0:
             ray.shutdown()
             raise RuntimeError(
                 f"CPU mode joined the Ray cluster at RAY_ADDRESS={address}, which declares no GPU resources; "

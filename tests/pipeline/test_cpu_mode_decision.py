@@ -13,7 +13,7 @@ import pytest
 
 HEAD = r"""
 import sys, time, ray
-ray.init(num_cpus=1, num_gpus=int(sys.argv[1]), include_dashboard=False)
+ray.init(address="local", num_cpus=1, num_gpus=int(sys.argv[1]), include_dashboard=False)
 print(ray.get_runtime_context().gcs_address, flush=True)
 time.sleep(600)
 """
@@ -83,14 +83,35 @@ def test_cluster_without_gpus_gets_cpu_mode_and_a_clear_error(ray_head):
     assert "declares no GPU resources" in res["init"] and "ray start --head --num-gpus" in res["init"]
 
 
-def test_no_cluster_and_no_gpu_means_cpu_mode():
-    from openrlhf_lpo.cpu.mode import decide_cpu_mode
+def test_no_cluster_and_no_gpu_means_cpu_mode(tmp_path, monkeypatch):
+    from openrlhf_lpo.cpu.mode import decide_cpu_mode, recorded_cluster
 
-    assert decide_cpu_mode("auto", None, local_gpu=False) == (True, "no GPU here and no Ray cluster to join "
-                                                                    "(RAY_ADDRESS unset)")
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))  # where Ray looks for a cluster `ray start` recorded: none
+    nothing = (True, "no GPU here and no Ray cluster to join (RAY_ADDRESS unset)")
+    assert recorded_cluster() is None and decide_cpu_mode("auto", None, local_gpu=False) == nothing
+    # a record whose cluster is gone (killed without `ray stop`: no raylet serves it) is no cluster to join
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "ray_current_cluster").write_text("10.255.255.1:6379")
+    assert recorded_cluster() is None and decide_cpu_mode("auto", None, local_gpu=False) == nothing
     assert decide_cpu_mode("auto", None, local_gpu=True)[0] is False
     with pytest.raises(ValueError, match="--cpu.mode"):
         decide_cpu_mode("sometimes", None)
+
+
+def test_a_recorded_cluster_s_gpus_are_real_on_other_machines_only():
+    """A GPU-less driver and the cluster `ray start` recorded: GPUs of nodes on other machines are real (a GPU-less
+    head or login node: the GPU pipeline joins it); GPUs of this machine's node are logical slots, unless this
+    machine has NVIDIA devices (a driver whose GPUs are hidden). Dead nodes do not count."""
+    from openrlhf_lpo.cpu.mode import gpus_elsewhere
+
+    def node(nid, ip, gpus, alive=True):
+        return {"NodeID": nid, "NodeManagerAddress": ip, "Alive": alive, "Resources": {"GPU": gpus, "CPU": 8.0}}
+
+    cluster = [node("head", "10.0.0.1", 4.0), node("w1", "10.0.0.2", 8.0), node("w2", "10.0.0.3", 8.0, alive=False),
+               node("sim", "10.0.0.1", 2.0)]
+    assert gpus_elsewhere(cluster, "head", nvidia_here=False) == (14.0, 8.0)
+    assert gpus_elsewhere(cluster[:1] + cluster[3:], "head", nvidia_here=False) == (6.0, 0.0)  # all logical
+    assert gpus_elsewhere(cluster[:1], "head", nvidia_here=True) == (4.0, 4.0)
 
 
 
