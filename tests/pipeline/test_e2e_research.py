@@ -48,9 +48,10 @@ FLAGS = ["--lpo.divergence_schedule", "alpha:0.5@0,tv@1,rev", "--lpo.divergence_
          "--ckpt.save_steps", "2", "--ckpt.max_num", "4"]
 
 
-# the simulated cluster: the head is the driver's node (no GPUs); run B needs 3 GPUs (2 actor ranks, 1 engine)
-HEAD = {"num_cpus": 8, "num_gpus": 0}
-GPU_NODE = {"num_cpus": 8, "num_gpus": 4, "object_store_memory": 256 << 20}
+# the simulated cluster: the head is the driver's node (no CPU or GPU slots: every actor runs on the other node,
+# as on the run's own one-node cluster); run B needs 3 GPUs (2 actor ranks, 1 engine)
+HEAD = {"num_cpus": 0, "num_gpus": 0}
+GPU_NODE = {"num_cpus": 8, "num_gpus": 4, "object_store_memory": 1 << 30}
 QUIET = {"enable_worker_prestart": False, "prestart_worker_first_driver": False,  # workers get each job's env
          "health_check_period_ms": 1000, "health_check_failure_threshold": 3}  # a lost node is seen in ~3 s
 
@@ -74,7 +75,7 @@ def sim_cluster():
         remove_ray_tmpdir(tmp)
 
 
-def _preemptions(cluster, gpu_nodes, latest: Path, after_s: float = 3.0):
+def _preemptions(cluster, gpu_nodes, latest: Path, after_s: float = 2.0):
     """Run B's events (``e2e_common.run_supervised``): lose the GPU node once checkpoint global_step2 is whole;
     ``after_s`` seconds after the restarted attempt says it waits for GPUs, add a node like it back; SIGKILL that
     attempt's driver as its actors start (its ``[placement]`` line)."""
@@ -105,7 +106,7 @@ def _preemptions(cluster, gpu_nodes, latest: Path, after_s: float = 3.0):
 
 
 @pytest.fixture(scope="module")
-def research_runs(tiny_model_dir, tmp_path_factory, sim_cluster):
+def research_runs(tiny_model_dir, tmp_path_factory, request):
     root = tmp_path_factory.mktemp("research")
     data = write_prompts(root / "prompts.jsonl", 4 * STEPS)
     out_a, out_b = root / "run_a", root / "run_b"
@@ -115,6 +116,7 @@ def research_runs(tiny_model_dir, tmp_path_factory, sim_cluster):
     log_a = root / "rewards_a.jsonl"
     rc, wall_a, text_a = run_cli(args_a, run_env({"LPO_E2E_REWARD_LOG": str(log_a)}), root / "run_a.log")
     assert rc == 0, f"run A failed (rc={rc}); tail:\n{text_a[-6000:]}"
+    sim_cluster = request.getfixturevalue("sim_cluster")  # started now: no idle cluster beside run A
     # run B: the same job, supervised, on the simulated cluster: its GPU node lost, then the restarted driver
     args_b = [a.replace(str(out_a), str(out_b)) for a in args_a] + ["--ckpt.auto_resume", "2",
                                                                      "--ckpt.auto_resume_delay", "0"]
@@ -194,8 +196,10 @@ def test_auto_resume_survives_a_lost_node_and_a_lost_driver(research_runs):
     sees --ckpt.path, and the last attempt ends at run A's last checkpoint."""
     log = research_runs["log_b"]
     assert [k[0] for k in research_runs["kills"]] == ["node lost", "node back", "driver"]
-    node_death = re.search(r"attempt 1 died \((exit \d+: [^)]*)\); restart 1/2 from global_step2", log)
-    assert node_death and re.search(r"ray\.exceptions\.\w+", node_death.group(1)), log[-4000:]
+    # the driver stops on whichever error reaches it first: Ray's (ActorDied, ActorUnavailable) or gloo's (a peer
+    # rank's connection closed)
+    assert re.search(r"attempt 1 died \(exit [1-9]\d*: \S*(Error|Exception)\b.*\); restart 1/2 from global_step2",
+                     log), log[-4000:]
     second = log[log.index("attempt 2: pid"):log.index("attempt 2 died")]
     waiting = re.search(r"waiting for the GPUs \(free per node: no node with GPUs\): this recipe needs 3 GPUs "
                         r"\(actor 2, vLLM engines 1\) but the Ray cluster has 0; .*up to (\d+) s more "
@@ -256,7 +260,7 @@ def test_a_node_local_ckpt_path_is_refused_naming_the_node(sim_cluster, tmp_path
         args = SimpleNamespace(ckpt=SimpleNamespace(path=str(ckpt), save_steps=2, load_enable=False))
         t0 = time.time()
         with pytest.raises(SystemExit) as exc:
-            shared_storage.check_or_exit(args, look_s=2.0)
+            shared_storage.check_or_exit(args, look_s=1.0)
         refused_s = time.time() - t0
         err = capsys.readouterr().err
         assert exc.value.code == 2
