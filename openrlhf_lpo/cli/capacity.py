@@ -176,7 +176,7 @@ def restart_number() -> int:
     return max(int(os.environ.get(SUPERVISED_ENV) or 1) - 1, 0)
 
 
-def check_or_wait(args: argparse.Namespace, prog: str = "lpo-train") -> None:
+def check_or_wait(args: argparse.Namespace) -> None:
     """The run's start-up check (module docstring); raises :class:`ClusterTooSmall` (``openrlhf_lpo.cli.plan``)."""
     from openrlhf_lpo.cli.auto_resume import PREFIX
 

@@ -113,7 +113,12 @@ def check_or_exit(args: argparse.Namespace, prog: str = "lpo-train", look_s: flo
     ckpt = args.ckpt
     if not ((ckpt.save_steps or 0) > 0 or ckpt.load_enable):
         return
-    problems, unanswered, checked = check_shared(ckpt.path, look_s=look_s)
+    try:
+        problems, unanswered, checked = check_shared(ckpt.path, look_s=look_s)
+    except OSError as e:  # the driver cannot write there (the preflight checked it; the disk may have changed)
+        print(f"{prog}: --ckpt.path {ckpt.path}: cannot write the shared-storage marker there ({e}); choose a "
+              "writable path on storage every node mounts", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     for node in unanswered:
         print(f"{prog}: warning: node {node} did not answer the shared-storage check of --ckpt.path {ckpt.path}; "
               "not checked", file=sys.stderr, flush=True)
