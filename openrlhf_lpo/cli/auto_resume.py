@@ -17,7 +17,9 @@ With N > 0, ``lpo-train`` checks the flags and inputs once, then runs the traini
 A restart first waits, up to ``--ckpt.auto_resume_wait`` seconds, until the cluster again has the GPUs the
 layout needs and they are free (a lost node back, the dead attempt's GPUs and their memory released:
 :func:`openrlhf_lpo.cli.capacity.check_or_wait`, in the restarted child). Waiting is not a failure: only an
-attempt that dies counts against N.
+attempt that dies counts against N. What a restart must not decide again from the cluster it finds is decided
+once by the supervisor and given to every attempt in its environment (:func:`register_child_env`; the CPU
+mode: a GPU-less driver whose GPU nodes are all lost would otherwise restart on CPUs).
 
 N bounds the restarts in a row from one checkpoint: a restart that gets the run to a newer checkpoint resets
 the count, so a week-long run survives any number of preemptions while it makes progress, and a failure
@@ -41,7 +43,9 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Deque, List, Optional, Sequence, TextIO
+from typing import Callable, Deque, Dict, List, Optional, Sequence, TextIO, Tuple
+
+from openrlhf_lpo.registry import register_unique
 
 SUPERVISED_ENV = "LPO_AUTO_RESUME_ATTEMPT"  # set in the child: the attempt number (1, 2, ...)
 # exit statuses that are no preemption (the numbers of cli/gpu_build.py, rewards, cli/capacity.py)
@@ -52,6 +56,27 @@ TAIL_LINES = 400
 # "SomeError: message" or "ray.exceptions.ActorDiedError: message" at the start of a line
 _EXCEPTION_LINE = re.compile(r"^(?:\(\S+\)\s+)?([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Died|Exit))\b(:.*)?$")
 PREFIX = "lpo-train auto-resume:"
+
+# name -> fn(args) -> (environment variables every attempt gets, a line for the log or None): a decision the
+# supervisor makes once for the whole run, so that a restart into a changed cluster does not make it otherwise
+# (cpu/mode.py pins the CPU mode: a GPU-less driver whose GPU nodes are all lost must not restart on CPU)
+ChildEnv = Callable[[argparse.Namespace], Tuple[Dict[str, str], Optional[str]]]
+CHILD_ENV: Dict[str, ChildEnv] = {}
+
+
+def register_child_env(name: str, fn: ChildEnv) -> ChildEnv:
+    return register_unique(CHILD_ENV, "auto-resume child environment", name, fn)
+
+
+def child_env(args: argparse.Namespace, log: Callable[[str], None]) -> Dict[str, str]:
+    """The registered decisions (:data:`CHILD_ENV`) for every attempt of this run, each logged."""
+    env: Dict[str, str] = {}
+    for name in sorted(CHILD_ENV):
+        values, line = CHILD_ENV[name](args)
+        env.update(values)
+        if line:
+            log(line)
+    return env
 
 
 def is_supervised() -> bool:
@@ -242,6 +267,7 @@ def child_command(argv: Sequence[str]) -> List[str]:
 def supervise(argv: Sequence[str], args: argparse.Namespace) -> int:
     """``lpo-train``'s supervisor mode (``--ckpt.auto_resume N > 0``): returns the exit status."""
     sup = Supervisor(child_command(argv), args)
+    sup.env.update(child_env(args, sup.log))
     sup.log(f"up to {sup.max_restarts} restarts in a row from one checkpoint (--ckpt.auto_resume); checkpoints "
             f"every {args.ckpt.save_steps} steps in {os.path.join(args.ckpt.path, '_actor')}")
     return sup.run()

@@ -138,7 +138,8 @@ def decide_cpu_mode(mode: str = "auto", address: Optional[str] = None, local_gpu
     """``(on, reason)`` for ``--cpu.mode``: ``on``/``off`` as given (``LPO_CPU_MODE=1``/``0`` in the
     environment act as ``on``/``off`` under ``auto``); ``auto`` is on only when this
     driver sees no GPU AND it does not join a Ray cluster with GPUs. A driver on a head or login
-    node without GPUs (KubeRay, Slurm) that joins a GPU cluster through ``RAY_ADDRESS`` runs the
+    node without GPUs (KubeRay, Slurm) that joins a GPU cluster through ``RAY_ADDRESS`` (or the cluster ``ray
+    start`` recorded on this machine, when its GPUs are on other machines: :func:`recorded_cluster`) runs the
     real GPU pipeline."""
     if mode == "on":
         return True, "--cpu.mode on"
@@ -771,7 +772,7 @@ def _add_cpu_arguments(parser) -> None:
     g = parser.add_argument_group("CPU mode (openrlhf_lpo.cpu.mode; active only when no GPU is present)")
     g.add_argument("--cpu.mode", type=str, default="auto", choices=["auto", "on", "off"],
                    help="auto (default): CPU mode when this driver sees no GPU and does not join a Ray cluster "
-                   "with GPUs (RAY_ADDRESS); on: always (debug a recipe on CPU); off: never")
+                   "with GPUs (RAY_ADDRESS, or one `ray start` recorded here whose GPUs are on other machines); on: always (debug a recipe on CPU); off: never")
     g.add_argument("--cpu.engine", type=str, default=None, choices=["hf", "vllm"],
                    help="CPU rollout engine backend (default: $LPO_CPU_ENGINE or hf)")
     g.add_argument("--cpu.trust_remote_code", action="store_true", default=False,
@@ -824,14 +825,28 @@ def _cpu_before_train(args):
     return _RaySession()
 
 
+def _pin_for_every_attempt(args) -> tuple:
+    """``--ckpt.auto_resume``: the CPU mode decided once, by the supervisor, for every attempt (``LPO_CPU_MODE``
+    1 or 0 in their environment). Decided again by a restart, a GPU-less driver (a head or login node) whose
+    GPU nodes are all lost would find no GPU in the cluster, turn the CPU mode on, and train the GPU recipe on
+    CPUs once the nodes are back. Returns (the environment, the line the supervisor logs)."""
+    try:
+        on, reason = decide_cpu_mode(getattr(getattr(args, "cpu", None), "mode", "auto"), ray_address())
+    except Exception as e:  # noqa: BLE001 - e.g. RAY_ADDRESS not reachable now: each attempt decides (and says why)
+        return {}, f"the CPU mode is decided by each attempt ({type(e).__name__}: {e})"
+    return {"LPO_CPU_MODE": "1" if on else "0"}, f"CPU mode {'on' if on else 'off'} for every attempt: {reason}"
+
+
 def _register_flag_group() -> None:
     try:
-        from openrlhf_lpo.cli import flags
+        from openrlhf_lpo.cli import auto_resume, flags
     except ImportError:  # the CLI package is optional for the CPU mode itself
         return
     if "cpu" not in flags.FLAG_GROUPS:
         flags.register_flag_group(flags.FlagGroup(name="cpu", add_arguments=_add_cpu_arguments,
                                                   before_train=_cpu_before_train))
+    if "cpu-mode" not in auto_resume.CHILD_ENV:
+        auto_resume.register_child_env("cpu-mode", _pin_for_every_attempt)
 
 
 _register_flag_group()

@@ -27,6 +27,15 @@ out = {"on": on, "reason": reason, "off_flag": decide_cpu_mode("off", os.environ
 os.environ["LPO_CPU_MODE"] = "1"  # the environment's --cpu.mode on
 out["env_on"] = list(decide_cpu_mode("auto", os.environ["RAY_ADDRESS"], local_gpu=False))
 del os.environ["LPO_CPU_MODE"]
+if os.environ.get("LOST_ADDRESS"):  # a --ckpt.auto_resume supervisor pins the decision for every attempt
+    from types import SimpleNamespace
+    from openrlhf_lpo.cli import auto_resume
+    logged = []
+    out["pin"] = auto_resume.child_env(SimpleNamespace(cpu=SimpleNamespace(mode="auto")), logged.append)
+    out["pin_log"] = logged
+    os.environ.update(out["pin"])  # a restart's environment; its cluster has lost every GPU node meanwhile
+    out["restart"] = list(decide_cpu_mode("auto", os.environ["LOST_ADDRESS"], local_gpu=False))
+    del os.environ["LPO_CPU_MODE"]
 if on:
     import ray
     ray.shutdown()
@@ -63,18 +72,24 @@ def ray_head():
             p.kill()
 
 
-def _driver(address):
-    env = dict(os.environ, RAY_ADDRESS=address)
+def _driver(address, **extra):
+    env = dict(os.environ, RAY_ADDRESS=address, **extra)
     out = subprocess.run([sys.executable, "-c", DRIVER], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def test_gpu_less_driver_joining_a_gpu_cluster_keeps_cpu_mode_off(ray_head):
-    res = _driver(ray_head(2))
+    """... and keeps it off in every --ckpt.auto_resume attempt: a restart whose cluster has lost all its GPU
+    nodes (here: a cluster without GPUs, where a fresh decision is "on", next test) does not decide again, so it
+    waits for the GPUs (cli/capacity.py) instead of training the GPU recipe on CPUs."""
+    res = _driver(ray_head(2), LOST_ADDRESS=ray_head(0))
     assert res["on"] is False and "has 2 GPUs" in res["reason"]
     assert res["off_flag"] is False and res["on_flag"] is True
     assert res["env_on"] == [True, "LPO_CPU_MODE=1"]  # how a CPU cluster with logical GPU slots is joined
+    assert res["pin"] == {"LPO_CPU_MODE": "0"}
+    assert res["pin_log"] == [f"CPU mode off for every attempt: {res['reason']}"]
+    assert res["restart"] == [False, "LPO_CPU_MODE=0"]
 
 
 def test_cluster_without_gpus_gets_cpu_mode_and_a_clear_error(ray_head):

@@ -209,6 +209,7 @@ def test_auto_resume_survives_a_lost_node_and_a_lost_driver(research_runs):
     assert "one storage, seen by all 2 nodes of the run" in second
     assert "attempt 2 died (killed by SIGKILL); restart 2/2 from global_step2" in log
     assert "the run finished after 2 restarts" in log
+    assert "lpo-train auto-resume: CPU mode on for every attempt: LPO_CPU_MODE=1" in log  # decided once
     # attempt 2 was killed while its actors started (before they loaded anything); attempt 3 resumed
     assert log.count("Loading the checkpoint") == 1
     assert "[placement]" in second and "Loading the checkpoint" not in second
