@@ -66,8 +66,7 @@ SHARED_SESSION_MODULES = {
 }
 # Directories that are one unit: the code-sandbox tests count sandbox processes and host uids machine-wide,
 # so no other sandbox may run meanwhile (the code e2e's reward runs in one).
-# the simulated multi-node cluster runs beside no dry run: the cannot-fit launch joins whichever Ray it finds
-SHARED_DIRECTORIES = {"tests/code/": "tests/code", "tests/pipeline/test_placement_cluster.py": "tests/pipeline/test_dry_run.py"}
+SHARED_DIRECTORIES = {"tests/code/": "tests/code"}
 # the longest units first (measured: docs/testing.md), so that none of them starts when the other worker is
 # almost done
 FIRST = ("tests/pipeline/test_e2e_research.py", "demo_ci_run", "tests/megatron/test_megatron_pipeline_e2e.py",

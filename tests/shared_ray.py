@@ -14,23 +14,30 @@ on the shared one its actors would outlive the driver for a moment and could fin
 
 The head is a driver process of its own (``ray.init``), not ``ray start``: that would record its address
 in ``/tmp/ray/ray_current_cluster``, where every plain ``ray.init()`` on the machine (the other xdist
-worker's in-process tests) would find it. It lives while this process holds its stdin open. Tests about
+worker's in-process tests) would find it. For the same reason a simulated multi-node cluster
+(``ray.cluster_utils.Cluster``, which records its address too) starts and stops inside :func:`private_ray_tmpdir`,
+and the tests' own local clusters start with ``address="local"`` (a recorded cluster, such as one ``ray start``
+left on the machine, is then not joined). It lives while this process holds its stdin open. Tests about
 starting Ray (``test_cpu_mode_decision.py``, the cannot-fit dry run, the multi-node placement checks) keep
 their own clusters.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import subprocess
 import sys
-from typing import Dict
+import tempfile
+from typing import Dict, Iterator
 
 HEAD_SLOTS = 16  # logical CPU and GPU slots, as openrlhf_lpo.cpu.mode.init_ray's local cluster
 HEAD = r"""
 import sys, ray
 # no idle workers started ahead: every actor of a launch needs a worker with its own job's runtime env
-ray.init(num_cpus=int(sys.argv[1]), num_gpus=int(sys.argv[1]), object_store_memory=1 << 30, include_dashboard=False,
+ray.init(address="local", num_cpus=int(sys.argv[1]), num_gpus=int(sys.argv[1]), object_store_memory=1 << 30,
+         include_dashboard=False,
          _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False})
 print(ray.get_runtime_context().gcs_address, flush=True)
 sys.stdin.read()  # until the test process closes the pipe (or exits)
@@ -73,3 +80,26 @@ def shutdown() -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@contextlib.contextmanager
+def private_ray_tmpdir(path: str = None) -> Iterator[str]:
+    """``RAY_TMPDIR`` of this process set to ``path`` (default: a new short folder under /tmp, where Ray's
+    sockets fit) while the block runs: a ``ray.cluster_utils.Cluster`` started inside keeps its session and the
+    record of its address there, not in ``/tmp/ray`` (where a plain ``ray.init()`` anywhere on the machine would
+    join it, and its shutdown would delete a ``ray start`` cluster's record). Yields the folder; the caller
+    removes it (:func:`remove_ray_tmpdir`) after the cluster's shutdown, done inside the same context."""
+    path = path or tempfile.mkdtemp(prefix="lpo-ray-", dir="/tmp")
+    saved = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = path
+    try:
+        yield path
+    finally:
+        if saved is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = saved
+
+
+def remove_ray_tmpdir(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)

@@ -4,17 +4,27 @@ With N > 0, ``lpo-train`` checks the flags and inputs once, then runs the traini
 (``python -m openrlhf_lpo.cli.train_ppo_ray`` with the same flags, in its own process group) and waits:
 
 * exit 0: done;
-* exit 2 (a flag or input error) or 4 (reward errors persisted): not a preemption, never restarted;
-* anything else (a Ray worker, a node or the driver died: ``ActorDiedError``, a signal, exit 3 when a lost
-  node leaves the cluster too small): the child's whole process group is killed, the last complete
-  checkpoint is chosen (:func:`openrlhf_lpo.cli.preflight.checkpoint.resume_point`: ``latest`` is repaired
-  if a kill cut a save off), and the run restarts with ``--ckpt.load_enable`` after
-  ``--ckpt.auto_resume_delay`` seconds. Each restart is logged with its cause and the checkpoint it loads.
+* a final cause, never restarted (:data:`FINAL_EXIT`): exit 2 (a flag or input error, a ``--ckpt.path`` that
+  the nodes do not share), 3 (a GPU node cannot build DeepSpeed's optimizer op: an install error,
+  ``cli/gpu_build.py``), 4 (reward errors persisted), 5 (the cluster lacks the GPUs the layout needs: at the
+  first attempt, or still after ``--ckpt.auto_resume_wait`` on a restart, ``cli/capacity.py``);
+* anything else (a Ray worker, a node or the driver died: ``ActorDiedError``, a signal): the child's whole
+  process group is killed, the last complete checkpoint is chosen
+  (:func:`openrlhf_lpo.cli.preflight.checkpoint.resume_point`: ``latest`` is repaired if a kill cut a save
+  off), and the run restarts with ``--ckpt.load_enable`` after ``--ckpt.auto_resume_delay`` seconds. Each
+  restart is logged with its cause and the checkpoint it loads.
+
+A restart first waits, up to ``--ckpt.auto_resume_wait`` seconds, until the cluster again has the GPUs the
+layout needs and they are free (a lost node back, the dead attempt's GPUs and their memory released:
+:func:`openrlhf_lpo.cli.capacity.check_or_wait`, in the restarted child). Waiting is not a failure: only an
+attempt that dies counts against N. What a restart must not decide again from the cluster it finds is decided
+once by the supervisor and given to every attempt in its environment (:func:`register_child_env`; the CPU
+mode: a GPU-less driver whose GPU nodes are all lost would otherwise restart on CPUs).
 
 N bounds the restarts in a row from one checkpoint: a restart that gets the run to a newer checkpoint resets
 the count, so a week-long run survives any number of preemptions while it makes progress, and a failure
-that repeats at the same step (a bug, bad data, a node that never comes back) stops the run after N restarts,
-naming the cause, instead of looping.
+that repeats at the same step (a bug, bad data) stops the run after N restarts, naming the cause, instead of
+looping.
 
 What it cannot survive: the supervisor's own death (run it under the cluster's job scheduler with its
 restart policy, which then resumes through ``--ckpt.load_enable``), and a hang that raises no error (the
@@ -33,14 +43,40 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Deque, List, Optional, Sequence, TextIO
+from typing import Callable, Deque, Dict, List, Optional, Sequence, TextIO, Tuple
+
+from openrlhf_lpo.registry import register_unique
 
 SUPERVISED_ENV = "LPO_AUTO_RESUME_ATTEMPT"  # set in the child: the attempt number (1, 2, ...)
-FINAL_EXIT = {2: "a flag or input error", 4: "reward errors persisted (--reward.error_stop_frac)"}
+# exit statuses that are no preemption (the numbers of cli/gpu_build.py, rewards, cli/capacity.py)
+FINAL_EXIT = {2: "a flag or input error", 3: "a GPU node cannot build DeepSpeed's optimizer op (an install error)",
+              4: "reward errors persisted (--reward.error_stop_frac)",
+              5: "the Ray cluster lacks the GPUs the layout needs (--ckpt.auto_resume_wait passed on a restart)"}
 TAIL_LINES = 400
 # "SomeError: message" or "ray.exceptions.ActorDiedError: message" at the start of a line
 _EXCEPTION_LINE = re.compile(r"^(?:\(\S+\)\s+)?([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Died|Exit))\b(:.*)?$")
 PREFIX = "lpo-train auto-resume:"
+
+# name -> fn(args) -> (environment variables every attempt gets, a line for the log or None): a decision the
+# supervisor makes once for the whole run, so that a restart into a changed cluster does not make it otherwise
+# (cpu/mode.py pins the CPU mode: a GPU-less driver whose GPU nodes are all lost must not restart on CPU)
+ChildEnv = Callable[[argparse.Namespace], Tuple[Dict[str, str], Optional[str]]]
+CHILD_ENV: Dict[str, ChildEnv] = {}
+
+
+def register_child_env(name: str, fn: ChildEnv) -> ChildEnv:
+    return register_unique(CHILD_ENV, "auto-resume child environment", name, fn)
+
+
+def child_env(args: argparse.Namespace, log: Callable[[str], None]) -> Dict[str, str]:
+    """The registered decisions (:data:`CHILD_ENV`) for every attempt of this run, each logged."""
+    env: Dict[str, str] = {}
+    for name in sorted(CHILD_ENV):
+        values, line = CHILD_ENV[name](args)
+        env.update(values)
+        if line:
+            log(line)
+    return env
 
 
 def is_supervised() -> bool:
@@ -231,6 +267,7 @@ def child_command(argv: Sequence[str]) -> List[str]:
 def supervise(argv: Sequence[str], args: argparse.Namespace) -> int:
     """``lpo-train``'s supervisor mode (``--ckpt.auto_resume N > 0``): returns the exit status."""
     sup = Supervisor(child_command(argv), args)
+    sup.env.update(child_env(args, sup.log))
     sup.log(f"up to {sup.max_restarts} restarts in a row from one checkpoint (--ckpt.auto_resume); checkpoints "
             f"every {args.ckpt.save_steps} steps in {os.path.join(args.ckpt.path, '_actor')}")
     return sup.run()
@@ -243,4 +280,5 @@ def plan_line(args: argparse.Namespace) -> Optional[str]:
         return None
     return (f"auto-resume: a run that dies (lost Ray worker, node or driver) restarts from its last complete "
             f"checkpoint (every {args.ckpt.save_steps} steps, {args.ckpt.max_num} kept), up to {n} times in a row "
-            f"from one checkpoint, {args.ckpt.auto_resume_delay:g} s apart")
+            f"from one checkpoint, {args.ckpt.auto_resume_delay:g} s apart; a restart waits up to "
+            f"{args.ckpt.auto_resume_wait:g} s for the GPUs of a lost node (not counted as a failure)")

@@ -440,6 +440,10 @@ def _add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
                    "Needs --ckpt.save_steps > 0. Default 0: off")
     g.add_argument("--ckpt.auto_resume_delay", type=float, default=10.0, metavar="SECONDS",
                    help="--ckpt.auto_resume: seconds between a death and the restart (default 10)")
+    g.add_argument("--ckpt.auto_resume_wait", type=float, default=1800.0, metavar="SECONDS",
+                   help="--ckpt.auto_resume: how long a restart waits for the GPUs its layout needs to be there and "
+                   "free (a lost node back, the dead attempt's GPU memory released) before it stops with exit 5; "
+                   "waiting does not count as a failed attempt (default 1800: 30 minutes)")
     g.add_argument("--ckpt.hf_max_num", type=int, default=None,
                    help="HF exports (<ckpt.path>/<tag>_hf, --ckpt.save_hf) to keep; default: the ones whose "
                    "state --ckpt.max_num keeps; -1 keeps every export (e.g. to evaluate a learning curve)")
@@ -462,6 +466,9 @@ def _validate_auto_resume(args: argparse.Namespace) -> None:
         raise FlagError(f"--ckpt.auto_resume {n}: give a number of restarts >= 0 (0: off)")
     if ckpt.auto_resume_delay < 0:
         raise FlagError(f"--ckpt.auto_resume_delay {ckpt.auto_resume_delay}: give seconds >= 0")
+    if not ckpt.auto_resume_wait >= 0:  # (NaN too)
+        raise FlagError(f"--ckpt.auto_resume_wait {ckpt.auto_resume_wait}: give seconds >= 0 (0: a restart that "
+                        "finds the cluster without the GPUs it needs stops at once)")
     if n == 0:
         return
     if ckpt.save_steps is None or ckpt.save_steps <= 0:

@@ -14,9 +14,9 @@ Public names (stable):
 
 ``--dry-run`` validates every flag (the stock parser and validation, every flag group), prints the
 plan and exits 0 without starting Ray or loading a model; it needs no GPU, so a recipe's needs can be
-read on a laptop. A real launch runs ``check_cluster`` against ``ray.cluster_resources()`` before any
-actor is created, so a recipe that cannot fit fails at once instead of waiting forever for a
-placement group.
+read on a laptop. A real launch runs ``check_cluster`` against the Ray cluster's GPUs before any actor is
+created (through :mod:`openrlhf_lpo.cli.capacity`, the DeepSpeed layout's fit), so a recipe that cannot fit
+fails at once (exit 5) instead of waiting forever for a placement group.
 """
 
 from __future__ import annotations

@@ -433,8 +433,10 @@ def _reward_error_stop(exc: BaseException):
 
 
 def _check_cluster(args, plan) -> None:
-    """Join (or start) Ray as the stock ``train()`` would, then fail fast if the recipe cannot fit or a GPU
-    node cannot load DeepSpeed's optimizer op (``openrlhf_lpo.cli.gpu_build``)."""
+    """Join (or start) Ray as the stock ``train()`` would, then, before any actor starts: the layout fits the
+    cluster (a restart of ``--ckpt.auto_resume`` waits for the GPUs: ``cli/capacity.py``; exit 5), every node
+    sees ``--ckpt.path`` (``cli/shared_storage.py``; exit 2) and every GPU node can load DeepSpeed's optimizer
+    op (``cli/gpu_build.py``; exit 3)."""
     import os
 
     import ray
@@ -448,13 +450,14 @@ def _check_cluster(args, plan) -> None:
             },
             "worker_process_setup_hook": "openrlhf_lpo.runtime.progress.worker_setup",  # plain progress lines in logs
         })
-    try:
-        plan.check_cluster(args, ray.cluster_resources())
-    except plan.ClusterTooSmall as e:
-        print(f"lpo-train: {e}", file=sys.stderr)
-        raise SystemExit(3) from None
-    from openrlhf_lpo.cli import gpu_build
+    from openrlhf_lpo.cli import capacity, gpu_build, shared_storage
 
+    try:
+        capacity.check_or_wait(args)
+    except plan.ClusterTooSmall as e:
+        print(f"lpo-train: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(capacity.EXIT_CLUSTER_TOO_SMALL) from None
+    shared_storage.check_or_exit(args)  # exit 2 naming the nodes that do not see --ckpt.path
     gpu_build.check_run_or_exit(args)  # exit 3 naming what a node lacks; skipped in CPU mode
 
 

@@ -77,8 +77,46 @@ def cpu_mode_wanted() -> bool:
 
 
 def ray_address() -> Optional[str]:
-    """The Ray cluster ``ray.init()`` would join (``RAY_ADDRESS``), or None for a new local one."""
+    """The Ray cluster this run was told to join (``RAY_ADDRESS``), or None."""
     return os.environ.get("RAY_ADDRESS") or None
+
+
+def recorded_cluster() -> Optional[str]:
+    """The cluster a plain ``ray.init()`` joins when ``RAY_ADDRESS`` is unset: the one ``ray start`` (or a
+    ``ray.cluster_utils.Cluster``) recorded in Ray's temp dir (``$RAY_TMPDIR/ray`` or ``/tmp/ray``, file
+    ``ray_current_cluster``), while a raylet of this machine still serves it; None otherwise (a stale record,
+    left by a cluster that was killed, is ignored). Ray's own lookup (``ray._private.services``)."""
+    try:
+        from ray._private import services
+
+        address = services.find_bootstrap_address(None)
+        return address if address and address in services.find_gcs_addresses() else None
+    except Exception:  # noqa: BLE001 - a Ray without these helpers: no cluster found, a run starts its own
+        return None
+
+
+def gpus_elsewhere(nodes, driver_node: str, nvidia_here: bool) -> tuple:
+    """``(GPUs, real GPUs)`` of a cluster from ``ray.nodes()``: real GPUs are those of nodes on another
+    machine than the driver's node (another ``NodeManagerAddress``), or all of them when this machine has
+    NVIDIA devices. GPUs of this GPU-less machine are logical slots (a CPU test cluster: ``ray start
+    --num-gpus 16``, a simulated ``ray.cluster_utils.Cluster``)."""
+    alive = [n for n in nodes if n.get("Alive", n.get("alive", True))]
+    here = next((n.get("NodeManagerAddress") for n in alive if n.get("NodeID") == driver_node), None)
+    gpus = [(float(n.get("Resources", {}).get("GPU", 0)), n.get("NodeManagerAddress")) for n in alive]
+    return sum(g for g, _ in gpus), sum(g for g, ip in gpus if nvidia_here or ip != here)
+
+
+def recorded_cluster_gpus(address: str) -> tuple:
+    """:func:`gpus_elsewhere` of the cluster at ``address`` (a connection opened for the question is closed)."""
+    import ray
+
+    from openrlhf_lpo.cli.gpu_build import nvidia_devices
+
+    ray.init(address=address, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    try:
+        return gpus_elsewhere(ray.nodes(), ray.get_runtime_context().get_node_id(), nvidia_devices() > 0)
+    finally:
+        ray.shutdown()
 
 
 def cluster_gpus(address: str) -> float:
@@ -100,7 +138,8 @@ def decide_cpu_mode(mode: str = "auto", address: Optional[str] = None, local_gpu
     """``(on, reason)`` for ``--cpu.mode``: ``on``/``off`` as given (``LPO_CPU_MODE=1``/``0`` in the
     environment act as ``on``/``off`` under ``auto``); ``auto`` is on only when this
     driver sees no GPU AND it does not join a Ray cluster with GPUs. A driver on a head or login
-    node without GPUs (KubeRay, Slurm) that joins a GPU cluster through ``RAY_ADDRESS`` runs the
+    node without GPUs (KubeRay, Slurm) that joins a GPU cluster through ``RAY_ADDRESS`` (or the cluster ``ray
+    start`` recorded on this machine, when its GPUs are on other machines: :func:`recorded_cluster`) runs the
     real GPU pipeline."""
     if mode == "on":
         return True, "--cpu.mode on"
@@ -117,6 +156,15 @@ def decide_cpu_mode(mode: str = "auto", address: Optional[str] = None, local_gpu
         if gpus > 0:
             return False, f"the Ray cluster at {address} has {gpus:g} GPUs"
         return True, f"no GPU here and the Ray cluster at {address} has none"
+    recorded = recorded_cluster()
+    if recorded:  # what stock OpenRLHF's plain ray.init() would join: a GPU launch joins it too
+        gpus, real = recorded_cluster_gpus(recorded)
+        if real > 0:
+            return False, (f"the Ray cluster `ray start` recorded on this machine ({recorded}) has {real:g} GPUs on "
+                           "other machines; the run joins it (set RAY_ADDRESS to choose another)")
+        return True, (f"no GPU here; the Ray cluster `ray start` recorded on this machine ({recorded}, {gpus:g} "
+                      "logical GPUs) is not joined: the CPU mode starts a cluster of its own (to run on that one: "
+                      f"RAY_ADDRESS={recorded} LPO_CPU_MODE=1)")
     return True, "no GPU here and no Ray cluster to join (RAY_ADDRESS unset)"
 
 
@@ -541,7 +589,10 @@ def ray_runtime_env(extra_env: Optional[Dict[str, str]] = None) -> dict:
 
 
 def init_ray(num_cpus: Optional[int] = None, num_gpus: Optional[int] = None, **kwargs):
-    """``ray.init`` for CPU mode: logical GPU slots (upstream actors ask for GPUs) and the worker hook."""
+    """``ray.init`` for CPU mode: the cluster ``RAY_ADDRESS`` names, with its own resources; else a local cluster
+    of the run's own with logical GPU slots (upstream actors ask for GPUs), never another local cluster that
+    ``ray start`` recorded (joining it with resources is Ray's ``ValueError``; joining it without would share
+    someone else's cluster and its lifetime). The worker hook applies the CPU mode in every worker."""
     import ray
 
     if ray.is_initialized():
@@ -549,8 +600,11 @@ def init_ray(num_cpus: Optional[int] = None, num_gpus: Optional[int] = None, **k
     kwargs.setdefault("include_dashboard", False)
     address = ray_address()
     if address:  # an existing cluster: its resources are its own (it needs logical GPU slots)
+        from openrlhf_lpo.cli.capacity import restart_number
+
         ctx = ray.init(address=address, runtime_env=ray_runtime_env(), **kwargs)
-        if float(ray.cluster_resources().get("GPU", 0.0)) <= 0:
+        # (a restart of --ckpt.auto_resume after a lost node waits for the GPUs instead: cli/capacity.py)
+        if float(ray.cluster_resources().get("GPU", 0.0)) <= 0 and restart_number() == 0:
             ray.shutdown()
             raise RuntimeError(
                 f"CPU mode joined the Ray cluster at RAY_ADDRESS={address}, which declares no GPU resources; "
@@ -561,8 +615,9 @@ def init_ray(num_cpus: Optional[int] = None, num_gpus: Optional[int] = None, **k
     num_cpus = num_cpus if num_cpus is not None else int(os.environ.get("LPO_CPU_NUM_CPUS", "16"))
     num_gpus = num_gpus if num_gpus is not None else int(os.environ.get("LPO_CPU_NUM_GPUS", "16"))
     for attempt in range(START_ATTEMPTS):
-        try:
-            return ray.init(num_cpus=num_cpus, num_gpus=num_gpus, runtime_env=ray_runtime_env(), **kwargs)
+        try:  # address "local": a cluster of its own, even where `ray start` recorded one a plain init would join
+            return ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, runtime_env=ray_runtime_env(),
+                            **kwargs)
         except Exception as e:  # noqa: BLE001 - only Ray's own start-up timeout is retried
             if "timed out during startup" not in str(e) or attempt == START_ATTEMPTS - 1:
                 raise
@@ -719,7 +774,7 @@ def _add_cpu_arguments(parser) -> None:
     g = parser.add_argument_group("CPU mode (openrlhf_lpo.cpu.mode; active only when no GPU is present)")
     g.add_argument("--cpu.mode", type=str, default="auto", choices=["auto", "on", "off"],
                    help="auto (default): CPU mode when this driver sees no GPU and does not join a Ray cluster "
-                   "with GPUs (RAY_ADDRESS); on: always (debug a recipe on CPU); off: never")
+                   "with GPUs (RAY_ADDRESS, or one `ray start` recorded here whose GPUs are on other machines); on: always (debug a recipe on CPU); off: never")
     g.add_argument("--cpu.engine", type=str, default=None, choices=["hf", "vllm"],
                    help="CPU rollout engine backend (default: $LPO_CPU_ENGINE or hf)")
     g.add_argument("--cpu.trust_remote_code", action="store_true", default=False,
@@ -772,14 +827,28 @@ def _cpu_before_train(args):
     return _RaySession()
 
 
+def _pin_for_every_attempt(args) -> tuple:
+    """``--ckpt.auto_resume``: the CPU mode decided once, by the supervisor, for every attempt (``LPO_CPU_MODE``
+    1 or 0 in their environment). Decided again by a restart, a GPU-less driver (a head or login node) whose
+    GPU nodes are all lost would find no GPU in the cluster, turn the CPU mode on, and train the GPU recipe on
+    CPUs once the nodes are back. Returns (the environment, the line the supervisor logs)."""
+    try:
+        on, reason = decide_cpu_mode(getattr(getattr(args, "cpu", None), "mode", "auto"), ray_address())
+    except Exception as e:  # noqa: BLE001 - e.g. RAY_ADDRESS not reachable now: each attempt decides (and says why)
+        return {}, f"the CPU mode is decided by each attempt ({type(e).__name__}: {e})"
+    return {"LPO_CPU_MODE": "1" if on else "0"}, f"CPU mode {'on' if on else 'off'} for every attempt: {reason}"
+
+
 def _register_flag_group() -> None:
     try:
-        from openrlhf_lpo.cli import flags
+        from openrlhf_lpo.cli import auto_resume, flags
     except ImportError:  # the CLI package is optional for the CPU mode itself
         return
     if "cpu" not in flags.FLAG_GROUPS:
         flags.register_flag_group(flags.FlagGroup(name="cpu", add_arguments=_add_cpu_arguments,
                                                   before_train=_cpu_before_train))
+    if "cpu-mode" not in auto_resume.CHILD_ENV:
+        auto_resume.register_child_env("cpu-mode", _pin_for_every_attempt)
 
 
 _register_flag_group()

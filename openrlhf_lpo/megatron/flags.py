@@ -23,8 +23,8 @@ recompute), ``--actor.eps_clip_low_high``, ``--actor.lr_scheduler`` / ``--actor.
 the colocated engines by IPC, :mod:`.weight_sync`). Refused with a message instead of ignored (ring
 attention, DeepSpeed TP, ``--ds.enable_sleep`` without colocation, EMA, LoRA, the MoE aux loss, schedules
 OpenRLHF cannot run, a colocated layout whose engines do not fill the actor's GPUs): see ``_validate``.
-Before any actor starts, the layout is placed on the running Ray cluster
-(:func:`openrlhf_lpo.megatron.cluster.check_ray_cluster`).
+Before any actor starts, the layout is placed on the running Ray cluster (:func:`layout_fit`, registered with
+``openrlhf_lpo.cli.capacity``, which also makes a restart of ``--ckpt.auto_resume`` wait for the GPUs).
 
 With ``--backend megatron`` the policy actor group is built from
 :mod:`openrlhf_lpo.megatron.ray_actor` instead of OpenRLHF's DeepSpeed ``PolicyModelActor``
@@ -37,9 +37,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import sys
 from typing import List
 
+from openrlhf_lpo.cli.capacity import register_layout_fit
 from openrlhf_lpo.cli.flags import FlagError, FlagGroup, register_flag_group
 from openrlhf_lpo.megatron import patch_points  # noqa: F401  (registers the backend's points: lpo-train checks them)
 
@@ -222,31 +222,20 @@ def use_megatron_policy(args: argparse.Namespace):
         stock.RayActorGroup = original
 
 
-def check_cluster(args: argparse.Namespace) -> None:
-    """Place the layout on the Ray cluster lpo-train will use, before any actor starts."""
-    import ray
+def layout_fit(args: argparse.Namespace, node_gpus: List[float]):
+    """``cli/capacity.py``'s fit of a Megatron layout: every block that must share a node (each TP group, each
+    vLLM engine's GPUs, the reference model's) placed on the nodes' GPUs (:func:`.cluster.plan_placement`)."""
+    from openrlhf_lpo.megatron.cluster import PlacementError, demands_from_args, plan_placement
 
-    from openrlhf_lpo.megatron.cluster import PlacementError, check_ray_cluster
-
-    started = not ray.is_initialized()
-    if started:  # the cluster upstream's ray.init() will join (RAY_ADDRESS / a running one / a local one)
-        ray.init(logging_level="ERROR")
     try:
-        placed = check_ray_cluster(args)
+        placed = plan_placement(node_gpus, demands_from_args(args))
     except PlacementError as e:
-        raise SystemExit(f"lpo-train --backend megatron: {e}") from None
-    finally:
-        if started:
-            ray.shutdown()
+        return f"--backend megatron: {e}", None
     used = "; ".join(f"node {i}: " + ", ".join(f"{r} x{g}" for r, g in blocks) for i, blocks in enumerate(placed) if blocks)
-    print(f"[megatron] placement on the Ray cluster fits: {used}", file=sys.stderr, flush=True)
+    return None, f"[megatron] placement on the Ray cluster fits: {used}"
 
 
-@contextlib.contextmanager
-def _megatron_run(args: argparse.Namespace):
-    check_cluster(args)
-    with use_megatron_policy(args) as remote:
-        yield remote
+register_layout_fit("megatron", layout_fit)
 
 
 def _plan_lines(args: argparse.Namespace):
@@ -297,6 +286,6 @@ def memory_plan_lines(args: argparse.Namespace) -> List[str]:
 
 
 register_flag_group(
-    FlagGroup(name="megatron", add_arguments=_add_arguments, validate=_validate, before_train=_megatron_run,
+    FlagGroup(name="megatron", add_arguments=_add_arguments, validate=_validate, before_train=use_megatron_policy,
               plan_lines=_plan_lines, backend="megatron")
 )

@@ -23,7 +23,7 @@ GLOO_TIMEOUT_S = 120  # also the rendezvous limit: a Ray actor can take a minute
 def cluster():
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     try:
         yield ray
     finally:

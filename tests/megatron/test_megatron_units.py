@@ -5,6 +5,7 @@ and the one-way dependency between the CPU mode and the Megatron room."""
 import ast
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -280,19 +281,22 @@ def test_cpu_mode_patches_megatron_on_import():
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {"active": True}
 
 
-def test_lpo_train_checks_the_placement_before_any_actor(monkeypatch, capsys):
-    """The --backend megatron flag group's start-up check reads ray.nodes() / ray.cluster_resources()."""
-    import ray
+def test_lpo_train_checks_the_placement_before_any_actor():
+    """The --backend megatron layout fit that lpo-train's start-up check (cli/capacity.py) uses on the GPUs per
+    node of the Ray cluster it joined: what fits is logged, what does not is the reason naming the numbers."""
+    from openrlhf_lpo.cli import capacity
+    from openrlhf_lpo.megatron import flags  # noqa: F401  (registers the fit)
 
-    from openrlhf_lpo.megatron import flags
-
-    monkeypatch.setattr(ray, "is_initialized", lambda: True)
-    monkeypatch.setattr(ray, "cluster_resources", lambda: {"GPU": 8.0, "CPU": 64.0})
-    monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True, "Resources": {"GPU": 8.0}}])
-    flags.check_cluster(_args(tp=2, gpn=4, engines=4))
-    assert "placement on the Ray cluster fits: node 0: Megatron actor TP group x2" in capsys.readouterr().err
-    with pytest.raises(SystemExit, match=r"needs 16 GPUs .* nodes have \[8\] GPUs"):
-        flags.check_cluster(_args(tp=4, gpn=8, engines=4, vtp=2))
+    args = _args(tp=2, gpn=4, engines=4)
+    args.backend = "megatron"
+    reason, line = capacity.layout_fit(args, [8.0])
+    assert reason is None and line.startswith("[megatron] placement on the Ray cluster fits: node 0: Megatron actor "
+                                              "TP group x2")
+    big = _args(tp=4, gpn=8, engines=4, vtp=2)
+    big.backend = "megatron"
+    reason, line = capacity.layout_fit(big, [8.0])
+    assert line is None and re.search(r"--backend megatron: .*needs 16 GPUs .* nodes have \[8\] GPUs", reason)
+    assert capacity.shortfall(big, [8.0, 8.0]) is None  # two nodes: each block on one
 
 
 def test_partial_rollout_pause_resets_the_prefix_cache_before_the_weight_sync():

@@ -3,7 +3,7 @@
 It "trains" ``--steps`` steps, writing a checkpoint in DeepSpeed's layout every ``--save-steps`` steps the
 way DeepSpeed does (every rank's files first, ``latest`` last; the files are zips like ``torch.save``'s),
 resumes from ``latest`` with ``--ckpt.load_enable``, and fails as ``--plan`` says: ``ATTEMPT:STEP:HOW``
-entries (HOW: ``kill`` = SIGKILL itself, ``raise`` = an uncaught RuntimeError, ``exit3``; ``*`` = every
+entries (HOW: ``kill`` = SIGKILL itself, ``raise`` = an uncaught RuntimeError, ``exit2``, ``exit3``, ``exit5``; ``*`` = every
 attempt). It appends one line per trained step to ``<ckpt>/trained.txt``. The real pipeline's restarts
 are tested in tests/pipeline/test_e2e_research.py (run B).
 """
@@ -52,8 +52,12 @@ def main():
         if how == "raise":
             raise RuntimeError(f"bad batch at step {step}")
         if how == "exit3":
-            print("lpo-train: the cluster has 4 GPUs, the recipe needs 8", file=sys.stderr, flush=True)
+            print("lpo-train: 1 of 2 GPU node(s) cannot load fused_adam", file=sys.stderr, flush=True)
             sys.exit(3)
+        if how == "exit5":
+            print("lpo-train: the GPUs the run needs did not come back within --ckpt.auto_resume_wait 1800 s",
+                  file=sys.stderr, flush=True)
+            sys.exit(5)
         if how == "exit2":
             sys.exit(2)
         os.makedirs(root, exist_ok=True)

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 from recipe_flags import method_flags  # noqa: F401  (the e2e modules import it from here)
 from shared_ray import shared_ray_env
@@ -78,64 +78,36 @@ def run_cli(args: List[str], env: Dict[str, str], log: Path):
     return proc.returncode, time.time() - t0, log.read_text(errors="replace")
 
 
-def ray_actor_pids(class_name: str, root: int) -> List[int]:
-    """Pids of the Ray worker processes running an actor of ``class_name`` (their title is ``ray::<Class>...``)
-    among the descendants of process ``root``. Only those: Ray's head and workers are children of the driver,
-    while the other xdist worker's runs (and this worker's shared cluster) have actors of the same class on
-    this machine."""
-    import psutil
-
-    pids = []
-    for p in psutil.Process(root).children(recursive=True):
-        try:
-            cmd = " ".join(p.cmdline())
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-        if cmd.startswith(f"ray::{class_name}"):
-            pids.append(p.pid)
-    return sorted(pids)
-
-
-def run_supervised(args: List[str], env: Dict[str, str], log: Path, worker_class: str, kill_after: str):
-    """Run ``lpo-train`` with ``--ckpt.auto_resume`` and preempt it twice, as a cluster would:
-
-    1. as soon as checkpoint ``kill_after`` is complete (the run goes on with the next step), SIGKILL one Ray
-       worker running a ``worker_class`` actor (a lost worker);
-    2. as soon as the restarted attempt places its actors on its new Ray cluster (its ``[placement]`` line:
-       the actors are starting), SIGKILL its driver process. Not later (as they load the checkpoint): the
-       supervisor sees the same death either way, and the actors' start-up is half a launch's cost.
-
-    The supervisor must restart it both times and finish. Returns (returncode, seconds, log text, kills)."""
+def run_supervised(args: List[str], env: Dict[str, str], log: Path, events: List[Callable]):
+    """Run ``lpo-train`` with ``--ckpt.auto_resume`` and preempt it as a cluster would: ``events`` are called in
+    turn, each polled (every 0.2 s, with the run's log text so far and the seconds since the start) until it
+    acts and returns what it did (a tuple); then the next one. The supervisor must restart the run and finish.
+    Returns (returncode, seconds, log text, what the events did, each with the second it happened)."""
     t0 = time.time()
-    latest = Path(args[args.index("--ckpt.path") + 1]) / "_actor" / "latest"
-    kills = []
+    done = []
     with open(log, "w") as f:
         proc = subprocess.Popen([sys.executable, "-m", "openrlhf_lpo.cli.train_ppo_ray", *args], env=env,
                                 stdout=f, stderr=subprocess.STDOUT, cwd=str(REPO), start_new_session=True)
         try:
             while proc.poll() is None:
-                now = time.time()
-                if now - t0 > RUN_TIMEOUT_S:
-                    raise TimeoutError(f"lpo-train did not finish in {RUN_TIMEOUT_S} s")
-                text = log.read_text(errors="replace")
-                if not kills:
-                    done = latest.exists() and latest.read_text().strip() == kill_after
-                    pids = ray_actor_pids(worker_class, proc.pid) if done else []
-                    if pids:  # steps take about a second here: at once, so the kill lands in step 3
-                        os.kill(pids[-1], signal.SIGKILL)
-                        kills.append(("worker", pids[-1], now - t0))
-                elif len(kills) == 1 and "attempt 2: pid" in text:
-                    after = text[text.index("attempt 2: pid"):]
-                    if "[placement]" in after:  # the restarted run's actors are starting on its cluster
-                        pid = int(after.split("attempt 2: pid", 1)[1].split()[0])
-                        os.kill(pid, signal.SIGKILL)
-                        kills.append(("driver", pid, now - t0))
+                now = time.time() - t0
+                if now > RUN_TIMEOUT_S:
+                    raise TimeoutError(f"lpo-train did not finish in {RUN_TIMEOUT_S} s; events so far: {done}")
+                if len(done) < len(events):
+                    record = events[len(done)](log.read_text(errors="replace"), now)
+                    if record:
+                        done.append((*record, round(now, 1)))
                 time.sleep(0.2)
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-    return proc.returncode, time.time() - t0, log.read_text(errors="replace"), kills
+    return proc.returncode, time.time() - t0, log.read_text(errors="replace"), done
+
+
+def after(text: str, marker: str) -> Optional[str]:
+    """The log text after the last ``marker`` (None when it is not there yet)."""
+    return text[text.rindex(marker):] if marker in text else None
 
 
 def tb_scalars(tb_dir: Path) -> Dict[str, Dict[int, float]]:

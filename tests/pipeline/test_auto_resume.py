@@ -81,17 +81,21 @@ def test_a_run_that_dies_before_its_first_checkpoint_starts_over(tmp_path):
     assert "restart 1/1 from step 0 (no complete checkpoint yet)" in err
 
 
-@pytest.mark.parametrize("how, rc_want, said", [("exit2", 2, "a flag or input error"),
-                                                  ("exit3", 0, None)])
-def test_flag_errors_are_final_a_small_cluster_is_retried(tmp_path, how, rc_want, said):
-    """Exit 2 is not a preemption; exit 3 (the cluster lost a node) is retried like a death."""
-    rc, sup, _, err, _ = _supervise(tmp_path, f"1:3:{how}", n=1)
-    assert rc == rc_want, err
-    if said:
-        assert f"attempt 1 stopped with exit 2, {said}: not a preemption, not restarted" in err
-        assert len(sup.attempts) == 1
-    else:
-        assert "exit 3" in sup.attempts[0].cause
+@pytest.mark.parametrize("how, said", [
+    ("exit2", "a flag or input error"),
+    ("exit3", "a GPU node cannot build DeepSpeed's optimizer op (an install error)"),
+    ("exit5", "the Ray cluster lacks the GPUs the layout needs (--ckpt.auto_resume_wait passed on a restart)")])
+def test_final_causes_are_never_restarted(tmp_path, how, said):
+    """Exit 2 (flags, a --ckpt.path the nodes do not share), 3 (a node cannot build the optimizer op: retrying
+    cannot install it) and 5 (the cluster stayed too small through the restart's wait) end the run at once."""
+    from openrlhf_lpo.cli import capacity, gpu_build
+
+    rc, sup, _, err, trained = _supervise(tmp_path, f"1:3:{how}", n=2)
+    code = int(how[-1])
+    assert rc == code and len(sup.attempts) == 1 and trained == [(1, 1), (1, 2)], err
+    assert f"attempt 1 stopped with exit {code}, {said}: not a preemption, not restarted" in err
+    # the numbers the supervisor knows are the ones the checks exit with
+    assert capacity.EXIT_CLUSTER_TOO_SMALL == 5 and "raise SystemExit(3)" in open(gpu_build.__file__).read()
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
@@ -239,6 +243,8 @@ def test_a_megatron_checkpoint_with_unreadable_meta_is_skipped(tmp_path, tiny_mo
     (["--ckpt.auto_resume", "2", "--ckpt.save_steps", "-1"], "--ckpt.save_steps -1 saves none"),
     (["--ckpt.auto_resume", "2", "--ckpt.max_num", "1"], "keep at least 2 (--ckpt.max_num 2)"),
     (["--ckpt.auto_resume", "2", "--ckpt.auto_resume_delay", "-3"], "--ckpt.auto_resume_delay -3.0: give seconds"),
+    (["--ckpt.auto_resume", "2", "--ckpt.auto_resume_wait", "-1"],
+     "--ckpt.auto_resume_wait -1.0: give seconds >= 0 (0: a restart that finds the cluster without the GPUs"),
 ])
 def test_bad_auto_resume_flags_are_refused(tmp_path, capsys, extra, message):
     with pytest.raises(SystemExit) as exc:
@@ -251,8 +257,8 @@ def test_the_dry_run_states_the_policy(tmp_path, capsys):
 
     main(_argv(tmp_path / "ckpt", "--ckpt.auto_resume", "3", "--dry-run", "--preflight", "off"))
     assert ("auto-resume: a run that dies (lost Ray worker, node or driver) restarts from its last complete "
-            "checkpoint (every 2 steps, 3 kept), up to 3 times in a row from one checkpoint, 10 s apart"
-            ) in capsys.readouterr().out
+            "checkpoint (every 2 steps, 3 kept), up to 3 times in a row from one checkpoint, 10 s apart; a restart "
+            "waits up to 1800 s for the GPUs of a lost node (not counted as a failure)") in capsys.readouterr().out
 
 
 def test_the_cause_is_the_signal_or_the_last_exception_line():
@@ -264,3 +270,82 @@ def test_the_cause_is_the_signal_or_the_last_exception_line():
     assert auto_resume.failure_cause(-9, tail) == "killed by SIGKILL"
     assert auto_resume.failure_cause(137, []) == "killed by SIGKILL"  # a shell's 128 + 9
     assert auto_resume.failure_cause(1, ["no error here"]) == "exit 1 (no exception in the last 1 lines of output)"
+
+
+# ----------------------------------------------------------------------------- a restart waits for the GPUs
+
+
+class _Cluster:
+    """What ``capacity.cluster_gpus`` would report, look after look (``frames``: per look, per node
+    ``(total, free, memory_free)``), on a clock that the waiting itself advances."""
+
+    def __init__(self, frames):
+        self.frames, self.looks, self.now, self.slept = frames, 0, 0.0, []
+
+    def look(self):
+        from openrlhf_lpo.cli.capacity import NodeGPUs
+
+        frame = self.frames[min(self.looks, len(self.frames) - 1)]
+        self.looks += 1
+        return [NodeGPUs(f"10.0.0.{i} (n{i})", *node) for i, node in enumerate(frame)]
+
+    def sleep(self, s):
+        self.slept.append(s)
+        self.now += s
+
+
+def _wait(tmp_path, frames, budget=1800.0, backend_args=()):
+    from openrlhf_lpo.cli import capacity
+
+    args = build_parser_and_parse(_argv(tmp_path / "ckpt", "--vllm.num_engines", "1", "--algo.kl.init_coef", "0",
+                                        *backend_args))
+    c, logs = _Cluster(frames), []
+    try:
+        waited = capacity.wait_for_gpus(args, budget, c.look, logs.append, clock=lambda: c.now, sleep=c.sleep)
+    except capacity.ClusterTooSmall as e:
+        return c, logs, e
+    return c, logs, waited
+
+
+def test_a_restart_waits_until_the_lost_node_is_back_and_its_gpus_are_free(tmp_path):
+    """The run needs 3 GPUs (actor 2, one engine). Lost node: 1 GPU left; back after 4 looks but its GPUs still
+    held by Ray (the dead attempt's actors), then their memory still in use on 2 of them (nvidia-smi), then free.
+    The pauses grow 1, 2, 4, 8, 10 s; one log line, naming the flag; the waiting returns the seconds waited."""
+    lost, back_held, back_memory, free = [(1, 1, None)], [(1, 1, None), (4, 0, None)], \
+        [(1, 1, None), (4, 4, 1)], [(1, 1, None), (4, 4, 4)]
+    c, logs, waited = _wait(tmp_path, [lost] * 4 + [back_held, back_memory, free])
+    assert c.looks == 7 and c.slept == [1, 2, 4, 8, 10, 10] and waited == 35
+    assert len(logs) == 1 and logs[0].startswith("waiting for the GPUs (free per node: 10.0.0.0 (n0): 1 of 1 free): ")
+    assert "needs 3 GPUs (actor 2, vLLM engines 1) but the Ray cluster has 1" in logs[0]
+    assert "up to 1800 s more (--ckpt.auto_resume_wait); waiting is not a failed attempt" in logs[0]
+
+
+def test_a_restart_that_waits_too_long_stops_naming_the_flag_and_the_nodes(tmp_path):
+    from openrlhf_lpo.cli import capacity
+
+    c, logs, err = _wait(tmp_path, [[(4, 4, 1)]], budget=150)
+    assert isinstance(err, capacity.ClusterTooSmall) and c.now == 150  # the last pause ends at the budget
+    assert len(logs) == 3  # at 0 s, then once a minute
+    assert str(err).startswith("the GPUs the run needs did not come back within --ckpt.auto_resume_wait 150 s: ")
+    assert "Free GPUs per node: 10.0.0.0 (n0): 1 of 4 free, memory in use on 3 of the free ones." in str(err)
+    c, logs, err = _wait(tmp_path, [[(4, 1, None)]], budget=0)  # 0: no wait at all
+    assert isinstance(err, capacity.ClusterTooSmall) and c.slept == [] and logs == []
+
+
+def test_a_megatron_restart_waits_for_a_node_that_holds_a_whole_tp_group(tmp_path, tiny_model_dir):
+    """1 + 1 free GPUs do not hold a TP2 group (3 GPUs are enough for DeepSpeed's count): the Megatron fit
+    places each block on one node."""
+    import openrlhf_lpo.megatron.flags  # noqa: F401  (registers the fit)
+
+    argv = ["--backend", "megatron", "--megatron.tp", "2", "--actor.model_name_or_path", str(tiny_model_dir)]
+    c, logs, waited = _wait(tmp_path, [[(2, 1, None), (2, 1, None), (1, 1, None)]] * 2 +
+                            [[(2, 2, None), (2, 1, None), (1, 1, None)]], backend_args=argv)
+    assert c.looks == 3 and waited == 3 and "no node has 2 free GPUs left for a Megatron actor TP group" in logs[0]
+
+
+def test_nvidia_smi_memory_rows_are_read_per_gpu():
+    from openrlhf_lpo.cli import capacity
+
+    rows = capacity.parse_memory_used("0\n81234\n 1024 \n\n")
+    assert rows == [0, 81234, 1024]
+    assert sum(1 for mib in rows if mib <= capacity.FREE_MIB) == 2

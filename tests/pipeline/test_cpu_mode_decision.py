@@ -13,7 +13,7 @@ import pytest
 
 HEAD = r"""
 import sys, time, ray
-ray.init(num_cpus=1, num_gpus=int(sys.argv[1]), include_dashboard=False)
+ray.init(address="local", num_cpus=1, num_gpus=int(sys.argv[1]), include_dashboard=False)
 print(ray.get_runtime_context().gcs_address, flush=True)
 time.sleep(600)
 """
@@ -27,6 +27,15 @@ out = {"on": on, "reason": reason, "off_flag": decide_cpu_mode("off", os.environ
 os.environ["LPO_CPU_MODE"] = "1"  # the environment's --cpu.mode on
 out["env_on"] = list(decide_cpu_mode("auto", os.environ["RAY_ADDRESS"], local_gpu=False))
 del os.environ["LPO_CPU_MODE"]
+if os.environ.get("LOST_ADDRESS"):  # a --ckpt.auto_resume supervisor pins the decision for every attempt
+    from types import SimpleNamespace
+    from openrlhf_lpo.cli import auto_resume
+    logged = []
+    out["pin"] = auto_resume.child_env(SimpleNamespace(cpu=SimpleNamespace(mode="auto")), logged.append)
+    out["pin_log"] = logged
+    os.environ.update(out["pin"])  # a restart's environment; its cluster has lost every GPU node meanwhile
+    out["restart"] = list(decide_cpu_mode("auto", os.environ["LOST_ADDRESS"], local_gpu=False))
+    del os.environ["LPO_CPU_MODE"]
 if on:
     import ray
     ray.shutdown()
@@ -63,18 +72,24 @@ def ray_head():
             p.kill()
 
 
-def _driver(address):
-    env = dict(os.environ, RAY_ADDRESS=address)
+def _driver(address, **extra):
+    env = dict(os.environ, RAY_ADDRESS=address, **extra)
     out = subprocess.run([sys.executable, "-c", DRIVER], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def test_gpu_less_driver_joining_a_gpu_cluster_keeps_cpu_mode_off(ray_head):
-    res = _driver(ray_head(2))
+    """... and keeps it off in every --ckpt.auto_resume attempt: a restart whose cluster has lost all its GPU
+    nodes (here: a cluster without GPUs, where a fresh decision is "on", next test) does not decide again, so it
+    waits for the GPUs (cli/capacity.py) instead of training the GPU recipe on CPUs."""
+    res = _driver(ray_head(2), LOST_ADDRESS=ray_head(0))
     assert res["on"] is False and "has 2 GPUs" in res["reason"]
     assert res["off_flag"] is False and res["on_flag"] is True
     assert res["env_on"] == [True, "LPO_CPU_MODE=1"]  # how a CPU cluster with logical GPU slots is joined
+    assert res["pin"] == {"LPO_CPU_MODE": "0"}
+    assert res["pin_log"] == [f"CPU mode off for every attempt: {res['reason']}"]
+    assert res["restart"] == [False, "LPO_CPU_MODE=0"]
 
 
 def test_cluster_without_gpus_gets_cpu_mode_and_a_clear_error(ray_head):
@@ -83,14 +98,35 @@ def test_cluster_without_gpus_gets_cpu_mode_and_a_clear_error(ray_head):
     assert "declares no GPU resources" in res["init"] and "ray start --head --num-gpus" in res["init"]
 
 
-def test_no_cluster_and_no_gpu_means_cpu_mode():
-    from openrlhf_lpo.cpu.mode import decide_cpu_mode
+def test_no_cluster_and_no_gpu_means_cpu_mode(tmp_path, monkeypatch):
+    from openrlhf_lpo.cpu.mode import decide_cpu_mode, recorded_cluster
 
-    assert decide_cpu_mode("auto", None, local_gpu=False) == (True, "no GPU here and no Ray cluster to join "
-                                                                    "(RAY_ADDRESS unset)")
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))  # where Ray looks for a cluster `ray start` recorded: none
+    nothing = (True, "no GPU here and no Ray cluster to join (RAY_ADDRESS unset)")
+    assert recorded_cluster() is None and decide_cpu_mode("auto", None, local_gpu=False) == nothing
+    # a record whose cluster is gone (killed without `ray stop`: no raylet serves it) is no cluster to join
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "ray_current_cluster").write_text("10.255.255.1:6379")
+    assert recorded_cluster() is None and decide_cpu_mode("auto", None, local_gpu=False) == nothing
     assert decide_cpu_mode("auto", None, local_gpu=True)[0] is False
     with pytest.raises(ValueError, match="--cpu.mode"):
         decide_cpu_mode("sometimes", None)
+
+
+def test_a_recorded_cluster_s_gpus_are_real_on_other_machines_only():
+    """A GPU-less driver and the cluster `ray start` recorded: GPUs of nodes on other machines are real (a GPU-less
+    head or login node: the GPU pipeline joins it); GPUs of this machine's node are logical slots, unless this
+    machine has NVIDIA devices (a driver whose GPUs are hidden). Dead nodes do not count."""
+    from openrlhf_lpo.cpu.mode import gpus_elsewhere
+
+    def node(nid, ip, gpus, alive=True):
+        return {"NodeID": nid, "NodeManagerAddress": ip, "Alive": alive, "Resources": {"GPU": gpus, "CPU": 8.0}}
+
+    cluster = [node("head", "10.0.0.1", 4.0), node("w1", "10.0.0.2", 8.0), node("w2", "10.0.0.3", 8.0, alive=False),
+               node("sim", "10.0.0.1", 2.0)]
+    assert gpus_elsewhere(cluster, "head", nvidia_here=False) == (14.0, 8.0)
+    assert gpus_elsewhere(cluster[:1] + cluster[3:], "head", nvidia_here=False) == (6.0, 0.0)  # all logical
+    assert gpus_elsewhere(cluster[:1], "head", nvidia_here=True) == (4.0, 4.0)
 
 
 

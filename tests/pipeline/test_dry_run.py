@@ -153,17 +153,60 @@ def test_scripts_find_the_project_venv_or_say_what_to_do(tmp_path):
     assert out.returncode == 2 and "scripts/setup_env.sh" in out.stderr
 
 
+@pytest.fixture
+def ray_start_cluster():
+    """A cluster started by ``ray start --head`` (4 logical GPUs) that records its address, as ``ray start`` does,
+    in ``$RAY_TMPDIR/ray/ray_current_cluster`` (a folder of its own, so only launches given the same RAY_TMPDIR
+    find it). Yields that RAY_TMPDIR and the address; stopped after by killing its own processes (never
+    ``ray stop``: it stops every Ray on the machine)."""
+    import shutil
+    import sys
+    import tempfile
+    import time
+
+    import psutil
+
+    tmp = tempfile.mkdtemp(prefix="lpo-rs-", dir="/tmp")  # short: Ray's sockets live under it
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    head = subprocess.Popen([str(Path(sys.executable).parent / "ray"), "start", "--head", "--num-cpus", "1",
+                             "--num-gpus", "4", "--include-dashboard", "false", "--disable-usage-stats", "--block"],
+                            env=dict(env, RAY_TMPDIR=tmp), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    record = Path(tmp) / "ray" / "ray_current_cluster"
+    t0 = time.time()
+    while not record.exists() and head.poll() is None and time.time() - t0 < 180:
+        time.sleep(0.2)
+    try:
+        assert record.exists(), "ray start did not record its cluster"
+        yield tmp, record.read_text().strip()
+    finally:
+        for p in psutil.Process(head.pid).children(recursive=True) + [psutil.Process(head.pid)]:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        head.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 @pytest.mark.e2e
-def test_a_recipe_that_cannot_fit_stops_at_once(tiny_model_dir, tmp_path):
+def test_a_recipe_that_cannot_fit_stops_at_once(tiny_model_dir, tmp_path, ray_start_cluster):
     """A real launch compares the GPUs its placement groups need with the Ray cluster before any actor
-    starts: 2 actor GPUs + 1 engine on a cluster of 2 logical GPUs stops with the need per role."""
+    starts: 2 actor GPUs + 1 engine on a cluster of 2 logical GPUs stops with the need per role (exit 5).
+
+    Beside it runs a cluster ``ray start`` recorded on the machine, with 4 logical GPUs, and no RAY_ADDRESS:
+    the CPU mode starts a cluster of its own (2 GPUs, ``LPO_CPU_NUM_GPUS``) and says why. It used to join the
+    recorded one and die in Ray's ``ValueError: When connecting to an existing cluster, num_cpus and num_gpus
+    must not be provided``; joined with that cluster's own resources it would have fit and trained."""
     import sys
     import time
 
+    ray_tmpdir, address = ray_start_cluster
     data = tmp_path / "p.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"p{i}", "label": "1"}) + "\n" for i in range(8)))
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "LPO_CPU_MODE")}
-    env.update(LPO_CPU_NUM_GPUS="2", PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
+    env.update(LPO_CPU_NUM_GPUS="2", PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
+               RAY_TMPDIR=ray_tmpdir)
     t0 = time.time()
     out = subprocess.run(
         [sys.executable, "-m", "openrlhf_lpo.cli.train_ppo_ray", "--actor.model_name_or_path", tiny_model_dir,
@@ -173,9 +216,13 @@ def test_a_recipe_that_cannot_fit_stops_at_once(tiny_model_dir, tmp_path):
          "--rollout.batch_size", "4", "--train.batch_size", "16", "--train.micro_batch_size", "2",
          "--data.max_len", "512", "--algo.advantage.estimator", "lpo"],
         env=env, capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
-    assert out.returncode == 3, out.stderr[-3000:]
+    assert out.returncode == 5, out.stderr[-3000:]
     assert "needs 3 GPUs (actor 2, vLLM engines 1) but the Ray cluster has 2" in out.stderr
     assert time.time() - t0 < 240 and "Global step" not in out.stdout + out.stderr
+    assert (f"CPU mode on: no GPU here; the Ray cluster `ray start` recorded on this machine ({address}, 4 logical "
+            f"GPUs) is not joined: the CPU mode starts a cluster of its own (to run on that one: RAY_ADDRESS={address} "
+            "LPO_CPU_MODE=1)") in out.stderr
+    assert "When connecting to an existing cluster" not in out.stderr
 
 
 # the actor's rank-to-node map of the big recipes, worked out from their headers' layouts (14B: one node, colocated)

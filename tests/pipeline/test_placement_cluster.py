@@ -89,12 +89,15 @@ def multinode():
     import ray
     from ray.cluster_utils import Cluster
 
+    from shared_ray import private_ray_tmpdir, remove_ray_tmpdir
+
     if ray.is_initialized():
         ray.shutdown()
     quiet = {"enable_worker_prestart": False, "prestart_worker_first_driver": False}
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": HEAD_GPUS, "num_gpus": HEAD_GPUS, "resources": {"mixed": HEAD_GPUS}, "include_dashboard": False,
-        "_system_config": quiet})
+    with private_ray_tmpdir() as tmp:  # not recorded where other runs' plain ray.init() would join it
+        cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": HEAD_GPUS, "num_gpus": HEAD_GPUS, "resources": {"mixed": HEAD_GPUS},
+            "include_dashboard": False, "_system_config": quiet})
     for i in range(GRID_NODES):
         tags = {"grid": GRID_GPUS, **({"mixed": GRID_GPUS} if i == 0 else {})}
         cluster.add_node(num_cpus=GRID_GPUS, num_gpus=GRID_GPUS, resources=tags, wait=False)
@@ -104,7 +107,9 @@ def multinode():
         yield ray
     finally:
         ray.shutdown()
-        cluster.shutdown()
+        with private_ray_tmpdir(tmp):
+            cluster.shutdown()
+        remove_ray_tmpdir(tmp)
 
 
 def _group(num_nodes, gpus_per_node, tag, duplicate_actors=1, node_block=None, strict=False, actor_type=None):

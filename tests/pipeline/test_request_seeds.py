@@ -21,7 +21,7 @@ cpu.enable_cpu_mode()
 import ray
 # the test process's shared cluster (tests/shared_ray.py) when it has one, else a local one
 where = {"address": os.environ["RAY_ADDRESS"]} if os.environ.get("RAY_ADDRESS") else \
-    {"num_cpus": 2, "num_gpus": 0, "include_dashboard": False}
+    {"address": "local", "num_cpus": 2, "num_gpus": 0, "include_dashboard": False}
 ray.init(**where, runtime_env=cpu.ray_runtime_env())
 from transformers import AutoTokenizer
 from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
