@@ -622,6 +622,18 @@ def wait_for_free_memory(fraction: float = 0.8, timeout: float = 90.0) -> float:
         time.sleep(2.0)
 
 
+def _lpo_train(argv: List[str], log: Path, cpu: bool, timeout: int):
+    """One ``lpo-train`` run of a row, its output in ``log``: (the finished process, the log's text)."""
+    env = dict(os.environ)
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the engine runs in its own Ray actor
+    if cpu:
+        env.update(LPO_CPU_ENGINE="vllm", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
+    with open(log, "w") as f:
+        p = subprocess.run([sys.executable, "-m", "openrlhf_lpo.cli.train_ppo_ray", *argv], stdout=f,
+                           stderr=subprocess.STDOUT, env=env, timeout=timeout, start_new_session=True)
+    return p, log.read_text(errors="replace")
+
+
 def check_deepspeed(assets, work: Path, cpu: bool, full: bool) -> Dict:
     argv = deepspeed_argv(assets, work, cpu)
     if cpu and not full:
@@ -630,15 +642,8 @@ def check_deepspeed(assets, work: Path, cpu: bool, full: bool) -> Dict:
         args = build_parser_and_parse(argv)
         ok = args.algo.advantage.estimator == "lpo" and args.vllm.num_engines == 1
         return row("deepspeed_lpo_iteration", "PASS" if ok else "FAIL", "flags parsed (CPU dry mode)", "--cpu-full runs it")
-    env = dict(os.environ)
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the engine runs in its own Ray actor
-    if cpu:
-        env.update(LPO_CPU_ENGINE="vllm", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
     log = work / "deepspeed_iteration.log"
-    with open(log, "w") as f:
-        p = subprocess.run([sys.executable, "-m", "openrlhf_lpo.cli.train_ppo_ray", *argv], stdout=f,
-                           stderr=subprocess.STDOUT, env=env, timeout=420, start_new_session=True)
-    text = log.read_text(errors="replace")
+    p, text = _lpo_train(argv, log, cpu, timeout=420)
     from openrlhf_lpo.testing.tensorboard_rows import train_rows  # Ray may drop the last forwarded log line
 
     stepped = "Global step 1:" in text or 1 in train_rows(work / "ds_tb")
@@ -684,15 +689,8 @@ def check_megatron_iteration(assets, work: Path, cpu: bool, full: bool) -> Dict:
         return row("megatron_colocated_iteration", "PASS" if ok else "FAIL",
                    f"flags parsed (CPU dry mode); planned checkpoint save {save / 2**20:.0f} MiB per GPU",
                    "--cpu-full runs it")
-    env = dict(os.environ)
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the engine runs in its own Ray actor
-    if cpu:
-        env.update(LPO_CPU_ENGINE="vllm", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
     log = work / "megatron_iteration.log"
-    with open(log, "w") as f:
-        p = subprocess.run([sys.executable, "-m", "openrlhf_lpo.cli.train_ppo_ray", *argv], stdout=f,
-                           stderr=subprocess.STDOUT, env=env, timeout=300, start_new_session=True)
-    text = log.read_text(errors="replace")
+    p, text = _lpo_train(argv, log, cpu, timeout=300)
     from openrlhf_lpo.testing.tensorboard_rows import train_rows
 
     stepped = "Global step 1:" in text or 1 in train_rows(work / "mg_tb")
