@@ -23,7 +23,9 @@ WORKERS="${LPO_TEST_WORKERS:-2}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$([ "$WORKERS" -ge 2 ] && echo 1 || echo 2)}"
 REPORT="$(mktemp -t lpo-tests-XXXXXX.xml)"
 T0=$(date +%s)
-"$VENV/bin/python" -m pytest -q --timeout=1800 --durations=30 --junitxml="$REPORT" "${ARGS[@]}"
+# --timeout-method=thread: a test stuck where Python's signal handler cannot reach it (a ray.get that waits on
+# resources nobody frees) is dumped and its worker killed; xdist reports it and starts a new worker
+"$VENV/bin/python" -m pytest -q --timeout=1800 --timeout-method=thread --durations=30 --junitxml="$REPORT" "${ARGS[@]}"
 rc=$?
 WALL=$(( $(date +%s) - T0 ))
 COUNT=$("$VENV/bin/python" - "$REPORT" <<'EOF' 2>/dev/null

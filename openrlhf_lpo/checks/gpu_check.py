@@ -482,6 +482,7 @@ def _memory_config(cpu: bool):
 
 def check_memory(cpu: bool, use_te: Optional[bool]) -> Dict:
     from openrlhf_lpo import listwise
+    from openrlhf_lpo.core.update import WindowMode, window_coefficients
     from openrlhf_lpo.megatron.actor import MegatronActor, MegatronActorConfig
     from openrlhf_lpo.megatron.device import max_memory_allocated, reset_peak_memory
     from openrlhf_lpo.megatron.losses import LossSpec
@@ -504,9 +505,11 @@ def check_memory(cpu: bool, use_te: Optional[bool]) -> Dict:
     peak_lp = max_memory_allocated()
     rewards = torch.tensor([[1.0, 0, 0, 1, 0, 0, 0, 1]])
     target = listwise.gibbs_target(rewards, listwise.group_temperature(rewards, "std")).reshape(-1)
+    # the first window of a step is on-policy: c from s_t = 0 (the update plan's shortcut, core/update.py)
+    c = window_coefficients(WindowMode.SHORTCUT, target, "fwd", "listwise", K, s=torch.zeros(K))
     reset_peak_memory()
     m = actor.train_step(dict(batch, old_log_probs=old, target=target.float()),
-                         LossSpec(name="listwise_surrogate", group_size=K))
+                         LossSpec(name="listwise_surrogate", group_size=K), coefficients=c)
     peak_step = max_memory_allocated()
     secs = time.time() - t
     # static: bf16 weights + fp32 grad buffer + fp32 main params + two fp32 Adam moments

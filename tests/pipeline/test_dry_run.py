@@ -26,8 +26,8 @@ RECIPES = {
     "train_math_qwen3_8b_async.sh": (7500, 8, "last batch of each episode: 76 prompts: 19 groups per rank;"),
     "train_math_qwen3_8b_megatron.sh": (7500, 8, None),
     "train_math_qwen3_14b_megatron.sh": (7500, 8, None),
-    "train_math_qwen3_32b_megatron.sh": (7500, 32, None),
-    "train_math_r1_distill_llama_70b_megatron.sh": (7500, 64, None),
+    "train_math_qwen3_32b_megatron.sh": (7500, 16, None),
+    "train_math_r1_distill_llama_70b_megatron.sh": (7500, 32, None),
     "train_code_qwen3_1.7b.sh": (25276, 8, "last batch of each episode: 188 prompts: 23 groups per rank, 4 dropped"),
     "train_geometry_qwen2.5_vl_3b.sh": (2101, 8, "last batch of each episode: 53 prompts: 6 groups per rank, 5 dropped"),
 }

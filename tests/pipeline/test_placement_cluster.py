@@ -222,15 +222,20 @@ def test_real_actors_run_on_the_node_their_rank_was_given(multinode):
         def node(self):
             return ray.get_runtime_context().get_node_id()
 
+    from ray.util.placement_group import remove_placement_group
+
     group, recorder = _group(3, 8, "mixed", duplicate_actors=8, node_block=8, strict=True)
     ranks = [0, 7, 8, 15, 16, 23]
     actors = [Where.options(resources={"mixed": 1}, scheduling_strategy=PlacementGroupSchedulingStrategy(
         placement_group=recorder.starts[r][0], placement_group_bundle_index=recorder.starts[r][1])).remote()
         for r in ranks]
-    assert ray.get([a.node.remote() for a in actors]) == [group.rank_nodes[r] for r in ranks]
-    assert blocks_across_nodes(group.rank_nodes, 8) == []
-    for actor in actors:
-        ray.kill(actor)
+    try:
+        assert ray.get([a.node.remote() for a in actors]) == [group.rank_nodes[r] for r in ranks]
+        assert blocks_across_nodes(group.rank_nodes, 8) == []
+    finally:  # the group's 24 GPUs back to the module's cluster (the head's 16 with them)
+        for actor in actors:
+            ray.kill(actor)
+        remove_placement_group(recorder.starts[0][0])
 
 
 def test_the_optimizer_build_check_asks_every_gpu_node(multinode):
@@ -271,7 +276,11 @@ def test_colocated_weight_sync_hands_each_node_its_own_ranks_weights(multinode, 
     head, grid = {"node:__internal_head__": 0.001}, {"grid": 1}
     pg = placement_group([{"GPU": 1, "CPU": 1, **head}, {"GPU": 1, "CPU": 1, **head}, {"GPU": 1, "CPU": 1, **grid}],
                          strategy="PACK")
-    ray.get(pg.ready())
+    try:  # fails, not waits, if an earlier test still holds the head's GPUs
+        ray.get(pg.ready(), timeout=120)
+    except Exception:
+        remove_placement_group(pg)
+        raise
     bundle_of_rank = [0, 2, 1]  # ranks 0, 2 on the head; 1 on the grid node
     on = lambda b: PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=b)  # noqa: E731
 

@@ -18,13 +18,15 @@ from .references import CLIP, EPS, K, LR
 def policy_args(**over):
     """The Ray policy actor's namespace (the flags fit() reads), overridable per check."""
     args = NS(
+        backend="megatron",
         megatron=NS(tp=2, pp=1, vpp=1, params_dtype="fp32", distributed_optimizer=False),
-        actor=NS(adam=NS(lr=LR, betas=(0.9, 0.95), eps=EPS, weight_decay=0.0), max_norm=CLIP, eps_clip=0.2,
+        actor=NS(num_nodes=1, num_gpus_per_node=W.WORLD,  # dp = world / (tp x pp), as lpo-train's flags give it
+                 adam=NS(lr=LR, betas=(0.9, 0.95), eps=EPS, weight_decay=0.0), max_norm=CLIP, eps_clip=0.2,
                  eps_clip_low_high=(0.2, 0.2), gradient_checkpointing_enable=False, entropy_coef=0.0,
                  loss_agg_mode="seq-mean-token-mean", dual_clip=None, policy_loss_type="ppo"),
         train=NS(micro_batch_size=1, batch_size=8, max_epochs=1, dynamic_batch_enable=False, max_tokens_per_gpu=0,
                  seed=42),
-        rollout=NS(temperature=1.0, n_samples_per_prompt=K),
+        rollout=NS(temperature=1.0, n_samples_per_prompt=K, micro_batch_size=1), data=NS(max_len=64),
         algo=NS(advantage=NS(estimator="lpo", is_correction_level="off", is_correction_mode="clip",
                              is_correction_gating="ratio", is_correction_threshold=(0.5, 5.0)),
                 kl=NS(use_loss=False, init_coef=0.0, estimator="k1", unbiased_gradient=False)),
